@@ -1,0 +1,1 @@
+"""Wire types of paramserver, generated from protos/ at build time."""

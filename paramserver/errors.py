@@ -1,0 +1,134 @@
+"""Exception tree of paramserver; every class knows its gRPC status code.
+
+::
+
+    ParamServerError                      (INTERNAL)
+    ├── InvalidArgument                   (INVALID_ARGUMENT)
+    │   ├── MalformedStream               frames missing / duplicated / out of order / wrong size
+    │   ├── DimensionMismatch             dtype or shape disagrees with the key's
+    │   └── NonFiniteGradient             NaN/Inf in a gradient (default policy)
+    ├── KeyNotFound                       (NOT_FOUND)
+    ├── FailedPrecondition                (FAILED_PRECONDITION)
+    │   ├── WorkerNotFound                unknown, evicted or fenced worker id
+    │   └── StaleUpdate                   stale, future or duplicate step
+    ├── AlreadyExists                     (ALREADY_EXISTS)
+    ├── Aborted                           (ABORTED) BSP step aborted by the fail_fast policy
+    ├── WaitTimeout                       (DEADLINE_EXCEEDED) a consistency wait ran out
+    ├── ResourceExhausted                 (RESOURCE_EXHAUSTED) retryable back-pressure
+    └── Unavailable                       (UNAVAILABLE) server unreachable or shutting down
+
+Only codes the gRPC library never produces by itself are used for refusals (DESIGN §3), so a
+client can tell a refusal from a broken link. The server turns these into ``context.abort``
+(see :func:`paramserver.server.servicer.grpc_errors`); the client maps status codes back with
+:func:`from_rpc_error`.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ParamServerError(Exception):
+    """Base of every paramserver error. Status code: INTERNAL."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    retryable: bool = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ParamServerError):
+    """Bad input: wrong dtype/shape, malformed frames, bad config. INVALID_ARGUMENT."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class MalformedStream(InvalidArgument):
+    """A tensor stream whose frames are missing, duplicated, out of order or mis-sized."""
+
+
+class DimensionMismatch(InvalidArgument):
+    """A tensor whose dtype, shape or width disagrees with the key's declaration."""
+
+
+class NonFiniteGradient(InvalidArgument):
+    """A gradient holding NaN or Inf, refused under the default policy."""
+
+
+class KeyNotFound(ParamServerError):
+    """A key that was never declared with ``init``. NOT_FOUND."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(ParamServerError):
+    """The request is well-formed but the cluster state refuses it. FAILED_PRECONDITION."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class WorkerNotFound(FailedPrecondition):
+    """Unknown, evicted, departed or fenced worker id. FAILED_PRECONDITION."""
+
+
+class StaleUpdate(FailedPrecondition):
+    """An update for a step that is stale, in the future, or already contributed."""
+
+
+class AlreadyExists(ParamServerError):
+    """A worker name that is already registered and live. ALREADY_EXISTS."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Aborted(ParamServerError):
+    """A BSP step aborted by the ``fail_fast`` worker-death policy. ABORTED."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class WaitTimeout(ParamServerError):
+    """A consistency wait that ran past its deadline; names whom it waited for."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ResourceExhausted(ParamServerError):
+    """Back-pressure: too many in-flight requests or bytes. Retryable."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    retryable = True
+
+
+class Unavailable(ParamServerError):
+    """The server cannot be reached or is shutting down. Retryable."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+
+
+_BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: KeyNotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.ABORTED: Aborted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: WaitTimeout,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+}
+
+
+def from_rpc_error(err: grpc.RpcError) -> ParamServerError:
+    """Map a failed RPC to the matching :class:`ParamServerError` (the client funnel).
+
+    Callers ``raise from_rpc_error(e) from e`` so the original status stays attached.
+    """
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _BY_CODE.get(code, ParamServerError)
+    exc = cls(f"{code.name}: {details}" if cls is ParamServerError else str(details))
+    exc.code = code
+    return exc
