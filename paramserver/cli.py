@@ -1,0 +1,55 @@
+"""Command line: ``paramserver serve | worker | demo | status | rank-server | spmd-demo``.
+
+Each subcommand lives beside the code it runs; this module only wires the parsers.
+Only entry points configure logging handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paramserver", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    try:
+        from paramserver.server import daemon
+
+        daemon.add_subcommands(sub)
+    except ImportError:  # pragma: no cover - during bring-up only
+        pass
+    try:
+        from paramserver.worker_client import training
+
+        training.add_subcommands(sub)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from paramserver.spmd import cli as spmd_cli
+
+        spmd_cli.add_subcommands(sub)
+    except ImportError:  # pragma: no cover
+        pass
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    rc = args.func(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Checkpoints of a server shard: safetensors + a JSON manifest, committed by atomic rename.
+
+Layout under the checkpoint directory::
+
+    ckpt-00000007/                 # committed (sequence 7)
+        tensors.safetensors        # "param/{key}" and "state/{key}/{name}" tensors
+        manifest.json              # dtypes, shapes, rules, sha256 per tensor, clocks, dedup
+    .tmp-ckpt-00000008-<pid>/      # being written; ignored and removed on start
+
+A checkpoint is written into a temporary directory, every file fsynced, then renamed into place
+and the parent directory fsynced, so a crash leaves either the previous checkpoint or the new
+one, never a mixture. Restore verifies every tensor's checksum and falls back to the previous
+checkpoint when the newest does not verify. The state saved is one consistent cut: the event loop
+is single-threaded and saving runs without yielding, so no push lands half-way through.
+
+bfloat16 tensors are stored as their uint16 bit patterns (safetensors' numpy API knows no
+ml_dtypes), with the true dtype in the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from paramserver.errors import ParamServerError
+from paramserver.server.consistency import WorkerRecord
+from paramserver.server.core import PushResult, ServerCore
+from paramserver.server.store import ParameterStore
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_PREFIX = "ckpt-"
+_TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(ParamServerError):
+    """A checkpoint that cannot be read or verified."""
+
+
+def _sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).tobytes()).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _to_storable(array: np.ndarray) -> tuple[np.ndarray, str]:
+    dtype = str(array.dtype)
+    if array.dtype == ml_dtypes.bfloat16:
+        return np.ascontiguousarray(array).view(np.uint16), "bfloat16"
+    return np.ascontiguousarray(array), dtype
+
+
+def _from_storable(array: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return array.view(ml_dtypes.bfloat16)
+    return array
+
+
+class CheckpointManager:
+    """Writes, lists, prunes and restores checkpoints in one directory.
+
+    Args:
+        directory: Where checkpoints live; created if missing.
+        keep: Committed checkpoints kept (older ones are deleted after each commit).
+    """
+
+    def __init__(self, directory: Path, *, keep: int = 3) -> None:
+        self.directory = Path(directory)
+        self.keep = max(1, keep)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def committed(self) -> list[Path]:
+        """Committed checkpoint directories, oldest first."""
+        return sorted(
+            p for p in self.directory.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)
+        )
+
+    def _next_sequence(self) -> int:
+        done = self.committed()
+        return int(done[-1].name[len(_PREFIX) :]) + 1 if done else 1
+
+    def save(self, core: ServerCore) -> Path:
+        """Write one consistent checkpoint of ``core`` and commit it atomically.
+
+        Returns:
+            The committed checkpoint directory.
+
+        Raises:
+            OSError: the write failed (e.g. disk full); the previous checkpoint is untouched and
+                the temporary directory removed.
+        """
+        seq = self._next_sequence()
+        final = self.directory / f"{_PREFIX}{seq:08d}"
+        tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+        tensors, meta = core.store.state_dict()
+        manifest = self._manifest(core, tensors, meta)
+        storable = {}
+        for name, array in tensors.items():
+            storable[name], _ = _to_storable(array)
+        try:
+            tmp.mkdir()
+            tensor_file = tmp / "tensors.safetensors"
+            save_file(storable, str(tensor_file))
+            with open(tensor_file, "rb") as fh:
+                os.fsync(fh.fileno())
+            manifest_file = tmp / "manifest.json"
+            with open(manifest_file, "w", encoding="utf-8") as fh:
+                json.dump(manifest, fh, indent=1, sort_keys=True)
+                fh.flush()
+                os.fsync(fh.fileno())
+            _fsync_dir(tmp)
+            os.rename(tmp, final)
+            _fsync_dir(self.directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in self.committed()[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        logger.info("checkpoint %s committed (%d tensors)", final.name, len(tensors))
+        return final
+
+    @staticmethod
+    def _manifest(
+        core: ServerCore, tensors: dict[str, np.ndarray], meta: dict[str, Any]
+    ) -> dict[str, Any]:
+        cluster = core.cluster
+        return {
+            "format_version": FORMAT_VERSION,
+            "created_unix_s": time.time(),
+            "consistency": core.consistency.value,
+            "tensors": {
+                name: {
+                    "dtype": _to_storable(a)[1],
+                    "shape": list(a.shape),
+                    "sha256": _sha256(a),
+                }
+                for name, a in tensors.items()
+            },
+            "store": meta,
+            "applied_updates": core.applied_updates,
+            "bsp_step": core.bsp_step,
+            "min_clock": cluster.min_clock(),
+            "membership_epoch": cluster.epoch,
+            "incarnations": cluster.incarnations,
+            "workers": [
+                {
+                    "worker_id": w.worker_id,
+                    "name": w.name,
+                    "incarnation": w.incarnation,
+                    "clock": w.clock,
+                    "client_nonce": w.client_nonce,
+                }
+                for w in cluster.live_workers()
+            ],
+            "dedup": {
+                name: [[rid, r.dropped_stale, r.queued] for rid, r in seen.items()]
+                for name, seen in core.dedup_state().items()
+            },
+        }
+
+    def load(self, path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Read and verify one checkpoint.
+
+        Raises:
+            CheckpointError: missing files, bad JSON, or a checksum that does not match.
+        """
+        try:
+            manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+            raw = load_file(str(path / "tensors.safetensors"))
+        except (OSError, ValueError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"checkpoint {path.name} unreadable: {exc}") from exc
+        tensors = {}
+        for name, info in manifest["tensors"].items():
+            if name not in raw:
+                raise CheckpointError(f"checkpoint {path.name}: tensor {name!r} missing")
+            array = _from_storable(raw[name], info["dtype"])
+            if _sha256(array) != info["sha256"]:
+                raise CheckpointError(f"checkpoint {path.name}: checksum mismatch for {name!r}")
+            tensors[name] = array.reshape(info["shape"])
+        return tensors, manifest
+
+    def restore_latest(self, core: ServerCore) -> Path | None:
+        """Remove partial checkpoints, then restore the newest one that verifies into ``core``."""
+        for p in self.directory.iterdir():
+            if p.name.startswith(_TMP_PREFIX):
+                logger.warning("removing partial checkpoint %s", p.name)
+                shutil.rmtree(p, ignore_errors=True)
+        for path in reversed(self.committed()):
+            try:
+                tensors, manifest = self.load(path)
+            except CheckpointError as exc:
+                logger.error("%s; trying an older checkpoint", exc)
+                continue
+            self._apply(core, tensors, manifest)
+            return path
+        return None
+
+    @staticmethod
+    def _apply(core: ServerCore, tensors: dict[str, np.ndarray], manifest: dict[str, Any]) -> None:
+        core.store = ParameterStore.from_state_dict(tensors, manifest["store"])
+        core.applied_updates = int(manifest["applied_updates"])
+        cluster = core.cluster
+        cluster.epoch = int(manifest["membership_epoch"])
+        cluster.incarnations = int(manifest["incarnations"])
+        cluster.restore_floor(int(manifest["min_clock"]))
+        if core.aggregator is not None:
+            core.aggregator.current_step = int(manifest["bsp_step"])
+            for key in core.store.keys():
+                core.aggregator.declare_layer(key, tuple(core.store.get(key).value.shape))
+        now = time.monotonic()
+        for w in manifest["workers"]:
+            rec = WorkerRecord(
+                worker_id=w["worker_id"],
+                name=w["name"],
+                incarnation=int(w["incarnation"]),
+                clock=int(w["clock"]),
+                lease_expiry_s=now + cluster.lease_s,
+                client_nonce=w.get("client_nonce", ""),
+            )
+            cluster.workers[rec.worker_id] = rec
+            if core.aggregator is not None:
+                core.aggregator.register_worker(rec.worker_id, now)
+        dedup: dict[str, OrderedDict[int, PushResult]] = {}
+        for name, rows in manifest["dedup"].items():
+            dedup[name] = OrderedDict(
+                (int(rid), PushResult(True, core.applied_updates, bool(stale), bool(queued)))
+                for rid, stale, queued in rows
+            )
+        core.restore_dedup(dedup)

@@ -1,0 +1,329 @@
+"""The server shard's state machine: store + membership/clocks + BSP aggregation, pure and sync.
+
+Every method takes ``now`` (monotonic seconds) where time matters and returns a decision; the
+asyncio layer (:mod:`paramserver.server.engine`) only waits and wakes waiters. Nothing here
+half-applies: each push is validated completely before any of it is applied or queued.
+
+BSP steps aggregate through :class:`paramserver.server.aggregation.DistributedOptimizer` with the
+``Synchronous`` strategy (one aggregation pipeline in the product): pushes for step t queue there
+and are aggregated and applied once, when every live worker has clocked past t (DESIGN §3).
+SSP and ASP apply each push on arrival (updates commute).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from paramserver.errors import KeyNotFound, StaleUpdate
+from paramserver.server.aggregation import DistributedOptimizer, GradientUpdate, Synchronous
+from paramserver.server.config import ServerConfig
+from paramserver.server.consistency import (
+    Admission,
+    ClusterState,
+    Consistency,
+    MembershipChange,
+    WorkerRecord,
+)
+from paramserver.server.optimizers import UpdateRule
+from paramserver.server.store import ParameterStore
+
+logger = logging.getLogger(__name__)
+
+#: Request ids remembered per worker name for deduplication of retried pushes.
+DEDUP_WINDOW = 8192
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """Outcome of one push.
+
+    Attributes:
+        duplicate: The request id was seen before; nothing was applied again.
+        applied_updates: Server-wide count of applied pushes after this call.
+        dropped_stale: ASP ``max_staleness`` refused the gradient as too old (counted).
+        queued: BSP: the gradient waits in the open step's aggregation.
+    """
+
+    duplicate: bool
+    applied_updates: int
+    dropped_stale: bool = False
+    queued: bool = False
+
+
+class ServerCore:
+    """One shard's parameters, membership, clocks and BSP aggregation.
+
+    Args:
+        config: The shard's configuration (consistency, staleness, aggregation, lease, policy).
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.consistency = config.consistency_model
+        self.cluster = ClusterState(
+            consistency=self.consistency,
+            staleness=config.staleness,
+            lease_s=config.lease_ms / 1000.0,
+            death_policy=config.policy,
+        )
+        self.store = ParameterStore()
+        self.aggregator: DistributedOptimizer | None = (
+            DistributedOptimizer(Synchronous(), method=config.aggregation)
+            if self.consistency is Consistency.BSP
+            else None
+        )
+        self.applied_updates = 0
+        self.duplicate_pushes = 0
+        self.rejected_pushes = 0
+        self.dropped_stale = 0
+        self._dedup: dict[str, OrderedDict[int, PushResult]] = {}
+        self._release_after_step: dict[str, int] = {}
+        self._progress = 0
+        #: Called with the new progress mark (closed BSP steps, or the live minimum clock
+        #: under SSP/ASP) whenever it advances; the daemon hangs periodic checkpoints here.
+        self.on_progress: Callable[[int], None] | None = None
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def bsp_step(self) -> int:
+        """The open BSP step (the next one to close); 0 outside BSP."""
+        return self.aggregator.current_step if self.aggregator is not None else 0
+
+    def register(
+        self, name: str, now: float, *, replace: bool = False, client_nonce: str = ""
+    ) -> WorkerRecord:
+        """Register a worker; see :meth:`ClusterState.register` for errors."""
+        rec, fenced = self.cluster.register(
+            name, now, replace=replace, client_nonce=client_nonce
+        )
+        self._departed(fenced)
+        if self.aggregator is not None:
+            self.aggregator.register_worker(rec.worker_id, now)
+        self._advance()
+        return rec
+
+    def heartbeat(self, worker_id: str, now: float) -> WorkerRecord:
+        rec = self.cluster.heartbeat(worker_id, now)
+        if self.aggregator is not None:
+            self.aggregator.touch(worker_id, now)
+        return rec
+
+    def leave(self, worker_id: str) -> MembershipChange:
+        change = self.cluster.leave(worker_id)
+        self._departed([change])
+        self._advance()
+        return change
+
+    def expire(self, now: float) -> list[MembershipChange]:
+        """Evict workers whose lease lapsed; closes BSP steps they no longer hold back."""
+        changes = self.cluster.expire(now)
+        if changes:
+            for ch in changes:
+                logger.warning(
+                    "evicted worker %s (clock %d): lease of %d ms lapsed",
+                    ch.worker.worker_id,
+                    ch.worker.clock,
+                    self.config.lease_ms,
+                )
+            self._departed(changes)
+            self._advance()
+        return changes
+
+    def _departed(self, changes: Iterable[MembershipChange]) -> None:
+        """A worker left the live set: its unfinished step contribution leaves the aggregate.
+
+        A worker that already clocked past the open step finished it: its queued gradient
+        stays in that step and it is released from the aggregator when the step closes.
+        """
+        if self.aggregator is None:
+            return
+        for ch in changes:
+            wid = ch.worker.worker_id
+            if ch.worker.lost:
+                continue  # `wait` policy: the step keeps waiting for a re-registration
+            if ch.worker.clock > self.aggregator.current_step:
+                self._release_after_step[wid] = ch.worker.clock
+            else:
+                self.aggregator.evict_worker(wid)
+
+    # ------------------------------------------------------------------ keys
+    def init(self, tensors: Mapping[str, np.ndarray], rule: UpdateRule) -> dict[str, bool]:
+        """Declare keys (first writer wins); returns key -> created. All-or-nothing."""
+        created = self.store.init_many(dict(tensors), rule)
+        if self.aggregator is not None:
+            for key, was_created in created.items():
+                if was_created:
+                    self.aggregator.declare_layer(key, tuple(self.store.get(key).value.shape))
+        return created
+
+    def require_keys(self, keys: Iterable[str]) -> list[str]:
+        """The keys to read (all when empty), each checked. Raises KeyNotFound (NOT_FOUND)."""
+        wanted = list(keys) or list(self.store.keys())
+        for key in wanted:
+            if key not in self.store:
+                raise KeyNotFound(f"unknown key {key!r}: declare it with init first")
+        return wanted
+
+    # ------------------------------------------------------------------ push / clock / pull
+    def push(
+        self,
+        worker_id: str,
+        request_id: int,
+        clock: int,
+        grads: Mapping[str, np.ndarray],
+        now: float,
+        *,
+        num_samples: int = 1,
+        base_version: int | None = None,
+    ) -> PushResult:
+        """Apply (SSP/ASP) or queue (BSP) one push of gradients, at most once per request id.
+
+        Args:
+            worker_id: A live worker's id.
+            request_id: Unique per worker; a retry with the same id is answered as duplicate.
+            clock: The worker's clock when it computed the gradients.
+            grads: key -> gradient, each of the key's dtype and shape.
+            now: Monotonic seconds.
+            num_samples: Examples behind the gradients (weighted_mean); 0 is taken as 1.
+            base_version: :attr:`applied_updates` the gradient was computed from (ASP
+                ``max_staleness``).
+
+        Raises:
+            WorkerNotFound: unknown or evicted worker (FAILED_PRECONDITION).
+            KeyNotFound: an undeclared key (NOT_FOUND).
+            DimensionMismatch / NonFiniteGradient: bad gradient (INVALID_ARGUMENT).
+            StaleUpdate: BSP push for a step that is not open, or a second push of a key in
+                one step (FAILED_PRECONDITION).
+        """
+        rec = self.cluster.require_live(worker_id)
+        seen = self._dedup.setdefault(rec.name, OrderedDict())
+        if request_id in seen:
+            self.duplicate_pushes += 1
+            prior = seen[request_id]
+            return PushResult(True, self.applied_updates, prior.dropped_stale, prior.queued)
+        try:
+            for key, grad in grads.items():
+                self.store.validate_gradient(
+                    key, grad, allow_non_finite=self.config.allow_non_finite
+                )
+            result = self._apply_or_queue(rec, clock, grads, now, max(num_samples, 1), base_version)
+        except Exception:
+            self.rejected_pushes += 1
+            raise
+        seen[request_id] = result
+        if len(seen) > DEDUP_WINDOW:
+            seen.popitem(last=False)
+        return result
+
+    def _apply_or_queue(
+        self,
+        rec: WorkerRecord,
+        clock: int,
+        grads: Mapping[str, np.ndarray],
+        now: float,
+        num_samples: int,
+        base_version: int | None,
+    ) -> PushResult:
+        if self.aggregator is not None:
+            step = self.aggregator.current_step
+            if clock != rec.clock:
+                raise StaleUpdate(
+                    f"worker {rec.worker_id!r} pushes for clock {clock} but is at clock {rec.clock}"
+                )
+            if rec.clock != step:
+                waiting = self.cluster.check_pull(rec.worker_id).waiting_for
+                raise StaleUpdate(
+                    f"worker {rec.worker_id!r} pushes for step {rec.clock} but BSP step {step} "
+                    f"is open (waiting for {', '.join(waiting) or 'nobody'}): pull before pushing"
+                )
+            self.aggregator.submit_updates(
+                [
+                    GradientUpdate(rec.worker_id, key, grad, step, now, num_samples)
+                    for key, grad in grads.items()
+                ],
+                now,
+            )
+            return PushResult(False, self.applied_updates, queued=True)
+        max_stale = self.config.max_staleness
+        if (
+            self.consistency is Consistency.ASP
+            and max_stale is not None
+            and base_version is not None
+            and self.applied_updates - base_version > max_stale
+        ):
+            self.dropped_stale += 1
+            return PushResult(False, self.applied_updates, dropped_stale=True)
+        if clock > rec.clock:
+            raise StaleUpdate(
+                f"worker {rec.worker_id!r} pushes for clock {clock} but is at clock {rec.clock}"
+            )
+        self.store.apply_many(dict(grads), allow_non_finite=self.config.allow_non_finite)
+        self.applied_updates += 1
+        return PushResult(False, self.applied_updates)
+
+    def clock(self, worker_id: str, clock: int) -> int:
+        """End iteration ``clock``; closes BSP steps every live worker finished."""
+        new = self.cluster.clock(worker_id, clock)
+        self._advance()
+        return new
+
+    def _report_progress(self) -> None:
+        mark = self.bsp_step if self.aggregator is not None else self.cluster.min_clock()
+        if mark > self._progress:
+            self._progress = mark
+            if self.on_progress is not None:
+                self.on_progress(mark)
+
+    def dedup_state(self) -> dict[str, OrderedDict[int, PushResult]]:
+        """Request ids seen per worker name (for checkpoints)."""
+        return self._dedup
+
+    def restore_dedup(self, dedup: dict[str, OrderedDict[int, PushResult]]) -> None:
+        self._dedup = dedup
+
+    def check_pull(self, worker_id: str) -> Admission:
+        return self.cluster.check_pull(worker_id)
+
+    def _advance(self) -> None:
+        """Close every BSP step below the live minimum clock, applying each aggregate once."""
+        self._close_steps()
+        self._report_progress()
+
+    def _close_steps(self) -> None:
+        if self.aggregator is None:
+            return
+        target = self.cluster.min_clock()
+        if not self.cluster.holding_workers() and not self._release_after_step:
+            return
+        while self.aggregator.current_step < target:
+            step = self.aggregator.current_step
+            if step in self.cluster.aborted_steps:
+                self.aggregator.advance_step()
+                logger.warning("%s: its queued gradients were dropped", self.cluster.aborted_steps[step])
+            else:
+                aggregates = self.aggregator.close_step()
+                for key, agg in aggregates.items():
+                    self.store.apply(key, agg.gradient)
+                if aggregates:
+                    self.applied_updates += len(
+                        {w for agg in aggregates.values() for w in agg.worker_ids}
+                    )
+            closed = step
+            for wid, wclock in list(self._release_after_step.items()):
+                if wclock <= closed + 1:
+                    self.aggregator.evict_worker(wid)
+                    del self._release_after_step[wid]
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def version(self) -> int:
+        """Parameter version: pushes applied so far (a BSP step counts its contributors)."""
+        return self.applied_updates
+
+    def min_clock(self) -> int:
+        return self.cluster.min_clock()

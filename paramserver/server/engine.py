@@ -1,0 +1,115 @@
+"""The one place that waits: asyncio around the pure :class:`~paramserver.server.core.ServerCore`.
+
+Every mutation of the core is followed by :meth:`ServerEngine.notify`, which wakes the pulls that
+wait for a consistency condition; a lease reaper evicts workers whose lease lapsed. Every wait
+has a deadline, and a wait that runs out names the workers it waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from paramserver.errors import Aborted, WaitTimeout
+from paramserver.server.config import ServerConfig
+from paramserver.server.consistency import Admission
+from paramserver.server.core import ServerCore
+
+logger = logging.getLogger(__name__)
+
+
+class ServerEngine:
+    """Owns the core, wakes waiters on change, and runs the lease reaper.
+
+    Construct and use it inside a running event loop; it creates its asyncio objects lazily.
+
+    Args:
+        config: Server configuration.
+        now: Monotonic clock in seconds (injectable for tests).
+    """
+
+    def __init__(self, config: ServerConfig, *, now: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.now = now
+        self.core = ServerCore(config)
+        self._change: asyncio.Future[None] | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self.on_step_closed: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the lease reaper (call from inside the event loop)."""
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(
+                self._reap_forever(), name="paramserver-lease-reaper"
+            )
+
+    async def stop(self) -> None:
+        """Stop the reaper and wake every waiter (they re-check and see the shutdown)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        self.notify()
+
+    async def _reap_forever(self) -> None:
+        tick_s = min(self.config.lease_ms / 1000.0 / 8.0, 0.25)
+        while True:
+            await asyncio.sleep(tick_s)
+            try:
+                if self.core.expire(self.now()):
+                    self.notify()
+            except Exception:  # pragma: no cover - a bug; keep serving
+                logger.exception("lease reaper failed")
+
+    # ------------------------------------------------------------------ waiting
+    def notify(self) -> None:
+        """Wake every waiter to re-evaluate its condition (after any state change)."""
+        fut = self._change
+        self._change = None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _next_change(self) -> asyncio.Future[None]:
+        if self._change is None or self._change.done():
+            self._change = asyncio.get_running_loop().create_future()
+        return self._change
+
+    async def wait_pull(self, worker_id: str, timeout_s: float) -> Admission:
+        """Wait until a pull by ``worker_id`` is admitted by the consistency model.
+
+        Args:
+            worker_id: Live worker id (empty: observer read, admitted at once).
+            timeout_s: Deadline of the wait in seconds.
+
+        Returns:
+            The admission decision.
+
+        Raises:
+            WaitTimeout: still not admitted after ``timeout_s``; names the workers waited for
+                (DEADLINE_EXCEEDED).
+            Aborted: the step was aborted by the ``fail_fast`` policy (ABORTED).
+            WorkerNotFound: the worker is (or became, while waiting) not live
+                (FAILED_PRECONDITION).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            adm = self.core.check_pull(worker_id)
+            if adm.admitted:
+                return adm
+            if adm.aborted:
+                raise Aborted(adm.reason)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise WaitTimeout(
+                    f"pull by {worker_id!r} waited {timeout_s:.3f} s for workers "
+                    f"[{', '.join(adm.waiting_for)}]: {adm.reason}"
+                )
+            change = self._next_change()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(change), remaining)

@@ -1,0 +1,240 @@
+"""gRPC servicer of the parameter server: decode, call the core, encode. Nothing else.
+
+:func:`grpc_errors` is the one place where :class:`~paramserver.errors.ParamServerError` becomes
+``context.abort(code, message)``; any other exception is logged with its traceback and becomes
+INTERNAL, so nothing a client sends can crash the server.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from paramserver import tensor
+from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
+from paramserver.server.consistency import Consistency
+from paramserver.server.engine import ServerEngine
+from paramserver.server.optimizers import UpdateRule
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_CONSISTENCY_PB = {
+    Consistency.BSP: pb.CONSISTENCY_BSP,
+    Consistency.SSP: pb.CONSISTENCY_SSP,
+    Consistency.ASP: pb.CONSISTENCY_ASP,
+}
+_AGGREGATION_PB = {
+    "mean": pb.AGGREGATION_MEAN,
+    "sum": pb.AGGREGATION_SUM,
+    "weighted_mean": pb.AGGREGATION_WEIGHTED_MEAN,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, ParamServerError):
+        logger.debug("%s refused: %s", method, exc)
+        await context.abort(exc.code, exc.message)
+    logger.error("%s failed with an unexpected error", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
+
+
+def grpc_errors(fn: F) -> F:
+    """Turn ParamServerError into its status code; anything else into a logged INTERNAL."""
+    name = fn.__name__
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def gen_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except (grpc.aio.AbortError, GeneratorExit):
+                raise
+            except Exception as exc:
+                await _abort(context, exc, name)
+
+        return gen_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc, name)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[misc]
+    """Implements ``paramserver.api.v1.ParameterServer`` over a :class:`ServerEngine`."""
+
+    def __init__(self, engine: ServerEngine) -> None:
+        self.engine = engine
+        self.core = engine.core
+
+    def _view(self) -> pb.ClusterView:
+        cluster = self.core.cluster
+        return pb.ClusterView(
+            consistency=_CONSISTENCY_PB[self.core.consistency],
+            staleness=cluster.staleness,
+            live_workers=len(cluster.live_workers()),
+            min_clock=cluster.min_clock(),
+            membership_epoch=cluster.epoch,
+        )
+
+    @grpc_errors
+    async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
+        rec = self.core.register(
+            request.worker_name,
+            self.engine.now(),
+            replace=request.replace,
+            client_nonce=request.client_nonce,
+        )
+        self.engine.notify()
+        logger.info("registered %s at clock %d", rec.worker_id, rec.clock)
+        return pb.RegisterResponse(
+            worker_id=rec.worker_id,
+            lease_ms=self.engine.config.lease_ms,
+            clock=rec.clock,
+            view=self._view(),
+        )
+
+    @grpc_errors
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        self.core.heartbeat(request.worker_id, self.engine.now())
+        return pb.HeartbeatResponse(lease_ms=self.engine.config.lease_ms, view=self._view())
+
+    @grpc_errors
+    async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
+        change = self.core.leave(request.worker_id)
+        self.engine.notify()
+        logger.info("worker %s left at clock %d", change.worker.worker_id, change.worker.clock)
+        return pb.LeaveResponse(view=self._view())
+
+    async def _read_tensors(
+        self, request_iterator: AsyncIterator[Any], header_field: str
+    ) -> tuple[Any, dict[str, np.ndarray]]:
+        header = None
+        tensors: dict[str, np.ndarray] = {}
+        assembler = tensor.TensorAssembler(max_tensor_bytes=self.engine.config.max_tensor_bytes)
+        async for msg in request_iterator:
+            which = msg.WhichOneof("body")
+            if which == header_field:
+                if header is not None:
+                    raise MalformedStream(f"second {header_field} in one stream")
+                header = getattr(msg, header_field)
+                continue
+            if header is None:
+                raise MalformedStream(f"stream must start with a {header_field} message")
+            if which != "frame":
+                raise MalformedStream("message with neither header nor frame")
+            done = assembler.feed(msg.frame)
+            if done is not None:
+                key, array = done
+                if key in tensors:
+                    raise MalformedStream(f"key {key!r} appears twice in one stream")
+                tensors[key] = array
+        if header is None:
+            raise MalformedStream(f"empty stream: no {header_field}")
+        assembler.finish()
+        return header, tensors
+
+    @grpc_errors
+    async def Init(self, request_iterator: AsyncIterator[pb.InitRequest], context: Any) -> pb.InitResponse:
+        header, tensors = await self._read_tensors(request_iterator, "header")
+        rule = UpdateRule.from_proto(header.rule) if header.HasField("rule") else UpdateRule()
+        created = self.core.init(tensors, rule)
+        self.engine.notify()
+        return pb.InitResponse(keys=[pb.KeyInit(key=k, created=c) for k, c in created.items()])
+
+    @grpc_errors
+    async def Push(self, request_iterator: AsyncIterator[pb.PushRequest], context: Any) -> pb.PushResponse:
+        header, grads = await self._read_tensors(request_iterator, "header")
+        if not header.worker_id:
+            raise InvalidArgument("push header needs a worker_id")
+        result = self.core.push(
+            header.worker_id,
+            header.request_id,
+            header.clock,
+            grads,
+            self.engine.now(),
+            num_samples=header.num_samples,
+            base_version=header.base_version if header.HasField("base_version") else None,
+        )
+        self.engine.notify()
+        return pb.PushResponse(
+            duplicate=result.duplicate,
+            applied_updates=result.applied_updates,
+            view=self._view(),
+            dropped_stale=result.dropped_stale,
+        )
+
+    @grpc_errors
+    async def Pull(self, request: pb.PullRequest, context: Any) -> AsyncIterator[pb.PullResponse]:
+        keys = self.core.require_keys(request.keys)
+        timeout_ms = request.timeout_ms or self.engine.config.wait_timeout_ms
+        await self.engine.wait_pull(request.worker_id, timeout_ms / 1000.0)
+        yield pb.PullResponse(info=pb.PullInfo(view=self._view(), version=self.core.version))
+        for key in keys:
+            # Copy lazily, one key at a time: a consistent value per key without holding the
+            # whole model twice; frames are produced as the reader consumes them.
+            value = self.core.store.get(key).value.copy()
+            for frame in tensor.encode_frames(key, value):
+                yield pb.PullResponse(frame=frame)
+
+    @grpc_errors
+    async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
+        new = self.core.clock(request.worker_id, request.clock)
+        self.engine.notify()
+        return pb.ClockResponse(clock=new, view=self._view())
+
+    @grpc_errors
+    async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
+        core = self.core
+        now = self.engine.now()
+        workers = [
+            pb.WorkerInfo(
+                worker_id=w.worker_id,
+                worker_name=w.name,
+                clock=w.clock,
+                live=w.live,
+                lease_remaining_ms=max(0, int((w.lease_expiry_s - now) * 1000)) if w.live else 0,
+            )
+            for w in core.cluster.workers.values()
+        ]
+        keys = []
+        for key in core.store.keys():
+            entry = core.store.get(key)
+            keys.append(
+                pb.KeyInfo(
+                    key=key,
+                    dtype=tensor.dtype_to_wire(entry.value.dtype),
+                    shape=list(entry.value.shape),
+                    rule=entry.rule.to_proto().kind,
+                    updates=entry.updates,
+                )
+            )
+        return pb.StatusResponse(
+            view=self._view(),
+            aggregation=_AGGREGATION_PB[self.engine.config.aggregation],
+            workers=workers,
+            keys=keys,
+            applied_updates=core.applied_updates,
+            duplicate_pushes=core.duplicate_pushes,
+            rejected_pushes=core.rejected_pushes,
+            dropped_stale=core.dropped_stale,
+            bsp_step=core.bsp_step,
+            bsp_policy=self.engine.config.death_policy,
+        )

@@ -1,0 +1,415 @@
+"""Async worker client: register, push gradients, pull parameters, clock, leave.
+
+Usage::
+
+    async with connect("127.0.0.1:50051", worker_name="w0") as ps:
+        await ps.init({"w": np.zeros(10, np.float32)}, rule=UpdateRule("sgd", lr=0.1))
+        params = await ps.pull(["w"])          # waits as BSP/SSP require
+        await ps.push({"w": grad}, num_samples=32)
+        await ps.clock()
+
+Every push carries ``(worker id, request id)``; a push retried after UNAVAILABLE reuses its
+request id, so the server applies it at most once. Retries use exponential backoff with full
+jitter up to a deadline. A background task renews the lease every quarter lease. No channel is
+cached across event loops: the channel is created in ``__aenter__`` on the running loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import secrets
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from paramserver import tensor
+from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.errors import MalformedStream, ParamServerError, WorkerNotFound, from_rpc_error
+from paramserver.server.optimizers import UpdateRule
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter (AWS architecture blog, "Exponential Backoff And
+    Jitter", 2015) for UNAVAILABLE / RESOURCE_EXHAUSTED.
+
+    Attributes:
+        initial_backoff_s: First backoff ceiling in seconds.
+        max_backoff_s: Largest backoff ceiling in seconds.
+        multiplier: Growth of the ceiling per attempt.
+        deadline_s: Give up (re-raising the last error) after this many seconds.
+    """
+
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+    deadline_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class PushAck:
+    """Server's answer to a push.
+
+    Attributes:
+        request_id: The id the push carried.
+        duplicate: The server had applied this request id before (a retry); nothing re-applied.
+        applied_updates: Server-wide applied pushes after this one (the parameter version).
+        dropped_stale: ASP ``max_staleness`` dropped the gradient as too old.
+        live_workers: Live members as the server saw them.
+    """
+
+    request_id: int
+    duplicate: bool
+    applied_updates: int
+    dropped_stale: bool
+    live_workers: int
+
+
+class WorkerClient:
+    """One worker's session with a parameter-server shard.
+
+    Args:
+        address: ``host:port`` of the server.
+        worker_name: Stable name; one live registration per name.
+        replace: Fence a live registration of the same name (a restarted worker).
+        rpc_timeout_s: Deadline of each unary call, and of a pull's transfer beyond its wait.
+        wait_timeout_s: Deadline of a pull's consistency wait (server side).
+        retry: Backoff policy for UNAVAILABLE / RESOURCE_EXHAUSTED.
+        heartbeat: Renew the lease in the background.
+        channel_options: Extra grpc channel options.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        worker_name: str,
+        *,
+        replace: bool = False,
+        rpc_timeout_s: float = 30.0,
+        wait_timeout_s: float = 60.0,
+        retry: RetryPolicy | None = None,
+        heartbeat: bool = True,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.address = address
+        self.worker_name = worker_name
+        self.replace = replace
+        self.rpc_timeout_s = rpc_timeout_s
+        self.wait_timeout_s = wait_timeout_s
+        self.retry = retry or RetryPolicy()
+        self.heartbeat_enabled = heartbeat
+        self.channel_options = list(channel_options)
+        self.worker_id = ""
+        self.clock_value = 0
+        self.lease_ms = 0
+        self.view: pb.ClusterView | None = None
+        self.last_version = 0
+        self.evicted = False
+        self._nonce = secrets.token_hex(8)
+        self._next_request_id = secrets.randbits(62)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.ParameterServerStub | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._left = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> WorkerClient:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Open the channel, register, and start heartbeats."""
+        self._channel = grpc.aio.insecure_channel(self.address, options=self.channel_options)
+        self._stub = pb_grpc.ParameterServerStub(self._channel)
+        try:
+            await self.register()
+        except BaseException:
+            await self._channel.close()
+            self._channel = None
+            raise
+        if self.heartbeat_enabled:
+            self._heartbeat_task = asyncio.get_running_loop().create_task(
+                self._heartbeat_forever(), name=f"paramserver-heartbeat-{self.worker_name}"
+            )
+
+    async def close(self) -> None:
+        """Leave (if still a member), stop heartbeats and close the channel."""
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
+            self._heartbeat_task = None
+        if self._channel is not None:
+            if not self._left and not self.evicted and self.worker_id:
+                try:
+                    await self.leave()
+                except ParamServerError as exc:
+                    logger.debug("leave on close failed: %s", exc)
+            await self._channel.close()
+            self._channel = None
+
+    @property
+    def stub(self) -> pb_grpc.ParameterServerStub:
+        if self._stub is None:
+            raise ParamServerError("client is not open: use `async with connect(...)`")
+        return self._stub
+
+    # ------------------------------------------------------------------ retry funnel
+    async def _call(self, attempt: Callable[[], Awaitable[T]], what: str) -> T:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry.deadline_s
+        ceiling = self.retry.initial_backoff_s
+        while True:
+            try:
+                return await attempt()
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in _RETRYABLE or loop.time() >= deadline:
+                    raise from_rpc_error(err) from err
+                delay = min(random.uniform(0, ceiling), max(0.0, deadline - loop.time()))
+                logger.debug("%s: %s; retrying in %.3f s", what, err.code().name, delay)
+                await asyncio.sleep(delay)
+                ceiling = min(ceiling * self.retry.multiplier, self.retry.max_backoff_s)
+
+    # ------------------------------------------------------------------ membership
+    async def register(self) -> int:
+        """Register (idempotent across retries); returns the starting clock.
+
+        Raises:
+            AlreadyExists: the name is live elsewhere and ``replace`` is False (ALREADY_EXISTS).
+        """
+        req = pb.RegisterRequest(
+            worker_name=self.worker_name, replace=self.replace, client_nonce=self._nonce
+        )
+        resp = await self._call(
+            lambda: self.stub.Register(req, timeout=self.rpc_timeout_s), "register"
+        )
+        self.worker_id = resp.worker_id
+        self.clock_value = resp.clock
+        self.lease_ms = resp.lease_ms
+        self.view = resp.view
+        self.evicted = False
+        self._left = False
+        return int(resp.clock)
+
+    async def _heartbeat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.lease_ms / 4000.0, 0.05))
+            try:
+                resp = await self.stub.Heartbeat(
+                    pb.HeartbeatRequest(worker_id=self.worker_id),
+                    timeout=max(self.lease_ms / 2000.0, 0.2),
+                )
+                self.view = resp.view
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    logger.warning("worker %s was evicted: %s", self.worker_id, err.details())
+                    self.evicted = True
+                    return
+                logger.debug("heartbeat failed: %s", err.code().name)
+
+    async def heartbeat(self) -> pb.HeartbeatResponse:
+        """Renew the lease now. Raises WorkerNotFound (FAILED_PRECONDITION) if evicted."""
+        resp = await self._call(
+            lambda: self.stub.Heartbeat(
+                pb.HeartbeatRequest(worker_id=self.worker_id), timeout=self.rpc_timeout_s
+            ),
+            "heartbeat",
+        )
+        self.view = resp.view
+        return resp
+
+    async def leave(self) -> None:
+        """Leave cleanly: BSP steps stop waiting for this worker at once."""
+        resp = await self._call(
+            lambda: self.stub.Leave(
+                pb.LeaveRequest(worker_id=self.worker_id), timeout=self.rpc_timeout_s
+            ),
+            "leave",
+        )
+        self.view = resp.view
+        self._left = True
+
+    # ------------------------------------------------------------------ data plane
+    async def init(
+        self, tensors: Mapping[str, np.ndarray], rule: UpdateRule | None = None
+    ) -> dict[str, np.ndarray]:
+        """Declare keys with a server-side update rule; first writer wins.
+
+        Args:
+            tensors: key -> initial value (any supported dtype/shape; the caller's arrays are
+                never modified).
+            rule: Update rule for these keys (default: ``UpdateRule()``, plain SGD).
+
+        Returns:
+            key -> the stored value (the caller's own if it created the key, else the first
+            writer's).
+
+        Raises:
+            InvalidArgument: unsupported dtype or bad rule (INVALID_ARGUMENT).
+        """
+        rule = rule or UpdateRule()
+        arrays = {k: tensor.normalize(v, k) for k, v in tensors.items()}
+
+        def messages() -> Iterator[pb.InitRequest]:
+            yield pb.InitRequest(header=pb.InitHeader(worker_id=self.worker_id, rule=rule.to_proto()))
+            for key, value in arrays.items():
+                for frame in tensor.encode_frames(key, value):
+                    yield pb.InitRequest(frame=frame)
+
+        await self._call(lambda: self.stub.Init(messages(), timeout=self.rpc_timeout_s), "init")
+        return await self.pull(list(arrays), observer=True)
+
+    async def push(
+        self,
+        grads: Mapping[str, np.ndarray],
+        *,
+        num_samples: int = 1,
+        base_version: int | None = None,
+        timeout_s: float | None = None,
+    ) -> PushAck:
+        """Push gradients for the current clock. Retried pushes are applied at most once.
+
+        Args:
+            grads: key -> gradient of the key's dtype and shape.
+            num_samples: Examples behind the gradients (weighted_mean aggregation).
+            base_version: Parameter version the gradients were computed from (ASP
+                ``max_staleness``); defaults to the version of the last pull.
+            timeout_s: Deadline of each attempt (default ``rpc_timeout_s``).
+
+        Raises:
+            KeyNotFound (NOT_FOUND), InvalidArgument (INVALID_ARGUMENT: shape/dtype/NaN),
+            WorkerNotFound / StaleUpdate (FAILED_PRECONDITION), WaitTimeout, Unavailable.
+        """
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        arrays = {k: tensor.normalize(v, k) for k, v in grads.items()}
+        header = pb.PushHeader(
+            worker_id=self.worker_id,
+            request_id=request_id,
+            clock=self.clock_value,
+            num_samples=num_samples,
+            base_version=self.last_version if base_version is None else base_version,
+        )
+
+        def messages() -> Iterator[pb.PushRequest]:
+            yield pb.PushRequest(header=header)
+            for key, value in arrays.items():
+                for frame in tensor.encode_frames(key, value):
+                    yield pb.PushRequest(frame=frame)
+
+        resp = await self._call(
+            lambda: self.stub.Push(messages(), timeout=timeout_s or self.rpc_timeout_s), "push"
+        )
+        self.view = resp.view
+        return PushAck(
+            request_id=request_id,
+            duplicate=resp.duplicate,
+            applied_updates=resp.applied_updates,
+            dropped_stale=resp.dropped_stale,
+            live_workers=resp.view.live_workers,
+        )
+
+    async def pull(
+        self,
+        keys: Iterable[str] | None = None,
+        *,
+        timeout_s: float | None = None,
+        observer: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """Pull parameters, waiting as the consistency model requires.
+
+        Args:
+            keys: Keys to read; None or empty reads every key.
+            timeout_s: Deadline of the consistency wait (default ``wait_timeout_s``).
+            observer: Read without waiting (not as this worker).
+
+        Returns:
+            key -> a fresh writeable ndarray of the key's dtype and shape.
+
+        Raises:
+            KeyNotFound (NOT_FOUND); WaitTimeout (DEADLINE_EXCEEDED) naming the workers waited
+            for; Aborted (ABORTED) under the fail_fast policy; WorkerNotFound.
+        """
+        wait_s = self.wait_timeout_s if timeout_s is None else timeout_s
+        req = pb.PullRequest(
+            worker_id="" if observer else self.worker_id,
+            keys=list(keys or []),
+            timeout_ms=max(1, int(wait_s * 1000)),
+        )
+
+        async def attempt() -> dict[str, np.ndarray]:
+            call = self.stub.Pull(req, timeout=wait_s + self.rpc_timeout_s)
+            out: dict[str, np.ndarray] = {}
+            assembler = tensor.TensorAssembler()
+            info_seen = False
+            async for resp in call:
+                if resp.WhichOneof("body") == "info":
+                    info_seen = True
+                    self.view = resp.info.view
+                    if not observer:
+                        self.last_version = resp.info.version
+                    continue
+                done = assembler.feed(resp.frame)
+                if done is not None:
+                    out[done[0]] = done[1]
+            assembler.finish()
+            if not info_seen:
+                raise MalformedStream("pull stream ended without its info message")
+            return out
+
+        return await self._call(attempt, "pull")
+
+    async def clock(self) -> int:
+        """End the current iteration; returns the new clock (idempotent when retried).
+
+        Raises:
+            WorkerNotFound: evicted or fenced (FAILED_PRECONDITION).
+        """
+        req = pb.ClockRequest(worker_id=self.worker_id, clock=self.clock_value)
+        resp = await self._call(
+            lambda: self.stub.Clock(req, timeout=self.rpc_timeout_s), "clock"
+        )
+        self.clock_value = resp.clock
+        self.view = resp.view
+        return int(resp.clock)
+
+    async def status(self) -> pb.StatusResponse:
+        """The server's status (workers, keys, counters)."""
+        return await self._call(
+            lambda: self.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s), "status"
+        )
+
+    def require_member(self) -> None:
+        """Raise WorkerNotFound (FAILED_PRECONDITION) if heartbeats saw an eviction."""
+        if self.evicted:
+            raise WorkerNotFound(f"worker {self.worker_id!r} was evicted")
+
+
+def connect(address: str, worker_name: str, **kwargs: Any) -> WorkerClient:
+    """Open a worker session: ``async with connect(addr, worker_name="w0") as ps: ...``.
+
+    Keyword arguments are those of :class:`WorkerClient`.
+    """
+    return WorkerClient(address, worker_name, **kwargs)

@@ -1,0 +1,142 @@
+"""Blocking wrapper over :class:`~paramserver.worker_client.client.WorkerClient` for scripts.
+
+The wrapper runs a private event loop in a daemon thread; each method submits the async call
+to it and waits for the result with a deadline. Usage::
+
+    with connect_sync("127.0.0.1:50051", worker_name="w0") as ps:
+        ps.init({"w": np.zeros(3, np.float32)})
+        ps.push({"w": np.ones(3, np.float32)})
+        ps.clock()
+        print(ps.pull(["w"]))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterable, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import numpy as np
+
+from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.errors import WaitTimeout
+from paramserver.server.optimizers import UpdateRule
+from paramserver.worker_client.client import PushAck, WorkerClient
+
+T = TypeVar("T")
+
+
+class SyncWorkerClient:
+    """Blocking worker session; the same arguments as :class:`WorkerClient`.
+
+    Args:
+        call_timeout_s: Extra deadline (seconds) for each blocking call on top of the client's
+            own RPC and wait deadlines; a call past it raises WaitTimeout (DEADLINE_EXCEEDED).
+    """
+
+    def __init__(self, address: str, worker_name: str, *, call_timeout_s: float = 600.0, **kwargs: Any) -> None:
+        self._kwargs = kwargs
+        self._address = address
+        self._name = worker_name
+        self._call_timeout_s = call_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._client: WorkerClient | None = None
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            coro.close()
+            raise RuntimeError("SyncWorkerClient is not open: use `with connect_sync(...)`")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(self._call_timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise WaitTimeout(f"call did not finish within {self._call_timeout_s} s") from None
+
+    @property
+    def client(self) -> WorkerClient:
+        if self._client is None:
+            raise RuntimeError("SyncWorkerClient is not open")
+        return self._client
+
+    def open(self) -> SyncWorkerClient:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"paramserver-sync-{self._name}", daemon=True
+        )
+        self._thread.start()
+
+        async def make() -> WorkerClient:
+            client = WorkerClient(self._address, self._name, **self._kwargs)
+            await client.open()
+            return client
+
+        try:
+            self._client = self._run(make())
+        except BaseException:
+            self._shutdown_loop()
+            raise
+        return self
+
+    def close(self) -> None:
+        if self._client is not None:
+            try:
+                self._run(self._client.close())
+            finally:
+                self._client = None
+                self._shutdown_loop()
+
+    def _shutdown_loop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            self._loop.close()
+            self._loop = None
+            self._thread = None
+
+    def __enter__(self) -> SyncWorkerClient:
+        return self.open()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # The blocking API mirrors WorkerClient's async one.
+    @property
+    def worker_id(self) -> str:
+        return self.client.worker_id
+
+    @property
+    def clock_value(self) -> int:
+        return self.client.clock_value
+
+    def init(self, tensors: Mapping[str, np.ndarray], rule: UpdateRule | None = None) -> dict[str, np.ndarray]:
+        return self._run(self.client.init(tensors, rule))
+
+    def push(self, grads: Mapping[str, np.ndarray], *, num_samples: int = 1) -> PushAck:
+        return self._run(self.client.push(grads, num_samples=num_samples))
+
+    def pull(self, keys: Iterable[str] | None = None, *, timeout_s: float | None = None) -> dict[str, np.ndarray]:
+        return self._run(self.client.pull(keys, timeout_s=timeout_s))
+
+    def clock(self) -> int:
+        return self._run(self.client.clock())
+
+    def leave(self) -> None:
+        self._run(self.client.leave())
+
+    def status(self) -> pb.StatusResponse:
+        return self._run(self.client.status())
+
+
+def connect_sync(address: str, worker_name: str, **kwargs: Any) -> SyncWorkerClient:
+    """Blocking counterpart of :func:`paramserver.worker_client.connect`."""
+    return SyncWorkerClient(address, worker_name, **kwargs)

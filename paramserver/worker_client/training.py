@@ -1,0 +1,416 @@
+"""A ready worker that trains a real model on a real data set, and the local-cluster demo.
+
+Data: scikit-learn's bundled digits set (1,797 8x8 images, shipped inside the scikit-learn wheel,
+no download), split 80/20 with a fixed seed and standardised with training statistics. Model: a
+one-hidden-layer MLP (tanh, 64 -> hidden -> 10) or, with ``--hidden 0``, softmax regression,
+trained with cross-entropy. Worker i trains on slice ``i::n`` of the training split; each
+iteration is pull -> gradient -> push -> clock, the server applying SGD with momentum.
+
+``paramserver worker`` runs one worker against a server anywhere; ``paramserver demo`` starts a
+server and N worker processes on 127.0.0.1 and reports per-epoch loss and test accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from paramserver.server.optimizers import UpdateRule
+from paramserver.errors import WaitTimeout
+from paramserver.worker_client.client import WorkerClient, connect
+
+
+@dataclass(frozen=True)
+class DigitsData:
+    """Standardised digits split. X: float64 (n, 64); y: int64 (n,) in [0, 10)."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
+    """Load scikit-learn's bundled digits and split/standardise deterministically.
+
+    Raises:
+        SystemExit: scikit-learn is not installed (``pip install 'paramserver[demo]'``).
+    """
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise SystemExit(
+            "the digits job needs scikit-learn: pip install 'paramserver[demo]'"
+        ) from None
+    x, y = load_digits(return_X_y=True)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(y))
+    n_test = int(round(len(y) * test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    mean = x[train].mean(axis=0)
+    std = x[train].std(axis=0) + 1e-6
+    xs = (x - mean) / std
+    return DigitsData(xs[train], y[train].astype(np.int64), xs[test], y[test].astype(np.int64))
+
+
+def init_params(hidden: int, seed: int = 0, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """Glorot-uniform initial parameters of the MLP (or softmax regression if hidden == 0)."""
+    rng = np.random.default_rng(seed)
+    dims = [64, hidden, 10] if hidden else [64, 10]
+    params = {}
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+        limit = np.sqrt(6.0 / (a + b))
+        params[f"layer{i}/weight"] = rng.uniform(-limit, limit, size=(a, b)).astype(dtype)
+        params[f"layer{i}/bias"] = np.zeros(b, dtype=dtype)
+    return params
+
+
+def _forward(params: dict[str, np.ndarray], x: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    n_layers = len(params) // 2
+    acts = [x]
+    h = x
+    for i in range(n_layers):
+        z = h @ params[f"layer{i}/weight"].astype(np.float64) + params[f"layer{i}/bias"]
+        h = np.tanh(z) if i < n_layers - 1 else z
+        acts.append(h)
+    return acts, h
+
+
+def loss_and_grads(
+    params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+) -> tuple[float, dict[str, np.ndarray]]:
+    """Mean cross-entropy of a batch and its gradients (each in its parameter's dtype)."""
+    acts, logits = _forward(params, x)
+    logits = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    n = len(y)
+    loss = float(-np.log(p[np.arange(n), y] + 1e-12).mean())
+    delta = p
+    delta[np.arange(n), y] -= 1.0
+    delta /= n
+    grads: dict[str, np.ndarray] = {}
+    n_layers = len(params) // 2
+    for i in reversed(range(n_layers)):
+        w = params[f"layer{i}/weight"]
+        grads[f"layer{i}/weight"] = (acts[i].T @ delta).astype(w.dtype)
+        grads[f"layer{i}/bias"] = delta.sum(axis=0).astype(w.dtype)
+        if i:
+            delta = (delta @ w.astype(np.float64).T) * (1.0 - acts[i] ** 2)
+    return loss, grads
+
+
+def accuracy(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
+    """Fraction of ``x`` classified as ``y``."""
+    _, logits = _forward(params, x)
+    return float((logits.argmax(axis=1) == y).mean())
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One worker's training job (digits)."""
+
+    server: str
+    worker_index: int
+    num_workers: int
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 0.1
+    momentum: float = 0.9
+    hidden: int = 32
+    seed: int = 0
+    evaluate: bool = True
+    slow_factor: float = 1.0
+    start_timeout_s: float = 60.0
+
+
+async def wait_for_workers(ps: WorkerClient, n: int, timeout_s: float) -> None:
+    """Start barrier: wait until ``n`` workers are live so every worker starts at clock 0.
+
+    Raises:
+        WaitTimeout: fewer than ``n`` workers registered within ``timeout_s`` (DEADLINE_EXCEEDED).
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        view = (await ps.heartbeat()).view
+        if view.live_workers >= n:
+            return
+        if time.monotonic() >= deadline:
+            raise WaitTimeout(
+                f"start barrier: {view.live_workers} of {n} workers registered after {timeout_s} s"
+            )
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+def _emit(event: dict[str, Any]) -> None:
+    print(json.dumps(event), flush=True)
+
+
+async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
+    """Train on slice ``worker_index::num_workers``; emits one JSON line per epoch on stdout.
+
+    Returns:
+        The final summary: ``{"event": "done", "worker": i, "test_accuracy": a, ...}``.
+    """
+    data = load_digits_split(cfg.seed)
+    mine = np.arange(cfg.worker_index, len(data.y_train), cfg.num_workers)
+    steps = max(1, (len(data.y_train) // cfg.num_workers) // cfg.batch_size)
+    rule = UpdateRule("sgd", lr=cfg.lr, momentum=cfg.momentum)
+    t0 = time.monotonic()
+    async with connect(cfg.server, worker_name=f"worker-{cfg.worker_index}") as ps:
+        params = await ps.init(init_params(cfg.hidden, cfg.seed), rule=rule)
+        keys = sorted(params)
+        await wait_for_workers(ps, cfg.num_workers, cfg.start_timeout_s)
+        acc = float("nan")
+        for epoch in range(cfg.epochs):
+            rng = np.random.default_rng([cfg.seed, epoch, cfg.worker_index])
+            order = rng.permutation(mine)
+            losses = []
+            for step in range(steps):
+                params = await ps.pull(keys)
+                t_step = time.monotonic()
+                idx = order[(step * cfg.batch_size) % len(order) :][: cfg.batch_size]
+                loss, grads = loss_and_grads(params, data.x_train[idx], data.y_train[idx])
+                if cfg.slow_factor > 1.0:
+                    await asyncio.sleep((time.monotonic() - t_step) * (cfg.slow_factor - 1.0) + 0.002 * cfg.slow_factor)
+                await ps.push(grads, num_samples=len(idx))
+                await ps.clock()
+                losses.append(loss)
+            event: dict[str, Any] = {
+                "event": "epoch",
+                "worker": cfg.worker_index,
+                "epoch": epoch + 1,
+                "loss": float(np.mean(losses)),
+                "clock": ps.clock_value,
+                "elapsed_s": round(time.monotonic() - t0, 3),
+            }
+            if cfg.evaluate:
+                params = await ps.pull(keys)
+                acc = accuracy(params, data.x_test, data.y_test)
+                event["test_accuracy"] = acc
+            _emit(event)
+        params = await ps.pull(keys)  # waits for the last step, so our update is in
+        acc = accuracy(params, data.x_test, data.y_test)
+    summary = {
+        "event": "done",
+        "worker": cfg.worker_index,
+        "test_accuracy": acc,
+        "steps": steps * cfg.epochs,
+        "elapsed_s": round(time.monotonic() - t0, 3),
+    }
+    _emit(summary)
+    return summary
+
+
+# ---------------------------------------------------------------------- CLI: worker
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from paramserver.server.daemon import run_loop
+
+    cfg = TrainConfig(
+        server=args.server,
+        worker_index=args.worker_index,
+        num_workers=args.num_workers,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=args.momentum,
+        hidden=args.hidden,
+        seed=args.seed,
+        evaluate=not args.no_eval,
+        slow_factor=args.slow_factor,
+    )
+    if not 0 <= cfg.worker_index < cfg.num_workers:
+        print(f"--worker-index must be in [0, {cfg.num_workers})", file=sys.stderr)
+        return 2
+    summary = run_loop(train_worker(cfg), use_uvloop=not args.no_uvloop)
+    return 0 if summary["test_accuracy"] >= args.min_accuracy else 1
+
+
+# ---------------------------------------------------------------------- CLI: demo
+def _wait_for_file(path: Path, proc: subprocess.Popen[Any], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text().strip()
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited early with code {proc.returncode}")
+        time.sleep(0.05)
+    raise SystemExit(f"server did not report its port within {timeout_s} s")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    py = sys.executable
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    with tempfile.TemporaryDirectory(prefix="paramserver-demo-") as tmp:
+        port_file = Path(tmp) / "port"
+        server_cmd = [
+            py, "-m", "paramserver", "--log-level", "WARNING", "serve",
+            "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
+            "--consistency", args.consistency, "--staleness", str(args.staleness),
+            "--aggregation", args.aggregation, "--lease-ms", str(args.lease_ms),
+        ]  # fmt: skip
+        if args.no_uvloop:
+            server_cmd.append("--no-uvloop")
+        server = subprocess.Popen(server_cmd, env=env)
+        workers: list[subprocess.Popen[str]] = []
+        try:
+            port = _wait_for_file(port_file, server, 30.0)
+            address = f"127.0.0.1:{port}"
+            print(
+                f"paramserver demo: server on {address} ({args.consistency}, staleness "
+                f"{args.staleness}), {args.workers} workers, {args.epochs} epochs on digits",
+                flush=True,
+            )
+            t0 = time.monotonic()
+            for i in range(args.workers):
+                cmd = [
+                    py, "-m", "paramserver", "--log-level", "WARNING", "worker",
+                    "--server", address, "--worker-index", str(i),
+                    "--num-workers", str(args.workers), "--epochs", str(args.epochs),
+                    "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+                    "--momentum", str(args.momentum), "--hidden", str(args.hidden),
+                    "--seed", str(args.seed),
+                ]  # fmt: skip
+                if i != 0:
+                    cmd.append("--no-eval")
+                if args.no_uvloop:
+                    cmd.append("--no-uvloop")
+                workers.append(
+                    subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+                )
+            rc = _follow(workers, args, t0)
+            accuracy_final = _final_accuracy(address, args)
+            elapsed = time.monotonic() - t0
+            ok = rc == 0 and accuracy_final >= args.min_accuracy
+            print(
+                f"final test accuracy {accuracy_final:.4f} (bar {args.min_accuracy:.2f}) in "
+                f"{elapsed:.1f} s: {'OK' if ok else 'FAILED'}",
+                flush=True,
+            )
+            return 0 if ok else 1
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+                    w.wait()
+            if server.poll() is None:
+                server.send_signal(signal.SIGTERM)
+                try:
+                    server.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server.wait()
+
+
+def _follow(workers: list[subprocess.Popen[str]], args: argparse.Namespace, t0: float) -> int:
+    """Print worker 0's per-epoch report as it arrives, with every worker's loss."""
+    import queue
+    import threading
+
+    lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+
+    def pump(i: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put((i, line))
+        lines.put((i, None))
+
+    for i, w in enumerate(workers):
+        threading.Thread(target=pump, args=(i, w), daemon=True).start()
+    losses: dict[int, dict[int, float]] = {}
+    open_streams = len(workers)
+    deadline = time.monotonic() + args.timeout_s
+    while open_streams:
+        try:
+            i, line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            print(f"demo timed out after {args.timeout_s} s", file=sys.stderr)
+            return 1
+        if line is None:
+            open_streams -= 1
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            print(f"[worker {i}] {line.rstrip()}")
+            continue
+        if event.get("event") == "epoch":
+            losses.setdefault(event["epoch"], {})[i] = event["loss"]
+            if i == 0:
+                per = losses[event["epoch"]]
+                print(
+                    f"epoch {event['epoch']:>3}/{args.epochs}  loss {event['loss']:.4f}  "
+                    f"test accuracy {event.get('test_accuracy', float('nan')):.4f}  "
+                    f"clock {event['clock']}  [{time.monotonic() - t0:6.1f} s]  "
+                    f"({len(per)}/{len(workers)} workers reported)",
+                    flush=True,
+                )
+    rc = 0
+    for i, w in enumerate(workers):
+        code = w.wait(timeout=max(1.0, deadline - time.monotonic()))
+        if code != 0:
+            print(f"worker {i} exited with code {code}", file=sys.stderr)
+            rc = 1
+    return rc
+
+
+def _final_accuracy(address: str, args: argparse.Namespace) -> float:
+    from paramserver.server.daemon import run_loop
+
+    async def read() -> float:
+        async with connect(address, worker_name="demo-evaluator", heartbeat=False) as ps:
+            params = await ps.pull(observer=True)
+        data = load_digits_split(args.seed)
+        return accuracy(params, data.x_test, data.y_test)
+
+    return float(run_loop(read(), use_uvloop=not args.no_uvloop))
+
+
+def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
+    p.add_argument("--epochs", type=int, default=epochs, help=f"epochs (default {epochs})")
+    p.add_argument("--batch-size", type=int, default=32, help="examples per push (default 32)")
+    p.add_argument("--lr", type=float, default=0.1, help="server-side SGD learning rate")
+    p.add_argument("--momentum", type=float, default=0.9, help="server-side SGD momentum")
+    p.add_argument("--hidden", type=int, default=32, help="hidden units; 0 = softmax regression")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-accuracy", type=float, default=0.93, help="exit 1 below this bar")
+    p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
+
+
+def add_subcommands(sub: Any) -> None:
+    """Register ``worker`` and ``demo``."""
+    w = sub.add_parser("worker", help="train the digits model against a running server")
+    w.add_argument("--server", required=True, help="HOST:PORT of the parameter server")
+    w.add_argument("--worker-index", type=int, required=True)
+    w.add_argument("--num-workers", type=int, required=True)
+    w.add_argument("--no-eval", action="store_true", help="skip per-epoch test evaluation")
+    w.add_argument("--slow-factor", type=float, default=1.0, help="straggler simulation: x slower")
+    _add_training_flags(w, epochs=10)
+    w.set_defaults(func=_cmd_worker)
+
+    d = sub.add_parser(
+        "demo", help="start a local cluster (1 server + N workers) training on digits"
+    )
+    d.add_argument("--workers", type=int, default=4)
+    d.add_argument("--consistency", choices=["bsp", "ssp", "asp"], default="ssp")
+    d.add_argument("--staleness", type=int, default=2)
+    d.add_argument("--aggregation", choices=["mean", "sum", "weighted_mean"], default="mean")
+    d.add_argument("--lease-ms", type=int, default=10_000)
+    d.add_argument("--timeout-s", type=float, default=600.0, help="give up after this long")
+    _add_training_flags(d, epochs=10)
+    d.set_defaults(func=_cmd_demo)
