@@ -1,0 +1,1 @@
+"""Server shard: store, optimizers, aggregation, consistency, membership, checkpoint, servicer."""

@@ -1,0 +1,497 @@
+"""Server-side update rules: how a pushed gradient changes a key's value.
+
+A key is declared with one :class:`UpdateRule` (DESIGN §3). Its optimizer state (from
+:func:`init_state`) lives beside the key and :func:`apply_update` changes the parameter and the
+state in place with numpy, so a push never reallocates the parameter.
+
+Rules and their sources (the optimizer semantics match ``torch.optim`` exactly, as documented at
+https://pytorch.org/docs/stable/optim.html; each function names its page):
+
+- ``assign``: ``w = g`` (the seed's behaviour).
+- ``add``: ``w += g``.
+- ``sgd``: ``torch.optim.SGD`` with ``dampening=0`` (momentum and Nesterov momentum after
+  Sutskever et al., ICML 2013; L2 ``weight_decay`` added to the gradient).
+- ``adam``: ``torch.optim.Adam`` (Kingma & Ba, "Adam: A Method for Stochastic Optimization",
+  ICLR 2015), L2 ``weight_decay`` added to the gradient, bias-corrected moments, ``amsgrad=False``.
+- ``adamw``: ``torch.optim.AdamW`` (Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
+  ICLR 2019): ``w *= 1 - lr * weight_decay`` first, then the Adam step without L2.
+- ``adagrad``: ``torch.optim.Adagrad`` (Duchi et al., "Adaptive Subgradient Methods for Online
+  Learning and Stochastic Optimization", JMLR 2011) with ``lr_decay=0`` and
+  ``initial_accumulator_value=0``; ``eps`` is added after the square root.
+
+Precision: state and arithmetic use the *compute dtype*, float32 for float16, bfloat16 and
+float32 parameters and float64 for float64 parameters. A half-precision parameter is widened to
+float32 once, updated there and rounded back once. The gradient may be the parameter's dtype or
+float64 (an aggregate of several pushes); it is cast to the compute dtype before use. Integer
+parameters take only ``assign`` and ``add``, which use numpy's in-place ufuncs (computed at the
+promoted dtype, rounded once into the parameter). Deviation from PyTorch: PyTorch keeps the state of
+a half-precision parameter in the parameter's dtype; here it is float32.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+
+from paramserver.api.v1 import parameter_server_pb2 as ps_pb2
+from paramserver.errors import DimensionMismatch, InvalidArgument
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "RULE_KINDS",
+    "Array",
+    "UpdateRule",
+    "apply_update",
+    "compute_dtype",
+    "init_state",
+]
+
+Array: TypeAlias = npt.NDArray[Any]
+
+RULE_KINDS: Final = ("assign", "add", "sgd", "adam", "adamw", "adagrad")
+
+FLOAT_DTYPES: Final[tuple[np.dtype[Any], ...]] = (
+    np.dtype(np.float16),
+    np.dtype(ml_dtypes.bfloat16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+)
+
+_KIND_TO_PROTO: Final[dict[str, ps_pb2.RuleKind]] = {
+    "assign": ps_pb2.RULE_KIND_ASSIGN,
+    "add": ps_pb2.RULE_KIND_ADD,
+    "sgd": ps_pb2.RULE_KIND_SGD,
+    "adam": ps_pb2.RULE_KIND_ADAM,
+    "adamw": ps_pb2.RULE_KIND_ADAMW,
+    "adagrad": ps_pb2.RULE_KIND_ADAGRAD,
+}
+_PROTO_TO_KIND: Final[dict[int, str]] = {v: k for k, v in _KIND_TO_PROTO.items()}
+
+# Defaults shared by every kind, then per-kind overrides (PyTorch's, except SGD's lr).
+_BASE_DEFAULTS: Final[dict[str, float]] = {
+    "lr": 0.01,
+    "momentum": 0.0,
+    "weight_decay": 0.0,
+    "beta1": 0.9,
+    "beta2": 0.999,
+    "eps": 1e-8,
+}
+_KIND_DEFAULTS: Final[dict[str, dict[str, float]]] = {
+    "assign": {},
+    "add": {},
+    "sgd": {},
+    "adam": {"lr": 1e-3},
+    "adamw": {"lr": 1e-3, "weight_decay": 1e-2},
+    "adagrad": {"eps": 1e-10},
+}
+_FIELDS: Final = ("kind", "lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps")
+_STATE_NAMES: Final[dict[str, tuple[str, ...]]] = {
+    "assign": (),
+    "add": (),
+    "sgd": ("momentum_buffer",),  # only when momentum > 0
+    "adam": ("exp_avg", "exp_avg_sq", "step"),
+    "adamw": ("exp_avg", "exp_avg_sq", "step"),
+    "adagrad": ("sum_sq",),
+}
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"update rule {name} must be a real number, got {value!r}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise InvalidArgument(f"update rule {name} must be finite, got {result}")
+    return result
+
+
+@dataclass(frozen=True, init=False)
+class UpdateRule:
+    """The server-side update rule of one key (immutable, hashable).
+
+    Arguments left as ``None`` take the kind's default: ``lr`` 0.01 (``adam``/``adamw`` 0.001),
+    ``momentum`` 0, ``weight_decay`` 0 (``adamw`` 0.01), ``beta1`` 0.9, ``beta2`` 0.999, ``eps``
+    1e-8 (``adagrad`` 1e-10). Attributes always hold the resolved floats. ``lr`` is ignored by
+    ``assign`` and ``add``; the betas by every kind but ``adam``/``adamw``.
+
+    Attributes:
+        kind: One of :data:`RULE_KINDS`.
+        lr: Learning rate (dimensionless), finite and ``>= 0``.
+        momentum: SGD momentum in ``[0, 1)``; only ``sgd`` may set it non-zero.
+        nesterov: SGD Nesterov momentum; needs ``momentum > 0``.
+        weight_decay: L2 coefficient ``>= 0`` (decoupled for ``adamw``); must be zero for
+            ``assign``/``add``.
+        beta1: Adam first-moment decay in ``[0, 1)``.
+        beta2: Adam second-moment decay in ``[0, 1)``.
+        eps: Denominator epsilon (``adam``/``adamw``/``adagrad``), finite and ``> 0``.
+
+    Raises:
+        InvalidArgument: (INVALID_ARGUMENT) unknown kind or a value out of range.
+    """
+
+    kind: str
+    lr: float
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+
+    def __init__(
+        self,
+        kind: str = "sgd",
+        lr: float | None = None,
+        momentum: float | None = None,
+        nesterov: bool = False,
+        weight_decay: float | None = None,
+        beta1: float | None = None,
+        beta2: float | None = None,
+        eps: float | None = None,
+    ) -> None:
+        if not isinstance(kind, str) or kind not in _KIND_DEFAULTS:
+            raise InvalidArgument(
+                f"unknown update rule kind {kind!r}; expected one of {', '.join(RULE_KINDS)}"
+            )
+        if not isinstance(nesterov, bool):
+            raise InvalidArgument(f"update rule nesterov must be a bool, got {nesterov!r}")
+        defaults = {**_BASE_DEFAULTS, **_KIND_DEFAULTS[kind]}
+        given = {
+            "lr": lr,
+            "momentum": momentum,
+            "weight_decay": weight_decay,
+            "beta1": beta1,
+            "beta2": beta2,
+            "eps": eps,
+        }
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "nesterov", nesterov)
+        for name, value in given.items():
+            object.__setattr__(self, name, _real(name, defaults[name] if value is None else value))
+        self._validate()
+
+    def _validate(self) -> None:
+        rule = f"update rule {self.kind!r}"
+        if self.lr < 0:
+            raise InvalidArgument(f"{rule}: lr must be >= 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise InvalidArgument(f"{rule}: momentum must be in [0, 1), got {self.momentum}")
+        if self.momentum != 0 and self.kind != "sgd":
+            raise InvalidArgument(f"{rule}: momentum applies to 'sgd' only, got {self.momentum}")
+        if self.nesterov and self.kind != "sgd":
+            raise InvalidArgument(f"{rule}: nesterov applies to 'sgd' only")
+        if self.nesterov and self.momentum <= 0:
+            raise InvalidArgument(f"{rule}: nesterov requires momentum > 0")
+        if self.weight_decay < 0:
+            raise InvalidArgument(f"{rule}: weight_decay must be >= 0, got {self.weight_decay}")
+        if self.weight_decay != 0 and self.kind in ("assign", "add"):
+            raise InvalidArgument(f"{rule}: weight_decay does not apply, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            beta: float = getattr(self, name)
+            if not 0 <= beta < 1:
+                raise InvalidArgument(f"{rule}: {name} must be in [0, 1), got {beta}")
+        if self.eps <= 0:
+            raise InvalidArgument(f"{rule}: eps must be > 0, got {self.eps}")
+
+    def to_proto(self) -> ps_pb2.UpdateRule:
+        """Encode as the wire message, every field set explicitly (round-trips exactly)."""
+        return ps_pb2.UpdateRule(
+            kind=_KIND_TO_PROTO[self.kind],
+            lr=self.lr,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            eps=self.eps,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: ps_pb2.UpdateRule) -> UpdateRule:
+        """Decode the wire message; unset optional fields take the kind's defaults.
+
+        Raises:
+            InvalidArgument: (INVALID_ARGUMENT) ``RULE_KIND_UNSPECIFIED``, an unknown enum value,
+                or a value out of range.
+        """
+        kind_value = int(msg.kind)
+        if kind_value == ps_pb2.RULE_KIND_UNSPECIFIED:
+            raise InvalidArgument("update rule kind is RULE_KIND_UNSPECIFIED; set it explicitly")
+        kind = _PROTO_TO_KIND.get(kind_value)
+        if kind is None:
+            raise InvalidArgument(f"unknown update rule kind enum value {kind_value}")
+
+        def opt(name: str) -> float | None:
+            return float(getattr(msg, name)) if msg.HasField(name) else None
+
+        return cls(
+            kind,
+            lr=opt("lr"),
+            momentum=opt("momentum"),
+            nesterov=bool(msg.nesterov),
+            weight_decay=opt("weight_decay"),
+            beta1=opt("beta1"),
+            beta2=opt("beta2"),
+            eps=opt("eps"),
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-able dict of every field (for checkpoint manifests)."""
+        return {name: getattr(self, name) for name in _FIELDS}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> UpdateRule:
+        """Inverse of :meth:`to_dict`; missing fields other than ``kind`` take the defaults.
+
+        Raises:
+            InvalidArgument: (INVALID_ARGUMENT) not a mapping, no or unknown ``kind``, unknown
+                fields, wrong types or values out of range.
+        """
+        if not isinstance(d, Mapping):
+            raise InvalidArgument(f"update rule must be a mapping, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_FIELDS))
+        if unknown:
+            raise InvalidArgument(f"update rule has unknown fields {unknown}")
+        kind = d.get("kind")
+        if not isinstance(kind, str):
+            raise InvalidArgument(f"update rule kind must be a string, got {kind!r}")
+        nesterov = d.get("nesterov", False)
+        if not isinstance(nesterov, bool):
+            raise InvalidArgument(f"update rule nesterov must be a bool, got {nesterov!r}")
+        numbers_: dict[str, float | None] = {}
+        for name in ("lr", "momentum", "weight_decay", "beta1", "beta2", "eps"):
+            value = d.get(name)
+            numbers_[name] = None if value is None else _real(name, value)
+        return cls(kind, nesterov=nesterov, **numbers_)
+
+
+def compute_dtype(rule: UpdateRule, dtype: np.dtype[Any]) -> np.dtype[Any] | None:
+    """The dtype in which ``rule`` computes for a parameter of ``dtype``.
+
+    Args:
+        rule: The key's rule.
+        dtype: The parameter's dtype.
+
+    Returns:
+        float32 for float16/bfloat16/float32, float64 for float64; ``None`` for ``assign``/``add``
+        (no state; numpy's in-place casting applies).
+
+    Raises:
+        InvalidArgument: (INVALID_ARGUMENT) an optimizer rule on a non-floating dtype.
+    """
+    if rule.kind in ("assign", "add"):
+        return None
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidArgument(
+            f"update rule {rule.kind!r} needs a floating-point parameter, got dtype {dtype}; "
+            "integer keys take 'assign' or 'add'"
+        )
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def init_state(rule: UpdateRule, param: Array) -> dict[str, Array]:
+    """Fresh optimizer state for ``param`` under ``rule``.
+
+    Args:
+        rule: The key's rule.
+        param: The parameter, any shape, dtype float16/bfloat16/float32/float64 (int32/int64 for
+            ``assign``/``add`` only).
+
+    Returns:
+        ``sgd`` with momentum: ``{"momentum_buffer"}``; ``adam``/``adamw``:
+        ``{"exp_avg", "exp_avg_sq", "step"}``; ``adagrad``: ``{"sum_sq"}``; otherwise ``{}``.
+        Arrays are zeros of ``param.shape`` in the compute dtype (float32, or float64 for a float64
+        parameter); ``step`` is a 0-d int64 zero.
+
+    Raises:
+        InvalidArgument: (INVALID_ARGUMENT) an optimizer rule on a non-floating parameter.
+    """
+    return {
+        name: np.zeros(shape, dtype=dtype)
+        for name, (dtype, shape) in _state_spec(rule, param).items()
+    }
+
+
+def _state_spec(rule: UpdateRule, param: Array) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]]:
+    """Name -> (dtype, shape) of the state :func:`init_state` creates, without allocating it."""
+    dtype = compute_dtype(rule, param.dtype)
+    if dtype is None or (rule.kind == "sgd" and rule.momentum == 0):
+        return {}
+    return {
+        name: (np.dtype(np.int64), ()) if name == "step" else (dtype, param.shape)
+        for name in _STATE_NAMES[rule.kind]
+    }
+
+
+def _check(rule: UpdateRule, param: Array, grad: Array, state: Mapping[str, Array]) -> None:
+    if grad.shape != param.shape:
+        raise DimensionMismatch(f"gradient shape {grad.shape} != parameter shape {param.shape}")
+    if grad.dtype != param.dtype and not (
+        grad.dtype in (np.float32, np.float64) and param.dtype in FLOAT_DTYPES
+    ):
+        raise DimensionMismatch(
+            f"gradient dtype {grad.dtype} does not match parameter dtype {param.dtype}"
+        )
+    expected = _state_spec(rule, param)
+    if set(state) != set(expected):
+        raise InvalidArgument(
+            f"optimizer state of rule {rule.kind!r} must hold {sorted(expected)}, "
+            f"got {sorted(state)}"
+        )
+    for name, (dtype, shape) in expected.items():
+        have = state[name]
+        if have.shape != shape or have.dtype != dtype:
+            raise InvalidArgument(
+                f"optimizer state {name!r} must be {dtype}{list(shape)}, "
+                f"got {have.dtype}{list(have.shape)}"
+            )
+
+
+def _with_l2(g: Array, p: Array, weight_decay: float) -> Array:
+    """A new array ``g + weight_decay * p`` (PyTorch's ``grad.add(param, alpha=weight_decay)``)."""
+    out = np.multiply(p, weight_decay, out=np.empty_like(p))
+    out += g
+    return out
+
+
+def _sgd(rule: UpdateRule, p: Array, g: Array, state: dict[str, Array]) -> None:
+    """``torch.optim.SGD`` (dampening 0, maximize False); see its documentation page.
+
+    With lr, mu = momentum, wd = weight_decay and b the momentum buffer::
+
+        g = g + wd * p
+        b = mu * b + g                      (b = g on the first step)
+        d = g + mu * b if nesterov else b   (d = g without momentum)
+        p = p - lr * d
+
+    The zero-initialised buffer gives ``b = mu * 0 + g = g`` on the first step (up to the sign of
+    a zero), as PyTorch's ``torch.clone(grad)`` does.
+    """
+    owned = False  # whether `direction` is a temporary this call may overwrite
+    if rule.weight_decay != 0:
+        g = _with_l2(g, p, rule.weight_decay)
+        owned = True
+    direction = g
+    if rule.momentum != 0:
+        buf = state["momentum_buffer"]
+        buf *= rule.momentum
+        buf += g
+        if rule.nesterov:
+            direction = np.multiply(buf, rule.momentum, out=np.empty_like(p))
+            direction += g
+            owned = True
+        else:
+            direction, owned = buf, False
+    scratch = direction if owned else np.empty_like(p)
+    np.multiply(direction, rule.lr, out=scratch)
+    p -= scratch
+
+
+def _adam(rule: UpdateRule, p: Array, g: Array, state: dict[str, Array]) -> None:
+    """``torch.optim.Adam`` / ``torch.optim.AdamW`` (amsgrad False); Kingma & Ba 2015.
+
+    With t the step count after increment, m = exp_avg, v = exp_avg_sq::
+
+        p = p * (1 - lr * wd)                       (adamw: decoupled, Loshchilov & Hutter 2019)
+        g = g + wd * p                              (adam: L2)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        denom = sqrt(v) / sqrt(1 - beta2**t) + eps
+        p = p - lr / (1 - beta1**t) * m / denom
+
+    which is PyTorch's ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`` form.
+    """
+    step_count = state["step"]
+    np.add(step_count, 1, out=step_count)
+    t = int(step_count)
+    if rule.kind == "adamw":
+        p *= 1.0 - rule.lr * rule.weight_decay
+    elif rule.weight_decay != 0:
+        g = _with_l2(g, p, rule.weight_decay)
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    scratch = np.multiply(g, 1.0 - rule.beta1, out=np.empty_like(p))
+    exp_avg *= rule.beta1
+    exp_avg += scratch
+    np.multiply(g, g, out=scratch)
+    scratch *= 1.0 - rule.beta2
+    exp_avg_sq *= rule.beta2
+    exp_avg_sq += scratch
+    step_size = rule.lr / (1.0 - rule.beta1**t)
+    bias_correction2_sqrt = math.sqrt(1.0 - rule.beta2**t)
+    np.sqrt(exp_avg_sq, out=scratch)
+    scratch /= bias_correction2_sqrt
+    scratch += rule.eps
+    np.divide(exp_avg, scratch, out=scratch)
+    scratch *= step_size
+    p -= scratch
+
+
+def _adagrad(rule: UpdateRule, p: Array, g: Array, state: dict[str, Array]) -> None:
+    """``torch.optim.Adagrad`` (lr_decay 0, initial_accumulator_value 0); Duchi et al. 2011.
+
+    With s = sum_sq::
+
+        g = g + wd * p
+        s = s + g * g
+        p = p - lr * g / (sqrt(s) + eps)
+    """
+    if rule.weight_decay != 0:
+        g = _with_l2(g, p, rule.weight_decay)
+    sum_sq = state["sum_sq"]
+    scratch = np.multiply(g, g, out=np.empty_like(p))
+    sum_sq += scratch
+    np.sqrt(sum_sq, out=scratch)
+    scratch += rule.eps
+    np.divide(g, scratch, out=scratch)
+    scratch *= rule.lr
+    p -= scratch
+
+
+_STEPS: Final[dict[str, Callable[[UpdateRule, Array, Array, dict[str, Array]], None]]] = {
+    "sgd": _sgd,
+    "adam": _adam,
+    "adamw": _adam,
+    "adagrad": _adagrad,
+}
+
+
+def apply_update(rule: UpdateRule, param: Array, grad: Array, state: dict[str, Array]) -> None:
+    """Apply one gradient to ``param`` and ``state`` in place.
+
+    ``param`` keeps its object and buffer; temporaries are at most a few arrays of
+    ``param.shape`` (one float32 copy of a half-precision parameter, one scratch array, one for L2
+    or Nesterov). ``grad`` is never modified.
+
+    Args:
+        rule: The key's rule.
+        param: The parameter, any shape; float16/bfloat16/float32/float64, or int32/int64 for
+            ``assign``/``add``. Updated in place.
+        grad: Same shape as ``param``; dtype ``param.dtype``, or float64 (an aggregate) for a
+            floating ``param``.
+        state: From :func:`init_state` for ``(rule, param)``; updated in place.
+
+    Raises:
+        DimensionMismatch: (INVALID_ARGUMENT) ``grad`` shape or dtype disagrees with ``param``.
+        InvalidArgument: (INVALID_ARGUMENT) ``state`` does not fit ``rule`` and ``param``, or an
+            optimizer rule on an integer parameter.
+    """
+    _check(rule, param, grad, state)
+    if rule.kind == "assign":
+        np.copyto(param, grad, casting="same_kind")
+        return
+    if rule.kind == "add":
+        np.add(param, grad, out=param, casting="same_kind")
+        return
+    dtype = compute_dtype(rule, param.dtype)
+    assert dtype is not None
+    work = param if param.dtype == dtype else param.astype(dtype)
+    g = grad if grad.dtype == dtype else grad.astype(dtype)
+    _STEPS[rule.kind](rule, work, g, state)
+    if work is not param:
+        np.copyto(param, work, casting="unsafe")

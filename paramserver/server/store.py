@@ -1,0 +1,364 @@
+"""The key → tensor store of one server shard (pure, synchronous; DESIGN §3).
+
+Each key is declared once with :meth:`ParameterStore.init` (first writer wins) and holds its value,
+its :class:`~paramserver.server.optimizers.UpdateRule`, the rule's optimizer state and an update
+counter. Gradients are validated before anything changes, and the ``*_many`` methods validate every
+key before touching any, so a refused request never leaves a half-applied update.
+
+The store is not thread-safe: one event loop (or one lock held by the caller) owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeAlias
+
+import ml_dtypes
+import numpy as np
+
+from paramserver.errors import DimensionMismatch, InvalidArgument, KeyNotFound, NonFiniteGradient
+from paramserver.server.optimizers import (
+    FLOAT_DTYPES,
+    Array,
+    UpdateRule,
+    apply_update,
+    init_state,
+)
+
+__all__ = ["SUPPORTED_DTYPES", "ArrayOrScalar", "Entry", "ParameterStore"]
+
+# A numpy scalar (what numpy reductions return for ``()`` shapes) is taken as a 0-d array.
+ArrayOrScalar: TypeAlias = "Array | np.generic[Any]"
+
+SUPPORTED_DTYPES: Final[tuple[np.dtype[Any], ...]] = (
+    np.dtype(np.float16),
+    np.dtype(ml_dtypes.bfloat16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+    np.dtype(np.int32),
+    np.dtype(np.int64),
+)
+_DTYPES_BY_NAME: Final[dict[str, np.dtype[Any]]] = {str(d): d for d in SUPPORTED_DTYPES}
+_PARAM_PREFIX: Final = "param/"
+_STATE_PREFIX: Final = "state/"
+
+
+@dataclass
+class Entry:
+    """One declared key.
+
+    Attributes:
+        key: The key's name (non-empty).
+        value: The parameter, the store's own C-order array; its dtype and shape are fixed.
+        rule: The key's update rule.
+        state: Optimizer state from :func:`~paramserver.server.optimizers.init_state`.
+        updates: Gradients applied to this key.
+    """
+
+    key: str
+    value: Array
+    rule: UpdateRule
+    state: dict[str, Array] = field(repr=False)
+    updates: int = 0
+
+
+def _count_non_finite(grad: Array) -> int:
+    """Number of NaN/±Inf elements of a floating ``grad`` (0 for integers)."""
+    if grad.dtype not in FLOAT_DTYPES or grad.size == 0:
+        return 0
+    # Fast path without a boolean temporary: a sum is finite only if every term is; an
+    # overflowing sum of finite terms falls through to the exact count below.
+    acc = np.float64 if grad.dtype == np.float64 else np.float32
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = np.add.reduce(grad, axis=None, dtype=acc)
+    if np.isfinite(total):
+        return 0
+    return int(grad.size - np.count_nonzero(np.isfinite(grad)))
+
+
+class ParameterStore:
+    """Keys → tensors with server-side update rules.
+
+    Values have any shape (``()`` and zero-size included) and dtype float16, bfloat16
+    (``ml_dtypes``), float32, float64, int32 or int64; integer keys take ``assign``/``add`` only.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, Entry] = {}
+
+    # -- declaration ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_init(key: object, value: object, rule: object) -> None:
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"key must be a non-empty string, got {key!r}")
+        if not isinstance(value, np.ndarray | np.generic):
+            raise InvalidArgument(
+                f"value for key {key!r} must be a numpy array, got {type(value).__name__}"
+            )
+        if value.dtype not in SUPPORTED_DTYPES:
+            raise InvalidArgument(
+                f"value for key {key!r} has unsupported dtype {value.dtype}; "
+                f"expected one of {', '.join(_DTYPES_BY_NAME)}"
+            )
+        if not isinstance(rule, UpdateRule):
+            raise InvalidArgument(f"rule for key {key!r} must be an UpdateRule, got {rule!r}")
+        try:
+            init_state(rule, np.asarray(value))
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"key {key!r}: {exc.message}") from exc
+
+    def _create(self, key: str, value: ArrayOrScalar, rule: UpdateRule) -> bool:
+        if key in self._entries:
+            return False
+        stored = np.array(value, copy=True, order="C")  # a 0-d array for a numpy scalar
+        self._entries[key] = Entry(key, stored, rule, init_state(rule, stored))
+        return True
+
+    def init(self, key: str, value: ArrayOrScalar, rule: UpdateRule) -> bool:
+        """Declare ``key`` with a copy of ``value`` and ``rule``; the first writer wins.
+
+        Args:
+            key: Non-empty key name.
+            value: Initial value, any shape, a supported dtype (a numpy scalar is stored as a 0-d
+                array). Copied into a new C-order array, never aliased.
+            rule: The key's update rule.
+
+        Returns:
+            True if the key was created; False if it existed (its value and rule are untouched).
+
+        Raises:
+            InvalidArgument: (INVALID_ARGUMENT) empty key, unsupported dtype, or an optimizer rule
+                on an integer value; checked even when the key exists.
+        """
+        self._check_init(key, value, rule)
+        return self._create(key, value, rule)
+
+    def init_many(self, items: Mapping[str, ArrayOrScalar], rule: UpdateRule) -> dict[str, bool]:
+        """Declare several keys with one rule, all or nothing.
+
+        Args:
+            items: Key → initial value, as for :meth:`init`.
+            rule: The update rule of every key.
+
+        Returns:
+            Key → whether it was created (False: it existed and was left untouched).
+
+        Raises:
+            InvalidArgument: (INVALID_ARGUMENT) any item is invalid; then no key is created.
+        """
+        for key, value in items.items():
+            self._check_init(key, value, rule)
+        return {key: self._create(key, value, rule) for key, value in items.items()}
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    def get(self, key: str) -> Entry:
+        """The live entry of ``key`` (not a copy).
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) ``key`` was never declared.
+        """
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyNotFound(f"unknown key {key!r}; declare it with init first") from None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[str]:
+        """Declared keys in declaration order (a new list)."""
+        return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- updates -------------------------------------------------------------------------------
+
+    def _validate(
+        self, key: str, grad: object, *, allow_non_finite: bool, allow_aggregate: bool
+    ) -> tuple[Entry, Array]:
+        entry = self.get(key)
+        if isinstance(grad, np.generic):  # numpy reductions over () keys yield scalars
+            grad = np.asarray(grad)
+        if not isinstance(grad, np.ndarray):
+            raise InvalidArgument(
+                f"gradient for key {key!r} must be a numpy array, got {type(grad).__name__}"
+            )
+        value = entry.value
+        problems = []
+        if grad.shape != value.shape:
+            problems.append(f"shape {grad.shape} (expected {value.shape})")
+        aggregate_ok = (
+            allow_aggregate
+            and grad.dtype in (np.float32, np.float64)
+            and value.dtype in FLOAT_DTYPES
+        )
+        if grad.dtype != value.dtype and not aggregate_ok:
+            problems.append(f"dtype {grad.dtype} (expected {value.dtype})")
+        if problems:
+            raise DimensionMismatch(f"gradient for key {key!r} has {' and '.join(problems)}")
+        if not allow_non_finite:
+            bad = _count_non_finite(grad)
+            if bad:
+                raise NonFiniteGradient(
+                    f"gradient for key {key!r} has {bad} non-finite value(s) (NaN or Inf) "
+                    f"out of {grad.size}"
+                )
+        return entry, grad
+
+    def validate_gradient(
+        self, key: str, grad: ArrayOrScalar, *, allow_non_finite: bool = False
+    ) -> None:
+        """Check a pushed gradient against ``key`` without applying it.
+
+        Args:
+            key: A declared key.
+            grad: Must have the key's shape and exactly its dtype (a numpy scalar counts as 0-d).
+            allow_non_finite: Accept NaN/Inf (otherwise refused; -0.0 and subnormals are fine).
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) unknown key.
+            DimensionMismatch: (INVALID_ARGUMENT) shape or dtype differs; names the key and both.
+            NonFiniteGradient: (INVALID_ARGUMENT) NaN/Inf present; names the key and the count.
+            InvalidArgument: (INVALID_ARGUMENT) ``grad`` is not a numpy array.
+        """
+        self._validate(key, grad, allow_non_finite=allow_non_finite, allow_aggregate=False)
+
+    def apply(self, key: str, grad: ArrayOrScalar, *, allow_non_finite: bool = False) -> None:
+        """Validate ``grad`` and apply it to ``key`` in place under the key's rule.
+
+        Args:
+            key: A declared key.
+            grad: The key's shape; its dtype, or float32/float64 (an aggregate's accumulation dtype) for a floating key. A numpy
+                scalar counts as a 0-d array.
+            allow_non_finite: Accept NaN/Inf.
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) unknown key.
+            DimensionMismatch: (INVALID_ARGUMENT) shape or dtype differs.
+            NonFiniteGradient: (INVALID_ARGUMENT) NaN/Inf present; nothing changes.
+        """
+        entry, array = self._validate(
+            key, grad, allow_non_finite=allow_non_finite, allow_aggregate=True
+        )
+        apply_update(entry.rule, entry.value, array, entry.state)
+        entry.updates += 1
+
+    def apply_many(
+        self, grads: Mapping[str, ArrayOrScalar], *, allow_non_finite: bool = False
+    ) -> None:
+        """Apply several gradients: every one is validated before any is applied.
+
+        Args:
+            grads: Key → gradient, each as for :meth:`apply`.
+            allow_non_finite: Accept NaN/Inf.
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) an unknown key; nothing is applied.
+            DimensionMismatch: (INVALID_ARGUMENT) a shape or dtype differs; nothing is applied.
+            NonFiniteGradient: (INVALID_ARGUMENT) NaN/Inf present; nothing is applied.
+        """
+        checked = [
+            self._validate(k, g, allow_non_finite=allow_non_finite, allow_aggregate=True)
+            for k, g in grads.items()
+        ]
+        for entry, grad in checked:
+            apply_update(entry.rule, entry.value, grad, entry.state)
+            entry.updates += 1
+
+    # -- snapshots and checkpoints -------------------------------------------------------------
+
+    def snapshot(self, keys: Iterable[str] | None = None) -> dict[str, Array]:
+        """Copies of the values of ``keys`` (all keys when None).
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) an unknown key; nothing is returned.
+        """
+        entries = list(self._entries.values()) if keys is None else [self.get(k) for k in keys]
+        return {e.key: e.value.copy() for e in entries}
+
+    def state_dict(self) -> tuple[dict[str, Array], dict[str, object]]:
+        """Flat copies of every tensor plus JSON-able metadata, for a safetensors checkpoint.
+
+        Returns:
+            ``(tensors, meta)``: ``tensors`` maps ``"param/{key}"`` to the value and
+            ``"state/{key}/{name}"`` to each optimizer state array (copies, C order); ``meta``
+            maps each key to ``{"rule": rule.to_dict(), "dtype": str, "shape": [int, ...],
+            "updates": int}`` in declaration order.
+        """
+        tensors: dict[str, Array] = {}
+        meta: dict[str, object] = {}
+        for key, entry in self._entries.items():
+            tensors[f"{_PARAM_PREFIX}{key}"] = entry.value.copy()
+            for name, array in entry.state.items():
+                tensors[f"{_STATE_PREFIX}{key}/{name}"] = array.copy()
+            meta[key] = {
+                "rule": entry.rule.to_dict(),
+                "dtype": str(entry.value.dtype),
+                "shape": list(entry.value.shape),
+                "updates": entry.updates,
+            }
+        return tensors, meta
+
+    @classmethod
+    def from_state_dict(
+        cls, tensors: Mapping[str, Array], meta: Mapping[str, object]
+    ) -> ParameterStore:
+        """Rebuild a store from :meth:`state_dict` output (exact round trip; arrays are copied).
+
+        Tensors outside the ``param/`` and ``state/`` prefixes are ignored (a checkpoint may hold
+        other tensors).
+
+        Raises:
+            InvalidArgument: (INVALID_ARGUMENT) metadata malformed, a tensor missing, of the wrong
+                dtype or shape, or an unexpected ``param/``/``state/`` tensor; names the key.
+        """
+        store = cls()
+        used: set[str] = set()
+
+        def take(name: str, key: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Array:
+            array = tensors.get(name)
+            if not isinstance(array, np.ndarray):
+                raise InvalidArgument(f"checkpoint of key {key!r} lacks tensor {name!r}")
+            if array.dtype != dtype or array.shape != shape:
+                raise InvalidArgument(
+                    f"checkpoint tensor {name!r} is {array.dtype}{list(array.shape)}, "
+                    f"expected {dtype}{list(shape)}"
+                )
+            used.add(name)
+            return np.array(array, copy=True, order="C")
+
+        for key, info in meta.items():
+            if not isinstance(info, Mapping):
+                raise InvalidArgument(f"checkpoint metadata of key {key!r} is not a mapping")
+            try:
+                rule = UpdateRule.from_dict(info["rule"])
+                dtype = _DTYPES_BY_NAME[info["dtype"]]
+                shape = tuple(int(n) for n in info["shape"])
+                updates = int(info["updates"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise InvalidArgument(
+                    f"checkpoint metadata of key {key!r} is malformed: {exc!r}"
+                ) from exc
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"checkpoint rule of key {key!r}: {exc.message}") from exc
+            if updates < 0 or any(n < 0 for n in shape):
+                raise InvalidArgument(f"checkpoint metadata of key {key!r} has negative numbers")
+            value = take(f"{_PARAM_PREFIX}{key}", key, dtype, shape)
+            cls._check_init(key, value, rule)
+            state = {
+                name: take(f"{_STATE_PREFIX}{key}/{name}", key, fresh.dtype, fresh.shape)
+                for name, fresh in init_state(rule, value).items()
+            }
+            store._entries[key] = Entry(key, value, rule, state, updates)
+        extra = sorted(
+            name
+            for name in tensors
+            if name.startswith((_PARAM_PREFIX, _STATE_PREFIX)) and name not in used
+        )
+        if extra:
+            raise InvalidArgument(f"checkpoint holds tensors of no declared key: {extra}")
+        return store
