@@ -121,14 +121,33 @@ _BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
 }
 
 
+#: Trailing-metadata key carrying the exact error class name from server to client.
+ERROR_CLASS_METADATA_KEY = "paramserver-error-class"
+
+
+def _all_subclasses(cls: type[ParamServerError]) -> dict[str, type[ParamServerError]]:
+    out = {cls.__name__: cls}
+    for sub in cls.__subclasses__():
+        out.update(_all_subclasses(sub))
+    return out
+
+
 def from_rpc_error(err: grpc.RpcError) -> ParamServerError:
     """Map a failed RPC to the matching :class:`ParamServerError` (the client funnel).
 
-    Callers ``raise from_rpc_error(e) from e`` so the original status stays attached.
+    The status code picks the class; when the server named a more specific class of the same
+    code in trailing metadata (``paramserver-error-class``), that class is used. Callers
+    ``raise from_rpc_error(e) from e`` so the original status stays attached.
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     cls = _BY_CODE.get(code, ParamServerError)
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == ERROR_CLASS_METADATA_KEY:
+            named = _all_subclasses(ParamServerError).get(str(value))
+            if named is not None and named.code == code:
+                cls = named
     exc = cls(f"{code.name}: {details}" if cls is ParamServerError else str(details))
     exc.code = code
     return exc

@@ -308,7 +308,9 @@ class ServerCore:
             else:
                 aggregates = self.aggregator.close_step()
                 for key, agg in aggregates.items():
-                    self.store.apply(key, agg.gradient)
+                    self.store.apply(
+                        key, agg.gradient, allow_non_finite=self.config.allow_non_finite
+                    )
                 if aggregates:
                     self.applied_updates += len(
                         {w for agg in aggregates.values() for w in agg.worker_ids}

@@ -19,7 +19,12 @@ import numpy as np
 from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
+from paramserver.errors import (
+    ERROR_CLASS_METADATA_KEY,
+    InvalidArgument,
+    MalformedStream,
+    ParamServerError,
+)
 from paramserver.server.consistency import Consistency
 from paramserver.server.engine import ServerEngine
 from paramserver.server.optimizers import UpdateRule
@@ -43,6 +48,7 @@ _AGGREGATION_PB = {
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, ParamServerError):
         logger.debug("%s refused: %s", method, exc)
+        context.set_trailing_metadata(((ERROR_CLASS_METADATA_KEY, type(exc).__name__),))
         await context.abort(exc.code, exc.message)
     logger.error("%s failed with an unexpected error", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")

@@ -1,0 +1,42 @@
+# paramserver: the targets the README and .ci/run use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install protos demo test test-fast lint typecheck format bench clean
+
+$(STAMP): pyproject.toml setup.py scripts/gen_protos.py $(wildcard protos/paramserver/api/v1/*.proto)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)  ## virtual environment with the package (editable), dev and demo extras
+
+protos: $(STAMP)  ## regenerate paramserver/api/v1 from protos/
+	$(BIN)/python scripts/gen_protos.py
+
+demo: $(STAMP)  ## the main job: 1 server + 4 workers on 127.0.0.1 training on digits (SSP, s=2)
+	$(BIN)/paramserver demo --workers 4 --consistency ssp --staleness 2
+
+test: $(STAMP)  ## the whole test suite (unit + integration), on asyncio and uvloop
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)  ## unit tests only
+	$(BIN)/python -m pytest -q tests/unit
+
+lint: $(STAMP)  ## ruff lint + format check + mypy --strict
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy paramserver
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: $(STAMP)  ## benchmarks (JSON lines on stdout)
+	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info paramserver/api/v1/*_pb2*.py paramserver/api/v1/*_pb2.pyi
