@@ -124,7 +124,7 @@ def dtype_to_wire(dtype: npt.DTypeLike) -> int:
     wire = _lookup_wire(dt)
     if wire is None:
         raise InvalidArgument(f"unsupported dtype {dt}; supported: {_supported_names()}")
-    return wire
+    return int(wire)
 
 
 def dtype_from_wire(value: int, key: str) -> np.dtype[Any]:

@@ -22,7 +22,6 @@ def generate(root: Path) -> None:
         f"-I{proto_root}",
         f"-I{include}",
         f"--python_out={root}",
-        f"--pyi_out={root}",
         f"--grpc_python_out={root}",
         *protos,
     ]

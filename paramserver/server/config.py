@@ -85,7 +85,12 @@ class ServerConfig:
         for name in ("staleness", "checkpoint_every_steps"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lease_ms", "wait_timeout_ms", "max_receive_message_bytes", "keep_checkpoints"):
+        for name in (
+            "lease_ms",
+            "wait_timeout_ms",
+            "max_receive_message_bytes",
+            "keep_checkpoints",
+        ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_staleness is not None and self.max_staleness < 0:

@@ -98,9 +98,7 @@ class ServerCore:
         self, name: str, now: float, *, replace: bool = False, client_nonce: str = ""
     ) -> WorkerRecord:
         """Register a worker; see :meth:`ClusterState.register` for errors."""
-        rec, fenced = self.cluster.register(
-            name, now, replace=replace, client_nonce=client_nonce
-        )
+        rec, fenced = self.cluster.register(name, now, replace=replace, client_nonce=client_nonce)
         self._departed(fenced)
         if self.aggregator is not None:
             self.aggregator.register_worker(rec.worker_id, now)
@@ -304,7 +302,9 @@ class ServerCore:
             step = self.aggregator.current_step
             if step in self.cluster.aborted_steps:
                 self.aggregator.advance_step()
-                logger.warning("%s: its queued gradients were dropped", self.cluster.aborted_steps[step])
+                logger.warning(
+                    "%s: its queued gradients were dropped", self.cluster.aborted_steps[step]
+                )
             else:
                 aggregates = self.aggregator.close_step()
                 for key, agg in aggregates.items():

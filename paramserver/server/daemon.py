@@ -101,7 +101,9 @@ class ParameterServerDaemon:
             try:
                 self.checkpoints.save(self.engine.core)
             except OSError:
-                logger.exception("periodic checkpoint at step %d failed; the previous one stands", step)
+                logger.exception(
+                    "periodic checkpoint at step %d failed; the previous one stands", step
+                )
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Refuse new calls, let in-flight ones finish within the grace, checkpoint, stop."""
@@ -142,9 +144,7 @@ async def run_daemon(config: ServerConfig, *, port_file: str | None = None) -> N
     daemon = ParameterServerDaemon(config)
     await daemon.start()
     if port_file:
-        tmp = f"{port_file}.tmp"
-        Path(tmp).write_text(str(daemon.port))
-        os.replace(tmp, port_file)
+        _write_atomic(port_file, str(daemon.port))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,6 +159,12 @@ async def run_daemon(config: ServerConfig, *, port_file: str | None = None) -> N
         task.cancel()
     await asyncio.gather(serving, stopping, return_exceptions=True)
     logger.info("stopped")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(text)
+    os.replace(tmp, path)
 
 
 def run_loop(main: Any, *, use_uvloop: bool = True) -> Any:

@@ -158,7 +158,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         return header, tensors
 
     @grpc_errors
-    async def Init(self, request_iterator: AsyncIterator[pb.InitRequest], context: Any) -> pb.InitResponse:
+    async def Init(
+        self, request_iterator: AsyncIterator[pb.InitRequest], context: Any
+    ) -> pb.InitResponse:
         header, tensors = await self._read_tensors(request_iterator, "header")
         rule = UpdateRule.from_proto(header.rule) if header.HasField("rule") else UpdateRule()
         created = self.core.init(tensors, rule)
@@ -166,7 +168,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         return pb.InitResponse(keys=[pb.KeyInit(key=k, created=c) for k, c in created.items()])
 
     @grpc_errors
-    async def Push(self, request_iterator: AsyncIterator[pb.PushRequest], context: Any) -> pb.PushResponse:
+    async def Push(
+        self, request_iterator: AsyncIterator[pb.PushRequest], context: Any
+    ) -> pb.PushResponse:
         header, grads = await self._read_tensors(request_iterator, "header")
         if not header.worker_id:
             raise InvalidArgument("push header needs a worker_id")

@@ -232,7 +232,8 @@ class ParameterStore:
 
         Args:
             key: A declared key.
-            grad: The key's shape; its dtype, or float32/float64 (an aggregate's accumulation dtype) for a floating key. A numpy
+            grad: The key's shape; its dtype, or float32/float64 (an aggregate's accumulation
+                dtype) for a floating key. A numpy
                 scalar counts as a 0-d array.
             allow_non_finite: Accept NaN/Inf.
 

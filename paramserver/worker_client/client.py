@@ -273,7 +273,9 @@ class WorkerClient:
         arrays = {k: tensor.normalize(v, k) for k, v in tensors.items()}
 
         def messages() -> Iterator[pb.InitRequest]:
-            yield pb.InitRequest(header=pb.InitHeader(worker_id=self.worker_id, rule=rule.to_proto()))
+            yield pb.InitRequest(
+                header=pb.InitHeader(worker_id=self.worker_id, rule=rule.to_proto())
+            )
             for key, value in arrays.items():
                 for frame in tensor.encode_frames(key, value):
                     yield pb.InitRequest(frame=frame)
@@ -388,9 +390,7 @@ class WorkerClient:
             WorkerNotFound: evicted or fenced (FAILED_PRECONDITION).
         """
         req = pb.ClockRequest(worker_id=self.worker_id, clock=self.clock_value)
-        resp = await self._call(
-            lambda: self.stub.Clock(req, timeout=self.rpc_timeout_s), "clock"
-        )
+        resp = await self._call(lambda: self.stub.Clock(req, timeout=self.rpc_timeout_s), "clock")
         self.clock_value = resp.clock
         self.view = resp.view
         return int(resp.clock)

@@ -36,7 +36,9 @@ class SyncWorkerClient:
             own RPC and wait deadlines; a call past it raises WaitTimeout (DEADLINE_EXCEEDED).
     """
 
-    def __init__(self, address: str, worker_name: str, *, call_timeout_s: float = 600.0, **kwargs: Any) -> None:
+    def __init__(
+        self, address: str, worker_name: str, *, call_timeout_s: float = 600.0, **kwargs: Any
+    ) -> None:
         self._kwargs = kwargs
         self._address = address
         self._name = worker_name
@@ -118,13 +120,17 @@ class SyncWorkerClient:
     def clock_value(self) -> int:
         return self.client.clock_value
 
-    def init(self, tensors: Mapping[str, np.ndarray], rule: UpdateRule | None = None) -> dict[str, np.ndarray]:
+    def init(
+        self, tensors: Mapping[str, np.ndarray], rule: UpdateRule | None = None
+    ) -> dict[str, np.ndarray]:
         return self._run(self.client.init(tensors, rule))
 
     def push(self, grads: Mapping[str, np.ndarray], *, num_samples: int = 1) -> PushAck:
         return self._run(self.client.push(grads, num_samples=num_samples))
 
-    def pull(self, keys: Iterable[str] | None = None, *, timeout_s: float | None = None) -> dict[str, np.ndarray]:
+    def pull(
+        self, keys: Iterable[str] | None = None, *, timeout_s: float | None = None
+    ) -> dict[str, np.ndarray]:
         return self._run(self.client.pull(keys, timeout_s=timeout_s))
 
     def clock(self) -> int:

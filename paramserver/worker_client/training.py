@@ -13,6 +13,7 @@ server and N worker processes on 127.0.0.1 and reports per-epoch loss and test a
 from __future__ import annotations
 
 import argparse
+import itertools
 import asyncio
 import json
 import os
@@ -57,7 +58,7 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
     x, y = load_digits(return_X_y=True)
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(y))
-    n_test = int(round(len(y) * test_fraction))
+    n_test = round(len(y) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     mean = x[train].mean(axis=0)
     std = x[train].std(axis=0) + 1e-6
@@ -70,7 +71,7 @@ def init_params(hidden: int, seed: int = 0, dtype: Any = np.float32) -> dict[str
     rng = np.random.default_rng(seed)
     dims = [64, hidden, 10] if hidden else [64, 10]
     params = {}
-    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
         limit = np.sqrt(6.0 / (a + b))
         params[f"layer{i}/weight"] = rng.uniform(-limit, limit, size=(a, b)).astype(dtype)
         params[f"layer{i}/bias"] = np.zeros(b, dtype=dtype)
@@ -186,7 +187,10 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
                 idx = order[(step * cfg.batch_size) % len(order) :][: cfg.batch_size]
                 loss, grads = loss_and_grads(params, data.x_train[idx], data.y_train[idx])
                 if cfg.slow_factor > 1.0:
-                    await asyncio.sleep((time.monotonic() - t_step) * (cfg.slow_factor - 1.0) + 0.002 * cfg.slow_factor)
+                    await asyncio.sleep(
+                        (time.monotonic() - t_step) * (cfg.slow_factor - 1.0)
+                        + 0.002 * cfg.slow_factor
+                    )
                 await ps.push(grads, num_samples=len(idx))
                 await ps.clock()
                 losses.append(loss)
@@ -259,11 +263,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="paramserver-demo-") as tmp:
         port_file = Path(tmp) / "port"
         server_cmd = [
-            py, "-m", "paramserver", "--log-level", "WARNING", "serve",
-            "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
-            "--consistency", args.consistency, "--staleness", str(args.staleness),
-            "--aggregation", args.aggregation, "--lease-ms", str(args.lease_ms),
-        ]  # fmt: skip
+            py,
+            "-m",
+            "paramserver",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--consistency",
+            args.consistency,
+            "--staleness",
+            str(args.staleness),
+            "--aggregation",
+            args.aggregation,
+            "--lease-ms",
+            str(args.lease_ms),
+        ]
         if args.no_uvloop:
             server_cmd.append("--no-uvloop")
         server = subprocess.Popen(server_cmd, env=env)
@@ -279,20 +299,36 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             t0 = time.monotonic()
             for i in range(args.workers):
                 cmd = [
-                    py, "-m", "paramserver", "--log-level", "WARNING", "worker",
-                    "--server", address, "--worker-index", str(i),
-                    "--num-workers", str(args.workers), "--epochs", str(args.epochs),
-                    "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-                    "--momentum", str(args.momentum), "--hidden", str(args.hidden),
-                    "--seed", str(args.seed),
-                ]  # fmt: skip
+                    py,
+                    "-m",
+                    "paramserver",
+                    "--log-level",
+                    "WARNING",
+                    "worker",
+                    "--server",
+                    address,
+                    "--worker-index",
+                    str(i),
+                    "--num-workers",
+                    str(args.workers),
+                    "--epochs",
+                    str(args.epochs),
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--lr",
+                    str(args.lr),
+                    "--momentum",
+                    str(args.momentum),
+                    "--hidden",
+                    str(args.hidden),
+                    "--seed",
+                    str(args.seed),
+                ]
                 if i != 0:
                     cmd.append("--no-eval")
                 if args.no_uvloop:
                     cmd.append("--no-uvloop")
-                workers.append(
-                    subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-                )
+                workers.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
             rc = _follow(workers, args, t0)
             accuracy_final = _final_accuracy(address, args)
             elapsed = time.monotonic() - t0

@@ -55,10 +55,19 @@ class ServerProcess:
         self.port_file = tmp / f"port-{time.monotonic_ns()}"
         self.log_path = tmp / f"server-{time.monotonic_ns()}.log"
         cmd = [
-            sys.executable, "-m", "paramserver", "serve",
-            "--host", "127.0.0.1", "--port", "0", "--port-file", str(self.port_file), *args,
-        ]  # fmt: skip
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+            sys.executable,
+            "-m",
+            "paramserver",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(self.port_file),
+            *args,
+        ]
+        self._log = open(self.log_path, "wb")  # closed in stop()
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)

@@ -123,7 +123,7 @@ async def test_second_push_in_one_step_is_refused_and_not_in_mean() -> None:
         try:
             await a.init({"w": np.zeros(1)}, rule=UpdateRule("sgd", lr=1.0))
             await a.push({"w": np.array([2.0])})
-            with pytest.raises(StaleUpdate, match="duplicate|already"):
+            with pytest.raises(StaleUpdate, match=r"duplicate|already"):
                 await a.push({"w": np.array([100.0])})
             await b.push({"w": np.array([4.0])})
             await a.clock()

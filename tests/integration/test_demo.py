@@ -10,17 +10,28 @@ import pytest
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    ("consistency", "staleness"), [("bsp", 0), ("ssp", 2), ("asp", 0)]
-)
+@pytest.mark.parametrize(("consistency", "staleness"), [("bsp", 0), ("ssp", 2), ("asp", 0)])
 def test_demo_trains_digits(consistency: str, staleness: int) -> None:
     """A short demo (3 epochs, 4 workers) trains on digits and exits 0 past its bar."""
     proc = subprocess.run(
         [
-            sys.executable, "-m", "paramserver", "demo", "--workers", "4",
-            "--consistency", consistency, "--staleness", str(staleness),
-            "--epochs", "3", "--min-accuracy", "0.9", "--timeout-s", "150",
-        ],  # fmt: skip
+            sys.executable,
+            "-m",
+            "paramserver",
+            "demo",
+            "--workers",
+            "4",
+            "--consistency",
+            consistency,
+            "--staleness",
+            str(staleness),
+            "--epochs",
+            "3",
+            "--min-accuracy",
+            "0.9",
+            "--timeout-s",
+            "150",
+        ],
         capture_output=True,
         text=True,
         timeout=170,
@@ -43,10 +54,21 @@ def test_worker_exits_nonzero_below_accuracy_bar(tmp_path) -> None:  # type: ign
     try:
         proc = subprocess.run(
             [
-                sys.executable, "-m", "paramserver", "worker", "--server", server.address,
-                "--worker-index", "0", "--num-workers", "1", "--epochs", "1",
-                "--min-accuracy", "1.01",
-            ],  # fmt: skip
+                sys.executable,
+                "-m",
+                "paramserver",
+                "worker",
+                "--server",
+                server.address,
+                "--worker-index",
+                "0",
+                "--num-workers",
+                "1",
+                "--epochs",
+                "1",
+                "--min-accuracy",
+                "1.01",
+            ],
             capture_output=True,
             text=True,
             timeout=100,
