@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -207,8 +208,33 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from paramserver.api.v1 import parameter_server_pb2 as pb
+
+    async def fetch() -> dict[str, Any]:
+        async with grpc.aio.insecure_channel(args.server) as channel:
+            stub = pb_grpc.ParameterServerStub(channel)
+            resp = await stub.Status(pb.StatusRequest(), timeout=args.timeout_s)
+        return dict(MessageToDict(resp, preserving_proto_field_name=True))
+
+    try:
+        status = run_loop(fetch(), use_uvloop=False)
+    except grpc.aio.AioRpcError as err:
+        print(f"paramserver status: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2, sort_keys=True))
+    return 0
+
+
 def add_subcommands(sub: Any) -> None:
-    """Register ``serve`` on the ``paramserver`` command line."""
+    """Register ``serve`` and ``status`` on the ``paramserver`` command line."""
+    st = sub.add_parser("status", help="print a server's status as JSON")
+    st.add_argument("--server", required=True, help="HOST:PORT")
+    st.add_argument("--timeout-s", type=float, default=10.0)
+    st.set_defaults(func=_cmd_status)
+
     p = sub.add_parser(
         "serve",
         help="run a parameter-server shard",

@@ -1,0 +1,79 @@
+"""The daemon as a real process: graceful SIGTERM, final checkpoint, restore, status CLI."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paramserver.worker_client import UpdateRule, connect_sync
+
+from .ps_helpers import ServerProcess
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_sigterm_checkpoints_and_restart_restores(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    server = ServerProcess(tmp_path, "--consistency", "asp", "--checkpoint-dir", str(ckpt))
+    try:
+        with connect_sync(server.address, "w0") as ps:
+            ps.init({"w": np.zeros(3, np.float32)}, UpdateRule("sgd", lr=0.5))
+            for _ in range(4):
+                ps.push({"w": np.ones(3, np.float32)})
+            ps.clock()
+    finally:
+        t0 = time.monotonic()
+        assert server.stop(signal.SIGTERM) == 0, server.log()
+        assert time.monotonic() - t0 < 10
+    assert len(list(ckpt.glob("ckpt-*"))) == 1
+
+    restarted = ServerProcess(tmp_path, "--consistency", "asp", "--checkpoint-dir", str(ckpt))
+    try:
+        with connect_sync(restarted.address, "w1") as ps:
+            got = ps.pull(["w"])["w"]
+            status = ps.status()
+            assert ps.clock_value == 1  # a late joiner starts at the restored minimum clock
+    finally:
+        restarted.stop()
+    np.testing.assert_array_equal(got, np.full(3, -2.0, np.float32))
+    assert status.applied_updates == 4
+
+
+def test_status_cli_prints_json(tmp_path: Path) -> None:
+    server = ServerProcess(tmp_path, "--consistency", "ssp", "--staleness", "3")
+    try:
+        with connect_sync(server.address, "w0") as ps:
+            ps.init({"k": np.zeros(2)}, UpdateRule("add"))
+            out = subprocess.run(
+                [sys.executable, "-m", "paramserver", "status", "--server", server.address],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+    finally:
+        server.stop()
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["view"]["consistency"] == "CONSISTENCY_SSP"
+    assert status["view"]["staleness"] == 3
+    assert status["keys"][0]["key"] == "k"
+    assert status["workers"][0]["worker_name"] == "w0"
+
+
+def test_bad_configuration_exits_2_with_a_clear_message() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "paramserver", "serve", "--port", "0"],
+        env={"PARAMSERVER_LEASE_MS": "soon", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "PARAMSERVER_LEASE_MS" in proc.stderr
