@@ -24,8 +24,10 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,14 @@ def _from_storable(array: np.ndarray, dtype: str) -> np.ndarray:
     return array
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A consistent copy of a shard's state, ready to be written."""
+
+    tensors: dict[str, np.ndarray]
+    manifest: dict[str, Any]
+
+
 class CheckpointManager:
     """Writes, lists, prunes and restores checkpoints in one directory.
 
@@ -86,6 +96,9 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.keep = max(1, keep)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.last_restored_wal_sequence = 0
+        self.last_written_wal_sequence = 0
+        self._write_lock = threading.Lock()
 
     def committed(self) -> list[Path]:
         """Committed checkpoint directories, oldest first."""
@@ -97,8 +110,12 @@ class CheckpointManager:
         done = self.committed()
         return int(done[-1].name[len(_PREFIX) :]) + 1 if done else 1
 
-    def save(self, core: ServerCore) -> Path:
-        """Write one consistent checkpoint of ``core`` and commit it atomically.
+    def save(self, core: ServerCore, *, wal_sequence: int = 0) -> Path:
+        """Snapshot ``core`` and write the checkpoint (both here, synchronously).
+
+        Args:
+            core: The state to save.
+            wal_sequence: Last write-ahead-log record the state reflects (replay resumes after).
 
         Returns:
             The committed checkpoint directory.
@@ -107,34 +124,49 @@ class CheckpointManager:
             OSError: the write failed (e.g. disk full); the previous checkpoint is untouched and
                 the temporary directory removed.
         """
-        seq = self._next_sequence()
-        final = self.directory / f"{_PREFIX}{seq:08d}"
-        tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+        return self.write(self.snapshot(core, wal_sequence=wal_sequence))
+
+    def snapshot(self, core: ServerCore, *, wal_sequence: int = 0) -> Snapshot:
+        """Copy the state (one consistent cut: call without yielding to the event loop)."""
         tensors, meta = core.store.state_dict()
         manifest = self._manifest(core, tensors, meta)
-        storable = {}
-        for name, array in tensors.items():
-            storable[name], _ = _to_storable(array)
-        try:
-            tmp.mkdir()
-            tensor_file = tmp / "tensors.safetensors"
-            save_file(storable, str(tensor_file))
-            with open(tensor_file, "rb") as fh:
-                os.fsync(fh.fileno())
-            manifest_file = tmp / "manifest.json"
-            with open(manifest_file, "w", encoding="utf-8") as fh:
-                json.dump(manifest, fh, indent=1, sort_keys=True)
-                fh.flush()
-                os.fsync(fh.fileno())
-            _fsync_dir(tmp)
-            os.rename(tmp, final)
-            _fsync_dir(self.directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        for old in self.committed()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        logger.info("checkpoint %s committed (%d tensors)", final.name, len(tensors))
+        manifest["wal_sequence"] = wal_sequence
+        return Snapshot(tensors, manifest)
+
+    def write(self, snap: Snapshot) -> Path:
+        """Write a snapshot to a temporary directory, fsync, and commit it by atomic rename.
+
+        Safe to run in a worker thread (it touches only the snapshot and the directory).
+
+        Raises:
+            OSError: the write failed; the previous checkpoint is untouched.
+        """
+        with self._write_lock:
+            seq = self._next_sequence()
+            final = self.directory / f"{_PREFIX}{seq:08d}"
+            tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+            storable = {name: _to_storable(array)[0] for name, array in snap.tensors.items()}
+            try:
+                tmp.mkdir()
+                tensor_file = tmp / "tensors.safetensors"
+                save_file(storable, str(tensor_file))
+                with open(tensor_file, "rb") as fh:
+                    os.fsync(fh.fileno())
+                manifest_file = tmp / "manifest.json"
+                with open(manifest_file, "w", encoding="utf-8") as fh:
+                    json.dump(snap.manifest, fh, indent=1, sort_keys=True)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                _fsync_dir(tmp)
+                os.rename(tmp, final)
+                _fsync_dir(self.directory)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            for old in self.committed()[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.last_written_wal_sequence = int(snap.manifest.get("wal_sequence", 0))
+        logger.info("checkpoint %s committed (%d tensors)", final.name, len(snap.tensors))
         return final
 
     @staticmethod
@@ -210,6 +242,7 @@ class CheckpointManager:
                 logger.error("%s; trying an older checkpoint", exc)
                 continue
             self._apply(core, tensors, manifest)
+            self.last_restored_wal_sequence = int(manifest.get("wal_sequence", 0))
             return path
         return None
 

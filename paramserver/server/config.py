@@ -18,6 +18,8 @@ from paramserver.server.consistency import Consistency, DeathPolicy
 
 ENV_PREFIX = "PARAMSERVER_"
 AGGREGATIONS = ("mean", "sum", "weighted_mean")
+MODES = ("ps", "reduce")
+REDUCE_STRATEGIES = ("synchronous", "asynchronous", "federated_average", "gossip")
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,29 @@ class ServerConfig:
         max_tensor_bytes: Largest tensor accepted in one push/init (None: unlimited).
         checkpoint_dir: Directory of checkpoints; None disables them.
         checkpoint_every_steps: Periodic checkpoint every N closed steps / min clocks (0: off).
+        checkpoint_every_s: Periodic checkpoint every this many seconds (0: off).
+        wal: Keep a write-ahead log: every update is durable before it is acknowledged, and a
+            restart replays it after the newest checkpoint (needs ``checkpoint_dir`` or
+            ``wal_dir``).
+        wal_dir: Directory of the log (default ``<checkpoint_dir>/wal``).
+        wal_fsync_interval_ms: Group-commit window: extra wait before each fsync, batching
+            the records of concurrent pushes (0: fsync as soon as a record waits).
+        wal_fsync: fsync the log (False: survive a process kill but not a power cut).
         keep_checkpoints: Committed checkpoints kept.
         grace_s: Graceful-shutdown grace period in seconds.
         use_uvloop: Run the daemon on uvloop when it is installed.
+        mode: ``ps`` (parameter server, the default) or ``reduce`` (reduction server: workers
+            submit per-layer gradients for a step and get the aggregate back; no parameters;
+            see :mod:`paramserver.server.reduction`).
+        reduce_strategy: ``reduce`` mode: ``synchronous``, ``asynchronous``,
+            ``federated_average`` or ``gossip`` (the strategies of
+            :mod:`paramserver.server.aggregation`); ``aggregation`` is the reduction.
+        replicas_to_aggregate: ``synchronous``: aggregate once the first N active workers
+            have sent (backup workers); None: every active worker.
+        staleness_threshold: ``asynchronous``: largest accepted staleness, in steps.
+        scale_by_staleness: ``asynchronous``: scale each gradient by 1 / (1 + staleness).
+        min_updates: ``federated_average``: distinct workers per round.
+        fanout: ``gossip``: peers each worker pushes to per round.
     """
 
     host: str = "127.0.0.1"
@@ -60,8 +82,20 @@ class ServerConfig:
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 3
+    checkpoint_every_s: float = 0.0
+    wal: bool = False
+    wal_dir: str | None = None
+    wal_fsync_interval_ms: float = 1.0
+    wal_fsync: bool = True
     grace_s: float = 5.0
     use_uvloop: bool = True
+    mode: str = "ps"
+    reduce_strategy: str = "synchronous"
+    replicas_to_aggregate: int | None = None
+    staleness_threshold: int = 0
+    scale_by_staleness: bool = False
+    min_updates: int = 1
+    fanout: int = 1
 
     def __post_init__(self) -> None:
         try:
@@ -80,9 +114,23 @@ class ServerConfig:
             raise InvalidArgument(
                 f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {self.aggregation!r}"
             )
+        if self.mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.reduce_strategy not in REDUCE_STRATEGIES:
+            raise InvalidArgument(
+                f"reduce_strategy must be one of {', '.join(REDUCE_STRATEGIES)}; "
+                f"got {self.reduce_strategy!r}"
+            )
+        for name in ("min_updates", "fanout"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.replicas_to_aggregate is not None and self.replicas_to_aggregate < 1:
+            raise InvalidArgument(
+                f"replicas_to_aggregate must be >= 1, got {self.replicas_to_aggregate}"
+            )
         if not 0 <= self.port <= 65535:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
-        for name in ("staleness", "checkpoint_every_steps"):
+        for name in ("staleness", "checkpoint_every_steps", "staleness_threshold"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in (
@@ -95,6 +143,10 @@ class ServerConfig:
                 raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise InvalidArgument(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.wal and not (self.checkpoint_dir or self.wal_dir):
+            raise InvalidArgument("wal needs checkpoint_dir or wal_dir")
+        if self.checkpoint_every_s < 0 or self.wal_fsync_interval_ms < 0:
+            raise InvalidArgument("checkpoint_every_s and wal_fsync_interval_ms must be >= 0")
         if self.grace_s < 0:
             raise InvalidArgument(f"grace_s must be >= 0, got {self.grace_s}")
 

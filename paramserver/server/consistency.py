@@ -221,6 +221,7 @@ class ClusterState:
     def leave(self, worker_id: str) -> MembershipChange:
         """Clean leave: the worker stops holding any step back at once, whatever the policy."""
         rec = self.require_live(worker_id)
+        self.min_clock()  # remember the minimum the leaver held: a late joiner starts there
         rec.live = False
         self.epoch += 1
         return MembershipChange(rec, "left")
@@ -231,20 +232,25 @@ class ClusterState:
         Under ``fail_fast`` an eviction aborts the step the worker had not finished (its
         clock): :attr:`aborted_steps` records the reason, named after the worker.
         """
-        changes = []
-        for rec in self.workers.values():
-            if rec.live and rec.lease_expiry_s <= now:
-                rec.live = False
-                if self.death_policy is DeathPolicy.WAIT and self.consistency is not (
-                    Consistency.ASP
-                ):
-                    rec.lost = True
-                changes.append(MembershipChange(rec, "evicted"))
-        if changes:
-            self.epoch += 1
-            if self.death_policy is DeathPolicy.FAIL_FAST:
-                self._abort_for(changes)
-        return changes
+        lapsed = [w.worker_id for w in self.workers.values() if w.live and w.lease_expiry_s <= now]
+        return [self.evict(wid) for wid in lapsed]
+
+    def evict(self, worker_id: str) -> MembershipChange:
+        """Evict one live worker (lease lapsed), applying the death policy.
+
+        Raises:
+            WorkerNotFound: not live (FAILED_PRECONDITION).
+        """
+        rec = self.require_live(worker_id)
+        self.min_clock()  # remember the minimum the evicted worker held (see leave)
+        rec.live = False
+        if self.death_policy is DeathPolicy.WAIT and self.consistency is not Consistency.ASP:
+            rec.lost = True
+        change = MembershipChange(rec, "evicted")
+        self.epoch += 1
+        if self.death_policy is DeathPolicy.FAIL_FAST:
+            self._abort_for([change])
+        return change
 
     def _abort_for(self, changes: list[MembershipChange]) -> None:
         if self.consistency is Consistency.ASP:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paramserver.errors import KeyNotFound, StaleUpdate
+from paramserver.errors import InvalidArgument, KeyNotFound, StaleUpdate
 from paramserver.server.aggregation import DistributedOptimizer, GradientUpdate, Synchronous
 from paramserver.server.config import ServerConfig
 from paramserver.server.consistency import (
@@ -98,9 +98,18 @@ class ServerCore:
         self, name: str, now: float, *, replace: bool = False, client_nonce: str = ""
     ) -> WorkerRecord:
         """Register a worker; see :meth:`ClusterState.register` for errors."""
+        lost = [w for w in self.cluster.workers.values() if w.name == name and w.lost]
         rec, fenced = self.cluster.register(name, now, replace=replace, client_nonce=client_nonce)
         self._departed(fenced)
         if self.aggregator is not None:
+            for old in (w for w in lost if not w.lost):
+                # `wait` policy takeover: a successor that redoes the open step replaces the old
+                # incarnation's queued gradient (no double count); one that starts past it
+                # leaves that gradient in the step.
+                if rec.clock > self.aggregator.current_step:
+                    self._release_after_step[old.worker_id] = rec.clock
+                else:
+                    self.aggregator.evict_worker(old.worker_id)
             self.aggregator.register_worker(rec.worker_id, now)
         self._advance()
         return rec
@@ -131,6 +140,13 @@ class ServerCore:
             self._departed(changes)
             self._advance()
         return changes
+
+    def evict(self, worker_id: str) -> MembershipChange:
+        """Evict one worker now (as a lapsed lease would); used by WAL replay."""
+        change = self.cluster.evict(worker_id)
+        self._departed([change])
+        self._advance()
+        return change
 
     def _departed(self, changes: Iterable[MembershipChange]) -> None:
         """A worker left the live set: its unfinished step contribution leaves the aggregate.
@@ -210,6 +226,10 @@ class ServerCore:
                     key, grad, allow_non_finite=self.config.allow_non_finite
                 )
             result = self._apply_or_queue(rec, clock, grads, now, max(num_samples, 1), base_version)
+        except InvalidArgument as exc:
+            # Name the pushing worker too (cases/non-finite-gradient.md), same class and code.
+            self.rejected_pushes += 1
+            raise type(exc)(f"push from worker {rec.worker_id!r}: {exc.message}") from exc
         except Exception:
             self.rejected_pushes += 1
             raise

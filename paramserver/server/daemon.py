@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,6 +30,7 @@ from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
 from paramserver.server.engine import ServerEngine
 from paramserver.server.servicer import ParameterServerServicer
+from paramserver.server.wal import WriteAheadLog, replay_into
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,10 @@ class ParameterServerDaemon:
         self.checkpoints: CheckpointManager | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
+        self._timer: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Task[Path | None]] = set()
+        self._checkpoint_lock = asyncio.Lock()
+        self.recovery_s = 0.0
         self.port = 0
 
     @property
@@ -57,25 +63,17 @@ class ParameterServerDaemon:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        """Restore the newest checkpoint (if any), bind, and start serving."""
+        """Recover (newest checkpoint + WAL replay), bind, and start serving."""
         engine = ServerEngine(self.config)
         self.engine = engine
-        if self.config.checkpoint_dir:
-            self.checkpoints = CheckpointManager(
-                Path(self.config.checkpoint_dir), keep=self.config.keep_checkpoints
-            )
-            restored = self.checkpoints.restore_latest(engine.core)
-            if restored is not None:
-                logger.info("restored checkpoint %s", restored)
-            if self.config.checkpoint_every_steps:
-                engine.core.on_progress = self._maybe_checkpoint
+        self._recover(engine)
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
                 ("grpc.so_reuseport", 0),
             ]
         )
-        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(engine), server)
+        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(engine, self), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
@@ -84,44 +82,123 @@ class ParameterServerDaemon:
         await server.start()
         self._server = server
         engine.start()
+        if self.checkpoints is not None and self.config.checkpoint_every_s > 0:
+            self._timer = asyncio.get_running_loop().create_task(
+                self._checkpoint_timer(), name="paramserver-checkpoint-timer"
+            )
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
-            "paramserver listening on %s:%d (%s, staleness %d, aggregation %s, lease %d ms)",
+            "paramserver listening on %s:%d (%s, staleness %d, aggregation %s, lease %d ms%s)",
             self.config.host,
             self.port,
             self.config.consistency,
             engine.core.cluster.staleness,
             self.config.aggregation,
             self.config.lease_ms,
+            ", write-ahead log on" if engine.wal is not None else "",
         )
 
-    def _maybe_checkpoint(self, step: int) -> None:
-        every = self.config.checkpoint_every_steps
-        if self.checkpoints is not None and self.engine is not None and every and step % every == 0:
-            try:
-                self.checkpoints.save(self.engine.core)
-            except OSError:
-                logger.exception(
-                    "periodic checkpoint at step %d failed; the previous one stands", step
+    def _recover(self, engine: ServerEngine) -> None:
+        """Restore the newest verified checkpoint, replay the WAL after it, open the WAL."""
+        cfg = self.config
+        t0 = time.monotonic()
+        if cfg.checkpoint_dir:
+            self.checkpoints = CheckpointManager(
+                Path(cfg.checkpoint_dir), keep=cfg.keep_checkpoints
+            )
+            restored = self.checkpoints.restore_latest(engine.core)
+            if restored is not None:
+                logger.info("restored checkpoint %s", restored.name)
+            if cfg.checkpoint_every_steps:
+                engine.core.on_progress = self._on_progress
+        if cfg.wal:
+            wal_dir = Path(cfg.wal_dir) if cfg.wal_dir else Path(cfg.checkpoint_dir or ".") / "wal"
+            log = WriteAheadLog(
+                wal_dir, fsync_interval_ms=cfg.wal_fsync_interval_ms if cfg.wal_fsync else None
+            )
+            after = self.checkpoints.last_restored_wal_sequence if self.checkpoints else 0
+            last = log.open()
+            replayed = replay_into(engine.core, log.replay(after))
+            if last < after:
+                log.next_sequence = after + 1
+            engine.wal = log
+            if replayed:
+                logger.info(
+                    "replayed %d write-ahead-log records after sequence %d", replayed, after
                 )
+        self.recovery_s = time.monotonic() - t0
+
+    def _on_progress(self, mark: int) -> None:
+        every = self.config.checkpoint_every_steps
+        if every and mark % every == 0:
+            self.request_checkpoint()
+
+    def request_checkpoint(self) -> asyncio.Task[Path | None]:
+        """Start a checkpoint now (one at a time); the task returns its path (None if off)."""
+        task = asyncio.get_running_loop().create_task(self.checkpoint(), name="paramserver-ckpt")
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
+
+    async def checkpoint(self) -> Path | None:
+        """Write one consistent checkpoint; the snapshot is taken without yielding.
+
+        The write-ahead log is rotated at the snapshot and truncated once the checkpoint
+        commits. The file writing runs in a worker thread so the server keeps serving.
+
+        Raises:
+            OSError: the write failed (disk full...); the previous checkpoint stands.
+        """
+        if self.checkpoints is None or self.engine is None:
+            return None
+        async with self._checkpoint_lock:
+            engine = self.engine
+            wal_sequence = engine.wal.rotate() if engine.wal is not None else 0
+            snap = self.checkpoints.snapshot(engine.core, wal_sequence=wal_sequence)
+            path = await asyncio.get_running_loop().run_in_executor(
+                None, self.checkpoints.write, snap
+            )
+            if engine.wal is not None:
+                engine.wal.truncate_through(wal_sequence)
+            return path
+
+    async def _checkpoint_timer(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.checkpoint_every_s)
+            try:
+                await self.checkpoint()
+            except OSError:
+                logger.exception("periodic checkpoint failed; the previous one stands")
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Refuse new calls, let in-flight ones finish within the grace, checkpoint, stop."""
+        """Refuse new calls, end waits with UNAVAILABLE, let in-flight calls finish within the
+        grace, write a final checkpoint, close the WAL."""
         grace = self.config.grace_s if grace_s is None else grace_s
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+            self._timer = None
+        if self.engine is not None:
+            self.engine.begin_shutdown()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
         if self.engine is not None:
             await self.engine.stop()
             if self.checkpoints is not None:
                 try:
-                    path = self.checkpoints.save(self.engine.core)
+                    path = await self.checkpoint()
                     logger.info("final checkpoint %s", path)
                 except OSError:
                     logger.exception("final checkpoint failed; the previous one stands")
+            if self.engine.wal is not None:
+                await self.engine.wal.close()
 
     async def wait_closed(self) -> None:
         if self._server is not None:
@@ -196,6 +273,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every_steps": args.checkpoint_every_steps,
         "keep_checkpoints": args.keep_checkpoints,
+        "checkpoint_every_s": args.checkpoint_every_s,
+        "wal": True if args.wal else None,
+        "wal_dir": args.wal_dir,
+        "wal_fsync_interval_ms": args.wal_fsync_interval_ms,
+        "wal_fsync": False if args.no_wal_fsync else None,
         "grace_s": args.grace_s,
         "use_uvloop": False if args.no_uvloop else None,
     }
@@ -228,12 +310,37 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from paramserver.api.v1 import parameter_server_pb2 as pb
+
+    async def ask() -> Any:
+        async with grpc.aio.insecure_channel(args.server) as channel:
+            stub = pb_grpc.ParameterServerStub(channel)
+            return await stub.Checkpoint(pb.CheckpointRequest(), timeout=args.timeout_s)
+
+    try:
+        resp = run_loop(ask(), use_uvloop=False)
+    except grpc.aio.AioRpcError as err:
+        print(f"paramserver checkpoint: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    print(
+        json.dumps(
+            {"path": resp.path, "wal_sequence": resp.wal_sequence, "duration_ms": resp.duration_ms}
+        )
+    )
+    return 0
+
+
 def add_subcommands(sub: Any) -> None:
     """Register ``serve`` and ``status`` on the ``paramserver`` command line."""
     st = sub.add_parser("status", help="print a server's status as JSON")
     st.add_argument("--server", required=True, help="HOST:PORT")
     st.add_argument("--timeout-s", type=float, default=10.0)
     st.set_defaults(func=_cmd_status)
+    ck = sub.add_parser("checkpoint", help="ask a server to write a checkpoint now")
+    ck.add_argument("--server", required=True, help="HOST:PORT")
+    ck.add_argument("--timeout-s", type=float, default=300.0)
+    ck.set_defaults(func=_cmd_checkpoint)
 
     p = sub.add_parser(
         "serve",
@@ -256,6 +363,11 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--checkpoint-dir", help="directory of checkpoints (restored on start)")
     p.add_argument("--checkpoint-every-steps", type=int)
     p.add_argument("--keep-checkpoints", type=int)
+    p.add_argument("--checkpoint-every-s", type=float, help="periodic checkpoint interval")
+    p.add_argument("--wal", action="store_true", help="write-ahead log: no acked update lost")
+    p.add_argument("--wal-dir", help="WAL directory (default <checkpoint-dir>/wal)")
+    p.add_argument("--wal-fsync-interval-ms", type=float, help="group-commit window (ms)")
+    p.add_argument("--no-wal-fsync", action="store_true", help="skip fsync (not power-safe)")
     p.add_argument("--grace-s", type=float, help="graceful shutdown period (default 5 s)")
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
     p.add_argument("--port-file", help="write the bound port to this file once serving")

@@ -13,10 +13,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from paramserver.errors import Aborted, WaitTimeout
+from paramserver.api.v1 import wal_pb2 as wal_pb
+from paramserver.errors import Aborted, Unavailable, WaitTimeout
 from paramserver.server.config import ServerConfig
 from paramserver.server.consistency import Admission
 from paramserver.server.core import ServerCore
+from paramserver.server.wal import WriteAheadLog
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,10 @@ class ServerEngine:
         self.core = ServerCore(config)
         self._change: asyncio.Future[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
-        self.on_step_closed: list[Callable[[], None]] = []
+        #: Write-ahead log; when set, every mutation is durable before it is acknowledged.
+        self.wal: WriteAheadLog | None = None
+        #: Set at graceful shutdown: waits end at once with UNAVAILABLE.
+        self.shutting_down = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -61,10 +66,28 @@ class ServerEngine:
         while True:
             await asyncio.sleep(tick_s)
             try:
-                if self.core.expire(self.now()):
+                changes = self.core.expire(self.now())
+                if changes:
                     self.notify()
+                    for ch in changes:
+                        await self.commit(
+                            wal_pb.WalRecord(
+                                depart=wal_pb.WalDepart(worker_id=ch.worker.worker_id, why=ch.why)
+                            )
+                        )
             except Exception:  # pragma: no cover - a bug; keep serving
                 logger.exception("lease reaper failed")
+
+    async def commit(self, record: wal_pb.WalRecord) -> None:
+        """Append a mutation to the write-ahead log and wait until it is durable (no-op
+        without a log). Call after the mutation was applied, before acknowledging it."""
+        if self.wal is not None:
+            await self.wal.durable(self.wal.append(record))
+
+    def begin_shutdown(self) -> None:
+        """Refuse further waits and end the current ones with UNAVAILABLE."""
+        self.shutting_down = True
+        self.notify()
 
     # ------------------------------------------------------------------ waiting
     def notify(self) -> None:
@@ -93,12 +116,15 @@ class ServerEngine:
             WaitTimeout: still not admitted after ``timeout_s``; names the workers waited for
                 (DEADLINE_EXCEEDED).
             Aborted: the step was aborted by the ``fail_fast`` policy (ABORTED).
+            Unavailable: the server is shutting down (UNAVAILABLE, retryable).
             WorkerNotFound: the worker is (or became, while waiting) not live
                 (FAILED_PRECONDITION).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
+            if self.shutting_down:
+                raise Unavailable("server is shutting down: retry against its successor")
             adm = self.core.check_pull(worker_id)
             if adm.admitted:
                 return adm

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -19,12 +20,15 @@ import numpy as np
 from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.errors import (
     ERROR_CLASS_METADATA_KEY,
+    FailedPrecondition,
     InvalidArgument,
     MalformedStream,
     ParamServerError,
 )
+from paramserver.server import wal
 from paramserver.server.consistency import Consistency
 from paramserver.server.engine import ServerEngine
 from paramserver.server.optimizers import UpdateRule
@@ -86,9 +90,10 @@ def grpc_errors(fn: F) -> F:
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[misc]
     """Implements ``paramserver.api.v1.ParameterServer`` over a :class:`ServerEngine`."""
 
-    def __init__(self, engine: ServerEngine) -> None:
+    def __init__(self, engine: ServerEngine, daemon: Any = None) -> None:
         self.engine = engine
         self.core = engine.core
+        self.daemon = daemon
 
     def _view(self) -> pb.ClusterView:
         cluster = self.core.cluster
@@ -109,6 +114,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             client_nonce=request.client_nonce,
         )
         self.engine.notify()
+        await self.engine.commit(
+            wal.record_register(
+                request.worker_name, request.replace, request.client_nonce, rec.worker_id
+            )
+        )
         logger.info("registered %s at clock %d", rec.worker_id, rec.clock)
         return pb.RegisterResponse(
             worker_id=rec.worker_id,
@@ -126,6 +136,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
         change = self.core.leave(request.worker_id)
         self.engine.notify()
+        await self.engine.commit(
+            wal_pb.WalRecord(depart=wal_pb.WalDepart(worker_id=request.worker_id, why="left"))
+        )
         logger.info("worker %s left at clock %d", change.worker.worker_id, change.worker.clock)
         return pb.LeaveResponse(view=self._view())
 
@@ -165,6 +178,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         rule = UpdateRule.from_proto(header.rule) if header.HasField("rule") else UpdateRule()
         created = self.core.init(tensors, rule)
         self.engine.notify()
+        if any(created.values()):
+            await self.engine.commit(
+                wal_pb.WalRecord(
+                    init=wal_pb.WalInit(
+                        rule=rule.to_proto(),
+                        tensors=wal.tensors_to_wal(
+                            {k: tensors[k] for k, c in created.items() if c}
+                        ),
+                    )
+                )
+            )
         return pb.InitResponse(keys=[pb.KeyInit(key=k, created=c) for k, c in created.items()])
 
     @grpc_errors
@@ -184,6 +208,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             base_version=header.base_version if header.HasField("base_version") else None,
         )
         self.engine.notify()
+        if not result.duplicate and not result.dropped_stale:
+            await self.engine.commit(
+                wal_pb.WalRecord(
+                    push=wal_pb.WalPush(
+                        worker_id=header.worker_id,
+                        request_id=header.request_id,
+                        clock=header.clock,
+                        num_samples=header.num_samples,
+                        base_version=header.base_version
+                        if header.HasField("base_version")
+                        else None,
+                        grads=wal.tensors_to_wal(grads),
+                    )
+                )
+            )
         return pb.PushResponse(
             duplicate=result.duplicate,
             applied_updates=result.applied_updates,
@@ -208,6 +247,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
     async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
         new = self.core.clock(request.worker_id, request.clock)
         self.engine.notify()
+        await self.engine.commit(
+            wal_pb.WalRecord(
+                clock=wal_pb.WalClock(worker_id=request.worker_id, clock=request.clock)
+            )
+        )
         return pb.ClockResponse(clock=new, view=self._view())
 
     @grpc_errors
@@ -247,4 +291,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             dropped_stale=core.dropped_stale,
             bsp_step=core.bsp_step,
             bsp_policy=self.engine.config.death_policy,
+        )
+
+    @grpc_errors
+    async def Checkpoint(
+        self, request: pb.CheckpointRequest, context: Any
+    ) -> pb.CheckpointResponse:
+        if self.daemon is None or self.daemon.checkpoints is None:
+            raise FailedPrecondition("checkpoints are off: start the server with --checkpoint-dir")
+        t0 = time.monotonic()
+        path = await self.daemon.request_checkpoint()
+        wal_sequence = self.daemon.checkpoints.last_written_wal_sequence
+        return pb.CheckpointResponse(
+            path=str(path),
+            wal_sequence=wal_sequence,
+            duration_ms=int((time.monotonic() - t0) * 1000),
         )
