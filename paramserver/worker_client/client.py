@@ -32,7 +32,13 @@ import numpy as np
 from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from paramserver.errors import MalformedStream, ParamServerError, WorkerNotFound, from_rpc_error
+from paramserver.errors import (
+    AlreadyExists,
+    MalformedStream,
+    ParamServerError,
+    WorkerNotFound,
+    from_rpc_error,
+)
 from paramserver.server.optimizers import UpdateRule
 
 logger = logging.getLogger(__name__)
@@ -40,6 +46,14 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+#: A push attempt whose own deadline expired may have been applied with its reply lost; the
+#: retry reuses the request id, so the server answers it as a duplicate (cases/retried-push.md).
+_PUSH_RETRYABLE = _RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
+
+#: Payload bytes per frame sent to the server: 16 KiB under 1 MiB, so a whole message (frame
+#: header, key, shape, proto framing) stays within a server receive limit as low as 1 MiB
+#: (cases/large-tensor-default-limits.md).
+_SEND_CHUNK_BYTES = tensor.DEFAULT_CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,9 @@ class WorkerClient:
         wait_timeout_s: Deadline of a pull's consistency wait (server side).
         retry: Backoff policy for UNAVAILABLE / RESOURCE_EXHAUSTED.
         heartbeat: Renew the lease in the background.
+        auto_reregister: When the server no longer knows this worker (it restarted without
+            its state, or evicted the worker), register again under the same name and carry
+            on from the cluster's current clock. A fenced worker is never re-registered.
         channel_options: Extra grpc channel options.
     """
 
@@ -103,6 +120,7 @@ class WorkerClient:
         wait_timeout_s: float = 60.0,
         retry: RetryPolicy | None = None,
         heartbeat: bool = True,
+        auto_reregister: bool = True,
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.address = address
@@ -112,6 +130,8 @@ class WorkerClient:
         self.wait_timeout_s = wait_timeout_s
         self.retry = retry or RetryPolicy()
         self.heartbeat_enabled = heartbeat
+        self.auto_reregister = auto_reregister
+        self.reregistrations = 0
         self.channel_options = list(channel_options)
         self.worker_id = ""
         self.clock_value = 0
@@ -177,7 +197,9 @@ class WorkerClient:
         return self._stub
 
     # ------------------------------------------------------------------ retry funnel
-    async def _call(self, attempt: Callable[[], Awaitable[T]], what: str) -> T:
+    async def _call(
+        self, attempt: Callable[[], Awaitable[T]], what: str, retryable: set[Any] = _RETRYABLE
+    ) -> T:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry.deadline_s
         ceiling = self.retry.initial_backoff_s
@@ -185,22 +207,56 @@ class WorkerClient:
             try:
                 return await attempt()
             except grpc.aio.AioRpcError as err:
-                if err.code() not in _RETRYABLE or loop.time() >= deadline:
+                if err.code() not in retryable or loop.time() >= deadline:
                     raise from_rpc_error(err) from err
                 delay = min(random.uniform(0, ceiling), max(0.0, deadline - loop.time()))
                 logger.debug("%s: %s; retrying in %.3f s", what, err.code().name, delay)
                 await asyncio.sleep(delay)
                 ceiling = min(ceiling * self.retry.multiplier, self.retry.max_backoff_s)
 
+    async def _member_call(
+        self, attempt: Callable[[], Awaitable[T]], what: str, retryable: set[Any] = _RETRYABLE
+    ) -> T:
+        """:meth:`_call` for calls made as this worker: when the server no longer knows the
+        worker (restarted without its state, or evicted it), re-register under the same name
+        and try once more. ``attempt`` must read ``self.worker_id`` / ``self.clock_value`` when
+        it runs. A fenced worker (a newer incarnation holds the name) is not re-registered."""
+        try:
+            return await self._call(attempt, what, retryable)
+        except WorkerNotFound:
+            if not self.auto_reregister or not await self._reregister(what):
+                raise
+            return await self._call(attempt, what, retryable)
+
+    async def _reregister(self, why: str) -> bool:
+        old = self.worker_id
+        try:
+            await self.register(replace=False)
+        except AlreadyExists:
+            logger.warning("worker %s was fenced by a newer registration of its name", old)
+            self.evicted = True
+            return False
+        self.reregistrations += 1
+        logger.warning(
+            "worker %s is unknown to the server (%s); re-registered as %s at clock %d",
+            old,
+            why,
+            self.worker_id,
+            self.clock_value,
+        )
+        return True
+
     # ------------------------------------------------------------------ membership
-    async def register(self) -> int:
+    async def register(self, *, replace: bool | None = None) -> int:
         """Register (idempotent across retries); returns the starting clock.
 
         Raises:
             AlreadyExists: the name is live elsewhere and ``replace`` is False (ALREADY_EXISTS).
         """
         req = pb.RegisterRequest(
-            worker_name=self.worker_name, replace=self.replace, client_nonce=self._nonce
+            worker_name=self.worker_name,
+            replace=self.replace if replace is None else replace,
+            client_nonce=self._nonce,
         )
         resp = await self._call(
             lambda: self.stub.Register(req, timeout=self.rpc_timeout_s), "register"
@@ -225,9 +281,13 @@ class WorkerClient:
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     logger.warning("worker %s was evicted: %s", self.worker_id, err.details())
-                    self.evicted = True
-                    return
+                    if not self.auto_reregister or not await self._reregister("heartbeat"):
+                        self.evicted = True
+                        return
+                    continue
                 logger.debug("heartbeat failed: %s", err.code().name)
+            except ParamServerError as exc:  # re-registration failed for another reason
+                logger.warning("heartbeat: %s", exc)
 
     async def heartbeat(self) -> pb.HeartbeatResponse:
         """Renew the lease now. Raises WorkerNotFound (FAILED_PRECONDITION) if evicted."""
@@ -277,7 +337,7 @@ class WorkerClient:
                 header=pb.InitHeader(worker_id=self.worker_id, rule=rule.to_proto())
             )
             for key, value in arrays.items():
-                for frame in tensor.encode_frames(key, value):
+                for frame in tensor.encode_frames(key, value, _SEND_CHUNK_BYTES):
                     yield pb.InitRequest(frame=frame)
 
         await self._call(lambda: self.stub.Init(messages(), timeout=self.rpc_timeout_s), "init")
@@ -307,22 +367,25 @@ class WorkerClient:
         request_id = self._next_request_id
         self._next_request_id += 1
         arrays = {k: tensor.normalize(v, k) for k, v in grads.items()}
-        header = pb.PushHeader(
-            worker_id=self.worker_id,
-            request_id=request_id,
-            clock=self.clock_value,
-            num_samples=num_samples,
-            base_version=self.last_version if base_version is None else base_version,
-        )
 
         def messages() -> Iterator[pb.PushRequest]:
-            yield pb.PushRequest(header=header)
+            yield pb.PushRequest(
+                header=pb.PushHeader(
+                    worker_id=self.worker_id,
+                    request_id=request_id,
+                    clock=self.clock_value,
+                    num_samples=num_samples,
+                    base_version=self.last_version if base_version is None else base_version,
+                )
+            )
             for key, value in arrays.items():
-                for frame in tensor.encode_frames(key, value):
+                for frame in tensor.encode_frames(key, value, _SEND_CHUNK_BYTES):
                     yield pb.PushRequest(frame=frame)
 
-        resp = await self._call(
-            lambda: self.stub.Push(messages(), timeout=timeout_s or self.rpc_timeout_s), "push"
+        resp = await self._member_call(
+            lambda: self.stub.Push(messages(), timeout=timeout_s or self.rpc_timeout_s),
+            "push",
+            _PUSH_RETRYABLE,
         )
         self.view = resp.view
         return PushAck(
@@ -355,13 +418,14 @@ class WorkerClient:
             for; Aborted (ABORTED) under the fail_fast policy; WorkerNotFound.
         """
         wait_s = self.wait_timeout_s if timeout_s is None else timeout_s
-        req = pb.PullRequest(
-            worker_id="" if observer else self.worker_id,
-            keys=list(keys or []),
-            timeout_ms=max(1, int(wait_s * 1000)),
-        )
+        key_list = list(keys or [])
 
         async def attempt() -> dict[str, np.ndarray]:
+            req = pb.PullRequest(
+                worker_id="" if observer else self.worker_id,
+                keys=key_list,
+                timeout_ms=max(1, int(wait_s * 1000)),
+            )
             call = self.stub.Pull(req, timeout=wait_s + self.rpc_timeout_s)
             out: dict[str, np.ndarray] = {}
             assembler = tensor.TensorAssembler()
@@ -381,7 +445,9 @@ class WorkerClient:
                 raise MalformedStream("pull stream ended without its info message")
             return out
 
-        return await self._call(attempt, "pull")
+        if observer:
+            return await self._call(attempt, "pull")
+        return await self._member_call(attempt, "pull")
 
     async def clock(self) -> int:
         """End the current iteration; returns the new clock (idempotent when retried).
@@ -390,7 +456,15 @@ class WorkerClient:
             WorkerNotFound: evicted or fenced (FAILED_PRECONDITION).
         """
         req = pb.ClockRequest(worker_id=self.worker_id, clock=self.clock_value)
-        resp = await self._call(lambda: self.stub.Clock(req, timeout=self.rpc_timeout_s), "clock")
+        try:
+            resp = await self._call(
+                lambda: self.stub.Clock(req, timeout=self.rpc_timeout_s), "clock"
+            )
+        except WorkerNotFound:
+            # Re-registered workers start at the live minimum: that is the new clock.
+            if not self.auto_reregister or not await self._reregister("clock"):
+                raise
+            return self.clock_value
         self.clock_value = resp.clock
         self.view = resp.view
         return int(resp.clock)
