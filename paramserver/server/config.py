@@ -43,6 +43,11 @@ class ServerConfig:
         checkpoint_dir: Directory of checkpoints; None disables them.
         checkpoint_every_steps: Periodic checkpoint every N closed steps / min clocks (0: off).
         checkpoint_every_s: Periodic checkpoint every this many seconds (0: off).
+        max_inflight_pushes_per_worker: Pushes one worker may have in flight; beyond that
+            RESOURCE_EXHAUSTED (retryable).
+        max_inflight_pushes: Pushes in flight over all workers.
+        max_inflight_push_bytes: Tensor bytes of the pushes in flight (one push larger than
+            this is still admitted alone).
         wal: Keep a write-ahead log: every update is durable before it is acknowledged, and a
             restart replays it after the newest checkpoint (needs ``checkpoint_dir`` or
             ``wal_dir``).
@@ -83,6 +88,9 @@ class ServerConfig:
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 3
     checkpoint_every_s: float = 0.0
+    max_inflight_pushes_per_worker: int = 8
+    max_inflight_pushes: int = 1024
+    max_inflight_push_bytes: int = 1 << 30
     wal: bool = False
     wal_dir: str | None = None
     wal_fsync_interval_ms: float = 1.0
@@ -138,6 +146,9 @@ class ServerConfig:
             "wait_timeout_ms",
             "max_receive_message_bytes",
             "keep_checkpoints",
+            "max_inflight_pushes_per_worker",
+            "max_inflight_pushes",
+            "max_inflight_push_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")

@@ -29,6 +29,8 @@ from paramserver.errors import ParamServerError
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
 from paramserver.server.engine import ServerEngine
+from paramserver.server.reduction import SERVICE_NAME as REDUCTION_SERVICE_NAME
+from paramserver.server.reduction import ReductionEngine, add_reduction_service
 from paramserver.server.servicer import ParameterServerServicer
 from paramserver.server.wal import WriteAheadLog, replay_into
 
@@ -48,6 +50,7 @@ class ParameterServerDaemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.engine: ServerEngine | None = None
+        self.reduction: ReductionEngine | None = None  # mode "reduce" only
         self.checkpoints: CheckpointManager | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -64,6 +67,9 @@ class ParameterServerDaemon:
 
     async def start(self) -> None:
         """Recover (newest checkpoint + WAL replay), bind, and start serving."""
+        if self.config.mode == "reduce":
+            await self._start_reduction()
+            return
         engine = ServerEngine(self.config)
         self.engine = engine
         self._recover(engine)
@@ -97,6 +103,35 @@ class ParameterServerDaemon:
             self.config.aggregation,
             self.config.lease_ms,
             ", write-ahead log on" if engine.wal is not None else "",
+        )
+
+    async def _start_reduction(self) -> None:
+        """Mode ``reduce``: the reduction service (no parameters, no checkpoints) and health."""
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        reduction = add_reduction_service(server, self.config)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise ParamServerError(f"could not bind {self.config.host}:{self.config.port}")
+        await server.start()
+        self._server = server
+        self.reduction = reduction
+        reduction.start()
+        for name in ("", REDUCTION_SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info(
+            "paramserver reduction server listening on %s:%d (%s, aggregation %s, lease %d ms)",
+            self.config.host,
+            self.port,
+            self.config.reduce_strategy,
+            reduction.coordinator.optimizer.method,
+            self.config.lease_ms,
         )
 
     def _recover(self, engine: ServerEngine) -> None:
@@ -182,11 +217,16 @@ class ParameterServerDaemon:
             self._timer = None
         if self.engine is not None:
             self.engine.begin_shutdown()
+        if self.reduction is not None:
+            self.reduction.begin_shutdown()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        if self.reduction is not None:
+            await self.reduction.stop()
+            self.reduction = None
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self.engine is not None:
@@ -274,12 +314,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "checkpoint_every_steps": args.checkpoint_every_steps,
         "keep_checkpoints": args.keep_checkpoints,
         "checkpoint_every_s": args.checkpoint_every_s,
+        "max_inflight_pushes_per_worker": args.max_inflight_pushes_per_worker,
+        "max_inflight_pushes": args.max_inflight_pushes,
+        "max_inflight_push_bytes": args.max_inflight_push_bytes,
         "wal": True if args.wal else None,
         "wal_dir": args.wal_dir,
         "wal_fsync_interval_ms": args.wal_fsync_interval_ms,
         "wal_fsync": False if args.no_wal_fsync else None,
         "grace_s": args.grace_s,
         "use_uvloop": False if args.no_uvloop else None,
+        "mode": args.mode,
+        "reduce_strategy": args.reduce_strategy,
+        "replicas_to_aggregate": args.replicas_to_aggregate,
+        "staleness_threshold": args.staleness_threshold,
+        "scale_by_staleness": True if args.scale_by_staleness else None,
+        "min_updates": args.min_updates,
+        "fanout": args.fanout,
     }
     try:
         config = ServerConfig.from_sources(cli, os.environ)
@@ -364,6 +414,9 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--checkpoint-every-steps", type=int)
     p.add_argument("--keep-checkpoints", type=int)
     p.add_argument("--checkpoint-every-s", type=float, help="periodic checkpoint interval")
+    p.add_argument("--max-inflight-pushes-per-worker", type=int, help="back-pressure bound")
+    p.add_argument("--max-inflight-pushes", type=int, help="back-pressure bound, all workers")
+    p.add_argument("--max-inflight-push-bytes", type=int, help="back-pressure bound in bytes")
     p.add_argument("--wal", action="store_true", help="write-ahead log: no acked update lost")
     p.add_argument("--wal-dir", help="WAL directory (default <checkpoint-dir>/wal)")
     p.add_argument("--wal-fsync-interval-ms", type=float, help="group-commit window (ms)")
@@ -371,4 +424,27 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--grace-s", type=float, help="graceful shutdown period (default 5 s)")
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
     p.add_argument("--port-file", help="write the bound port to this file once serving")
+    r = p.add_argument_group("reduction server (--mode reduce)")
+    r.add_argument(
+        "--mode",
+        choices=["ps", "reduce"],
+        help="ps: parameter server (default); reduce: reduction server (gradients in, "
+        "aggregates out, no parameters)",
+    )
+    r.add_argument(
+        "--reduce-strategy",
+        choices=["synchronous", "asynchronous", "federated_average", "gossip"],
+        help="aggregation strategy of --mode reduce (default synchronous)",
+    )
+    r.add_argument(
+        "--replicas-to-aggregate", type=int, help="synchronous: aggregate the first N workers"
+    )
+    r.add_argument(
+        "--staleness-threshold", type=int, help="asynchronous: largest accepted staleness (steps)"
+    )
+    r.add_argument(
+        "--scale-by-staleness", action="store_true", help="asynchronous: scale by 1/(1+staleness)"
+    )
+    r.add_argument("--min-updates", type=int, help="federated_average: workers per round")
+    r.add_argument("--fanout", type=int, help="gossip: peers per push-sum round")
     p.set_defaults(func=_cmd_serve)

@@ -11,16 +11,104 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from paramserver.api.v1 import wal_pb2 as wal_pb
-from paramserver.errors import Aborted, Unavailable, WaitTimeout
+from paramserver.errors import Aborted, ResourceExhausted, Unavailable, WaitTimeout
 from paramserver.server.config import ServerConfig
 from paramserver.server.consistency import Admission
 from paramserver.server.core import ServerCore
 from paramserver.server.wal import WriteAheadLog
 
 logger = logging.getLogger(__name__)
+
+
+class Backpressure:
+    """Bounds on pushes in flight, per worker and in total, and on their bytes.
+
+    Beyond a bound the push is refused at once with RESOURCE_EXHAUSTED (retryable; the client
+    backs off) instead of being buffered. A single push larger than the byte bound is still
+    admitted when nothing else is in flight, so any tensor size can be pushed.
+
+    Args:
+        max_per_worker: Pushes one worker may have in flight.
+        max_total: Pushes in flight over all workers.
+        max_bytes: Tensor bytes of the pushes in flight (declared sizes, reserved as each
+            tensor's first frame arrives, before its buffer is allocated).
+    """
+
+    def __init__(self, max_per_worker: int, max_total: int, max_bytes: int) -> None:
+        self.max_per_worker = max_per_worker
+        self.max_total = max_total
+        self.max_bytes = max_bytes
+        self.per_worker: dict[str, int] = {}
+        self.total = 0
+        self.bytes = 0
+        self.refused = 0
+
+    @contextlib.contextmanager
+    def ticket(self) -> Iterator[InflightTicket]:
+        ticket = InflightTicket(self)
+        try:
+            yield ticket
+        finally:
+            ticket.release()
+
+
+class InflightTicket:
+    """One push's share of the :class:`Backpressure` budget; released when the call ends."""
+
+    def __init__(self, budget: Backpressure) -> None:
+        self.budget = budget
+        self.worker_id: str | None = None
+        self.bytes = 0
+
+    def enter(self, worker_id: str) -> None:
+        """Count the push against its worker and the total.
+
+        Raises:
+            ResourceExhausted: too many pushes in flight (RESOURCE_EXHAUSTED, retryable).
+        """
+        b = self.budget
+        mine = b.per_worker.get(worker_id, 0)
+        if mine >= b.max_per_worker or b.total >= b.max_total:
+            b.refused += 1
+            raise ResourceExhausted(
+                f"too many pushes in flight (worker {worker_id!r}: {mine}/{b.max_per_worker}, "
+                f"server: {b.total}/{b.max_total}); retry with backoff"
+            )
+        b.per_worker[worker_id] = mine + 1
+        b.total += 1
+        self.worker_id = worker_id
+
+    def reserve(self, nbytes: int) -> None:
+        """Reserve a tensor's bytes before its buffer is allocated.
+
+        Raises:
+            ResourceExhausted: the in-flight byte bound would be passed (RESOURCE_EXHAUSTED).
+        """
+        b = self.budget
+        if b.bytes and b.bytes + nbytes > b.max_bytes:
+            b.refused += 1
+            raise ResourceExhausted(
+                f"push of {nbytes} bytes refused: {b.bytes} of {b.max_bytes} in-flight bytes "
+                "in use; retry with backoff"
+            )
+        b.bytes += nbytes
+        self.bytes += nbytes
+
+    def release(self) -> None:
+        b = self.budget
+        b.bytes -= self.bytes
+        self.bytes = 0
+        if self.worker_id is not None:
+            left = b.per_worker[self.worker_id] - 1
+            if left:
+                b.per_worker[self.worker_id] = left
+            else:
+                del b.per_worker[self.worker_id]
+            b.total -= 1
+            self.worker_id = None
 
 
 class ServerEngine:
@@ -41,6 +129,11 @@ class ServerEngine:
         self._reaper: asyncio.Task[None] | None = None
         #: Write-ahead log; when set, every mutation is durable before it is acknowledged.
         self.wal: WriteAheadLog | None = None
+        self.backpressure = Backpressure(
+            config.max_inflight_pushes_per_worker,
+            config.max_inflight_pushes,
+            config.max_inflight_push_bytes,
+        )
         #: Set at graceful shutdown: waits end at once with UNAVAILABLE.
         self.shutting_down = False
 

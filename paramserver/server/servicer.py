@@ -7,7 +7,9 @@ INTERNAL, so nothing a client sends can crash the server.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import os
 import inspect
 import logging
 import time
@@ -30,7 +32,7 @@ from paramserver.errors import (
 )
 from paramserver.server import wal
 from paramserver.server.consistency import Consistency
-from paramserver.server.engine import ServerEngine
+from paramserver.server.engine import InflightTicket, ServerEngine
 from paramserver.server.optimizers import UpdateRule
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,15 @@ def grpc_errors(fn: F) -> F:
             await _abort(context, exc, name)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process in bytes (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[misc]
@@ -143,7 +154,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         return pb.LeaveResponse(view=self._view())
 
     async def _read_tensors(
-        self, request_iterator: AsyncIterator[Any], header_field: str
+        self,
+        request_iterator: AsyncIterator[Any],
+        header_field: str,
+        ticket: InflightTicket | None = None,
     ) -> tuple[Any, dict[str, np.ndarray]]:
         header = None
         tensors: dict[str, np.ndarray] = {}
@@ -154,11 +168,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
                 if header is not None:
                     raise MalformedStream(f"second {header_field} in one stream")
                 header = getattr(msg, header_field)
+                if ticket is not None:
+                    ticket.enter(header.worker_id)
                 continue
             if header is None:
                 raise MalformedStream(f"stream must start with a {header_field} message")
             if which != "frame":
                 raise MalformedStream("message with neither header nor frame")
+            if ticket is not None and msg.frame.HasField("header"):
+                ticket.reserve(msg.frame.header.size_bytes)
             done = assembler.feed(msg.frame)
             if done is not None:
                 key, array = done
@@ -195,7 +213,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
     async def Push(
         self, request_iterator: AsyncIterator[pb.PushRequest], context: Any
     ) -> pb.PushResponse:
-        header, grads = await self._read_tensors(request_iterator, "header")
+        with self.engine.backpressure.ticket() as ticket:
+            return await self._push(request_iterator, ticket)
+
+    async def _push(
+        self, request_iterator: AsyncIterator[pb.PushRequest], ticket: InflightTicket
+    ) -> pb.PushResponse:
+        header, grads = await self._read_tensors(request_iterator, "header", ticket)
         if not header.worker_id:
             raise InvalidArgument("push header needs a worker_id")
         result = self.core.push(
@@ -291,6 +315,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             dropped_stale=core.dropped_stale,
             bsp_step=core.bsp_step,
             bsp_policy=self.engine.config.death_policy,
+            asyncio_tasks=len(asyncio.all_tasks()),
+            rss_bytes=_rss_bytes(),
+            inflight_pushes=self.engine.backpressure.total,
+            inflight_push_bytes=self.engine.backpressure.bytes,
+            refused_backpressure=self.engine.backpressure.refused,
+            wal_sequence=self.engine.wal.next_sequence - 1 if self.engine.wal else 0,
         )
 
     @grpc_errors
