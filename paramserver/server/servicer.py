@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import inspect
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
