@@ -233,6 +233,7 @@ class ClusterState:
         clock): :attr:`aborted_steps` records the reason, named after the worker.
         """
         lapsed = [w.worker_id for w in self.workers.values() if w.live and w.lease_expiry_s <= now]
+        self.min_clock()  # remember the minimum the lapsed workers held (see leave)
         return [self.evict(wid) for wid in lapsed]
 
     def evict(self, worker_id: str) -> MembershipChange:
@@ -242,7 +243,6 @@ class ClusterState:
             WorkerNotFound: not live (FAILED_PRECONDITION).
         """
         rec = self.require_live(worker_id)
-        self.min_clock()  # remember the minimum the evicted worker held (see leave)
         rec.live = False
         if self.death_policy is DeathPolicy.WAIT and self.consistency is not Consistency.ASP:
             rec.lost = True

@@ -141,12 +141,13 @@ class ServerCore:
             self._advance()
         return changes
 
-    def evict(self, worker_id: str) -> MembershipChange:
-        """Evict one worker now (as a lapsed lease would); used by WAL replay."""
-        change = self.cluster.evict(worker_id)
-        self._departed([change])
+    def evict(self, worker_ids: Iterable[str]) -> list[MembershipChange]:
+        """Evict workers together, as one lease sweep does; used by WAL replay."""
+        self.cluster.min_clock()  # remember the minimum they held, as expire() does
+        changes = [self.cluster.evict(wid) for wid in worker_ids]
+        self._departed(changes)
         self._advance()
-        return change
+        return changes
 
     def _departed(self, changes: Iterable[MembershipChange]) -> None:
         """A worker left the live set: its unfinished step contribution leaves the aggregate.
@@ -303,6 +304,26 @@ class ServerCore:
 
     def restore_dedup(self, dedup: dict[str, OrderedDict[int, PushResult]]) -> None:
         self._dedup = dedup
+
+    def bsp_queue_state(self) -> tuple[list[GradientUpdate], dict[str, int]]:
+        """BSP gradients queued in the open step (acknowledged, not applied yet) and the
+        departed workers whose queued gradient stays in it, for checkpoints (empty outside
+        BSP). A checkpoint without them would lose acknowledged pushes."""
+        if self.aggregator is None:
+            return [], {}
+        return self.aggregator.pending_updates(), dict(self._release_after_step)
+
+    def restore_bsp_queue(
+        self, updates: list[GradientUpdate], release_after_step: Mapping[str, int], now: float
+    ) -> None:
+        """Re-queue checkpointed gradients of the open step, in their original order (call
+        after the live workers are restored)."""
+        if self.aggregator is None:
+            return
+        for wid in dict.fromkeys([u.worker_id for u in updates] + list(release_after_step)):
+            self.aggregator.register_worker(wid, now)
+        self.aggregator.submit_updates(updates, now)
+        self._release_after_step.update(release_after_step)
 
     def check_pull(self, worker_id: str) -> Admission:
         return self.cluster.check_pull(worker_id)

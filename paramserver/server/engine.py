@@ -162,12 +162,18 @@ class ServerEngine:
                 changes = self.core.expire(self.now())
                 if changes:
                     self.notify()
-                    for ch in changes:
-                        await self.commit(
-                            wal_pb.WalRecord(
-                                depart=wal_pb.WalDepart(worker_id=ch.worker.worker_id, why=ch.why)
+                    if self.wal is not None:
+                        # One sweep, logged as consecutive records (replayed together).
+                        last = 0
+                        for ch in changes:
+                            last = self.wal.append(
+                                wal_pb.WalRecord(
+                                    depart=wal_pb.WalDepart(
+                                        worker_id=ch.worker.worker_id, why=ch.why
+                                    )
+                                )
                             )
-                        )
+                        await self.wal.durable(last)
             except Exception:  # pragma: no cover - a bug; keep serving
                 logger.exception("lease reaper failed")
 

@@ -31,6 +31,7 @@ import time
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -305,8 +306,16 @@ def replay_into(
     assert isinstance(core, ServerCore)
     t = time.monotonic() if now is None else now
     count = 0
+    evictions: list[str] = []  # consecutive evictions are one lease sweep: replay them together
     for record in records:
         which = record.WhichOneof("body")
+        if which == "depart" and record.depart.why == "evicted":
+            evictions.append(record.depart.worker_id)
+            count += 1
+            continue
+        if evictions:
+            _replay_evictions(core, evictions)
+            evictions = []
         try:
             if which == "register":
                 r = record.register
@@ -337,10 +346,7 @@ def replay_into(
             elif which == "clock":
                 core.clock(record.clock.worker_id, record.clock.clock)
             elif which == "depart":
-                if record.depart.why == "left":
-                    core.leave(record.depart.worker_id)
-                else:
-                    core.evict(record.depart.worker_id)
+                core.leave(record.depart.worker_id)
             else:
                 raise WalError(f"WAL record {record.sequence} has no body")
         except ParamServerError as exc:
@@ -350,4 +356,13 @@ def replay_into(
                 f"WAL record {record.sequence} ({which}) did not re-apply: {exc}"
             ) from exc
         count += 1
+    if evictions:
+        _replay_evictions(core, evictions)
     return count
+
+
+def _replay_evictions(core: Any, worker_ids: list[str]) -> None:
+    try:
+        core.evict(worker_ids)
+    except ParamServerError as exc:
+        raise WalError(f"WAL eviction of {worker_ids} did not re-apply: {exc}") from exc
