@@ -53,7 +53,15 @@ _PUSH_RETRYABLE = _RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
 #: Payload bytes per frame sent to the server: 16 KiB under 1 MiB, so a whole message (frame
 #: header, key, shape, proto framing) stays within a server receive limit as low as 1 MiB
 #: (cases/large-tensor-default-limits.md).
-_SEND_CHUNK_BYTES = tensor.DEFAULT_CHUNK_BYTES
+_SEND_CHUNK_BYTES = tensor.DEFAULT_CHUNK_BYTES - (16 << 10)
+
+#: Reconnect soon after a server restart: gRPC's own first reconnect backoff is 1 s (growing
+#: 1.6x per failed attempt up to 120 s), which would dominate the time to ride through a
+#: restart; the retry funnel above it adds its own backoff and jitter.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 @dataclass(frozen=True)
@@ -161,7 +169,9 @@ class WorkerClient:
 
     async def open(self) -> None:
         """Open the channel, register, and start heartbeats."""
-        self._channel = grpc.aio.insecure_channel(self.address, options=self.channel_options)
+        given = {name for name, _ in self.channel_options}
+        options = [o for o in _RECONNECT_OPTIONS if o[0] not in given] + self.channel_options
+        self._channel = grpc.aio.insecure_channel(self.address, options=options)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
         try:
             await self.register()
@@ -484,6 +494,11 @@ class WorkerClient:
 def connect(address: str, worker_name: str, **kwargs: Any) -> WorkerClient:
     """Open a worker session: ``async with connect(addr, worker_name="w0") as ps: ...``.
 
-    Keyword arguments are those of :class:`WorkerClient`.
+    ``address`` may be any shard of a sharded cluster: the session asks it for the shard map
+    on open and routes every call over the shards (see
+    :class:`paramserver.worker_client.sharded.ClusterWorkerClient`; ``discover=False`` talks
+    to ``address`` alone). Other keyword arguments are those of :class:`WorkerClient`.
     """
-    return WorkerClient(address, worker_name, **kwargs)
+    from paramserver.worker_client.sharded import ClusterWorkerClient
+
+    return ClusterWorkerClient(address, worker_name, **kwargs)
