@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install protos demo test test-fast lint typecheck format bench clean
+.PHONY: install protos demo test test-fast lint typecheck format bench clean compose-ci
 
 $(STAMP): pyproject.toml setup.py scripts/gen_protos.py $(wildcard protos/paramserver/api/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ lint: $(STAMP)  ## ruff lint + format check + mypy --strict
 format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+compose-ci: $(STAMP)  ## docker-compose cluster for real: build, run, restart `ps`, verdict, teardown
+	WORKER_EXTRA_FLAGS="$${WORKER_EXTRA_FLAGS---slow-factor 25}" PS_CLI=$(BIN)/paramserver bash scripts/compose_ci.sh
 
 bench: $(STAMP)  ## benchmarks (JSON lines on stdout)
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done

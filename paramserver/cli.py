@@ -31,6 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # pragma: no cover
         pass
     try:
+        from paramserver.server import ops
+
+        ops.add_subcommands(sub)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from paramserver.worker_client import cluster_check
+
+        cluster_check.add_subcommands(sub)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
         from paramserver.spmd import cli as spmd_cli
 
         spmd_cli.add_subcommands(sub)

@@ -633,6 +633,11 @@ class DistributedOptimizer:
         layer = self._layers.get(layer_id)
         return 0 if layer is None else len(layer.pending)
 
+    def pending_updates(self) -> list[GradientUpdate]:
+        """Every queued update, layer by layer in arrival order (checkpoints save them, and
+        :meth:`submit_updates` of this list re-queues them in the same order)."""
+        return [u for layer in self._layers.values() for u in layer.pending]
+
     def waiting_for(self, layer_id: str) -> list[str]:
         """Active workers whose update for the layer at ``current_step`` is still missing.
 

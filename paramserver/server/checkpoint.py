@@ -3,7 +3,8 @@
 Layout under the checkpoint directory::
 
     ckpt-00000007/                 # committed (sequence 7)
-        tensors.safetensors        # "param/{key}" and "state/{key}/{name}" tensors
+        tensors.safetensors        # "param/{key}" and "state/{key}/{name}" tensors, and
+                                   # "queued/{n}": BSP gradients queued in the open step
         manifest.json              # dtypes, shapes, rules, sha256 per tensor, clocks, dedup
     .tmp-ckpt-00000008-<pid>/      # being written; ignored and removed on start
 
@@ -36,8 +37,10 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from paramserver.errors import ParamServerError
+from paramserver.server.aggregation import GradientUpdate
 from paramserver.server.consistency import WorkerRecord
 from paramserver.server.core import PushResult, ServerCore
+from paramserver.server.cut import shard_manifest
 from paramserver.server.store import ParameterStore
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,8 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 _PREFIX = "ckpt-"
 _TMP_PREFIX = ".tmp-"
+#: Tensors of BSP gradients queued in the open step (acknowledged, not applied yet).
+_QUEUED_PREFIX = "queued/"
 
 
 class CheckpointError(ParamServerError):
@@ -129,8 +134,25 @@ class CheckpointManager:
     def snapshot(self, core: ServerCore, *, wal_sequence: int = 0) -> Snapshot:
         """Copy the state (one consistent cut: call without yielding to the event loop)."""
         tensors, meta = core.store.state_dict()
+        queued, release_after_step = core.bsp_queue_state()
+        for n, update in enumerate(queued):  # never mutated once queued: no copy needed
+            tensors[f"{_QUEUED_PREFIX}{n}"] = update.gradient
         manifest = self._manifest(core, tensors, meta)
+        manifest["bsp_queue"] = {
+            "updates": [
+                {
+                    "tensor": f"{_QUEUED_PREFIX}{n}",
+                    "worker_id": u.worker_id,
+                    "key": u.layer_id,
+                    "step": u.step,
+                    "num_samples": u.num_samples,
+                }
+                for n, u in enumerate(queued)
+            ],
+            "release_after_step": release_after_step,
+        }
         manifest["wal_sequence"] = wal_sequence
+        manifest["shard"] = shard_manifest(core)
         return Snapshot(tensors, manifest)
 
     def write(self, snap: Snapshot) -> Path:
@@ -278,3 +300,19 @@ class CheckpointManager:
                 for rid, stale, queued in rows
             )
         core.restore_dedup(dedup)
+        queue = manifest.get("bsp_queue") or {"updates": [], "release_after_step": {}}
+        core.restore_bsp_queue(
+            [
+                GradientUpdate(
+                    u["worker_id"],
+                    u["key"],
+                    tensors[u["tensor"]],
+                    int(u["step"]),
+                    now,
+                    int(u["num_samples"]),
+                )
+                for u in queue["updates"]
+            ],
+            {wid: int(c) for wid, c in queue["release_after_step"].items()},
+            now,
+        )

@@ -15,6 +15,7 @@ from typing import Any
 
 from paramserver.errors import InvalidArgument
 from paramserver.server.consistency import Consistency, DeathPolicy
+from paramserver.sharding import parse_addresses
 
 ENV_PREFIX = "PARAMSERVER_"
 AGGREGATIONS = ("mean", "sum", "weighted_mean")
@@ -70,6 +71,16 @@ class ServerConfig:
         scale_by_staleness: ``asynchronous``: scale each gradient by 1 / (1 + staleness).
         min_updates: ``federated_average``: distinct workers per round.
         fanout: ``gossip``: peers each worker pushes to per round.
+        shard_index: This shard's index in ``shard_addresses`` (0 for a single server).
+        shard_addresses: Comma-separated ``host:port`` of every shard in index order, as
+            workers reach them (the shard map every shard serves); None: a single server.
+        slice_bytes: Tensors above this many bytes are split into slices of it over the
+            shards (see :mod:`paramserver.sharding`).
+        shard_map_epoch: Epoch of the shard map (bump it when the cluster is resharded).
+        restore_from: Comma-separated checkpoint directories of an earlier cluster (any shard
+            count): when ``checkpoint_dir`` holds no checkpoint yet, this shard's part of
+            their newest common cut is resharded into it on start.
+        metrics_port: Serve Prometheus metrics on ``host:metrics_port`` (None: off; 0: any).
     """
 
     host: str = "127.0.0.1"
@@ -104,6 +115,12 @@ class ServerConfig:
     scale_by_staleness: bool = False
     min_updates: int = 1
     fanout: int = 1
+    shard_index: int = 0
+    shard_addresses: str | None = None
+    slice_bytes: int = 4 << 20
+    shard_map_epoch: int = 0
+    restore_from: str | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -160,6 +177,23 @@ class ServerConfig:
             raise InvalidArgument("checkpoint_every_s and wal_fsync_interval_ms must be >= 0")
         if self.grace_s < 0:
             raise InvalidArgument(f"grace_s must be >= 0, got {self.grace_s}")
+        self._check_sharding()
+
+    def _check_sharding(self) -> None:
+        shards = len(parse_addresses(self.shard_addresses)) if self.shard_addresses else 1
+        if not 0 <= self.shard_index < shards:
+            raise InvalidArgument(f"shard_index must be in [0, {shards}), got {self.shard_index}")
+        if self.slice_bytes < 8 or self.shard_map_epoch < 0:
+            raise InvalidArgument("slice_bytes must be >= 8 and shard_map_epoch >= 0")
+        if self.restore_from and not self.checkpoint_dir:
+            raise InvalidArgument("restore_from needs checkpoint_dir (the cut is written there)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise InvalidArgument(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+
+    @property
+    def num_shards(self) -> int:
+        """Shards in the cluster (1 without ``shard_addresses``)."""
+        return len(parse_addresses(self.shard_addresses)) if self.shard_addresses else 1
 
     @property
     def consistency_model(self) -> Consistency:

@@ -28,11 +28,15 @@ from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import ParamServerError
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
+from paramserver.server.cut import shard_map_of
 from paramserver.server.engine import ServerEngine
+from paramserver.server.metrics import MetricsServer, metrics_for
 from paramserver.server.reduction import SERVICE_NAME as REDUCTION_SERVICE_NAME
 from paramserver.server.reduction import ReductionEngine, add_reduction_service
+from paramserver.server.reshard import prepare_checkpoint_dir
 from paramserver.server.servicer import ParameterServerServicer
 from paramserver.server.wal import WriteAheadLog, replay_into
+from paramserver.sharding import ShardMap
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,9 @@ class ParameterServerDaemon:
         self._checkpoint_lock = asyncio.Lock()
         self.recovery_s = 0.0
         self.port = 0
+        #: The shard map served by GetShardMap (set on start; tests may replace it).
+        self.shard_map: ShardMap | None = None
+        self.metrics: MetricsServer | None = None
 
     @property
     def address(self) -> str:
@@ -72,12 +79,15 @@ class ParameterServerDaemon:
             return
         engine = ServerEngine(self.config)
         self.engine = engine
+        prepare_checkpoint_dir(self.config)  # restore-time resharding; refuse foreign shards
         self._recover(engine)
+        interceptors, self.metrics = metrics_for(engine)
         server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(engine, self), server)
         self._health = health.aio.HealthServicer()
@@ -87,6 +97,9 @@ class ParameterServerDaemon:
             raise ParamServerError(f"could not bind {self.config.host}:{self.config.port}")
         await server.start()
         self._server = server
+        self.shard_map = shard_map_of(self.config, self.address)
+        if self.metrics is not None:
+            await self.metrics.start()
         engine.start()
         if self.checkpoints is not None and self.config.checkpoint_every_s > 0:
             self._timer = asyncio.get_running_loop().create_task(
@@ -239,6 +252,8 @@ class ParameterServerDaemon:
                     logger.exception("final checkpoint failed; the previous one stands")
             if self.engine.wal is not None:
                 await self.engine.wal.close()
+        if self.metrics is not None:
+            await self.metrics.stop()
 
     async def wait_closed(self) -> None:
         if self._server is not None:
@@ -276,7 +291,10 @@ async def run_daemon(config: ServerConfig, *, port_file: str | None = None) -> N
     for task in (serving, stopping):
         task.cancel()
     await asyncio.gather(serving, stopping, return_exceptions=True)
-    logger.info("stopped")
+    pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if pending:  # a handler or timer that outlived the shutdown: name it
+        logger.warning("%d tasks still pending at exit: %s", len(pending), pending)
+    logger.info("stopped (%d tasks pending)", len(pending))
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -330,6 +348,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "scale_by_staleness": True if args.scale_by_staleness else None,
         "min_updates": args.min_updates,
         "fanout": args.fanout,
+        "shard_index": args.shard_index,
+        "shard_addresses": args.shard_addresses,
+        "slice_bytes": args.slice_bytes,
+        "shard_map_epoch": args.shard_map_epoch,
+        "restore_from": args.restore_from,
+        "metrics_port": args.metrics_port,
     }
     try:
         config = ServerConfig.from_sources(cli, os.environ)
@@ -424,6 +448,20 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--grace-s", type=float, help="graceful shutdown period (default 5 s)")
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
     p.add_argument("--port-file", help="write the bound port to this file once serving")
+    g = p.add_argument_group("sharded cluster and metrics")
+    g.add_argument("--shard-index", type=int, help="this shard's index in --shard-addresses")
+    g.add_argument(
+        "--shard-addresses",
+        help="host:port,host:port,... of every shard in index order, as workers reach them",
+    )
+    g.add_argument("--slice-bytes", type=int, help="slice tensors above this size (4 MiB)")
+    g.add_argument("--shard-map-epoch", type=int, help="bump when the cluster is resharded")
+    g.add_argument(
+        "--restore-from",
+        help="DIR,DIR,...: checkpoint dirs of an earlier cluster (any shard count); an empty "
+        "--checkpoint-dir starts from this shard's part of their newest common cut",
+    )
+    g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     r = p.add_argument_group("reduction server (--mode reduce)")
     r.add_argument(
         "--mode",

@@ -32,8 +32,10 @@ from paramserver.errors import (
 )
 from paramserver.server import wal
 from paramserver.server.consistency import Consistency
+from paramserver.server.cut import shard_map_of
 from paramserver.server.engine import InflightTicket, ServerEngine
 from paramserver.server.optimizers import UpdateRule
+from paramserver.sharding import shard_map_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +86,32 @@ def grpc_errors(fn: F) -> F:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
+            await _drain_request_stream(request)
             await _abort(context, exc, name)
 
     return wrapper  # type: ignore[return-value]
+
+
+#: Longest a refused client-streaming call keeps reading (and discarding) the client's frames.
+_DRAIN_S = 10.0
+
+
+async def _drain_request_stream(request: Any) -> None:
+    """Read and discard the rest of a client stream (Init, Push) before refusing it.
+
+    A status sent while the client is still writing can reach a grpc.aio client as INTERNAL
+    "Internal error from Core" instead of the real code (grpc/grpc#36066), e.g. a malformed
+    frame found early in a large push; so the stream is read to its end first, for at most
+    ``_DRAIN_S`` seconds. Unary requests (protobuf messages) are left alone.
+    """
+    if not hasattr(request, "__aiter__"):
+        return
+    try:
+        async with asyncio.timeout(_DRAIN_S):
+            async for _ in request:
+                pass
+    except Exception:  # a broken or cancelled stream, or the time ran out: refuse now
+        return
 
 
 def _rss_bytes() -> int:
@@ -196,7 +221,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         rule = UpdateRule.from_proto(header.rule) if header.HasField("rule") else UpdateRule()
         created = self.core.init(tensors, rule)
         self.engine.notify()
-        if any(created.values()):
+        if self.engine.wal is not None and any(created.values()):
             await self.engine.commit(
                 wal_pb.WalRecord(
                     init=wal_pb.WalInit(
@@ -232,7 +257,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             base_version=header.base_version if header.HasField("base_version") else None,
         )
         self.engine.notify()
-        if not result.duplicate and not result.dropped_stale:
+        if self.engine.wal is not None and not (result.duplicate or result.dropped_stale):
             await self.engine.commit(
                 wal_pb.WalRecord(
                     push=wal_pb.WalPush(
@@ -337,3 +362,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             wal_sequence=wal_sequence,
             duration_ms=int((time.monotonic() - t0) * 1000),
         )
+
+    @grpc_errors
+    async def GetShardMap(
+        self, request: pb.GetShardMapRequest, context: Any
+    ) -> pb.GetShardMapResponse:
+        cfg = self.engine.config
+        shard_map = getattr(self.daemon, "shard_map", None)
+        if shard_map is None:
+            shard_map = shard_map_of(cfg, f"{cfg.host}:{cfg.port}")
+        return shard_map_to_proto(shard_map, cfg.shard_index)

@@ -113,10 +113,12 @@ class WriteAheadLog:
             key=_segment_first,
         )
 
-    def _read_segment(self, path: Path) -> Iterator[tuple[wal_pb.WalRecord, int]]:
-        """Valid records of one segment with the offset just past each; stops at a torn tail."""
+    @staticmethod
+    def _payloads(path: Path) -> Iterator[tuple[memoryview, int]]:
+        """CRC-checked payloads of one segment (views, no copies) with the offset just past
+        each; stops at a torn tail."""
         with open(path, "rb") as fh:
-            data = fh.read()
+            data = memoryview(fh.read())
         offset = 0
         while offset + _FRAME.size <= len(data):
             length, crc = _FRAME.unpack_from(data, offset)
@@ -124,12 +126,17 @@ class WriteAheadLog:
             payload = data[start : start + length]
             if len(payload) < length or zlib.crc32(payload) != crc:
                 return
+            offset = start + length
+            yield payload, offset
+
+    def _read_segment(self, path: Path) -> Iterator[tuple[wal_pb.WalRecord, int]]:
+        """Valid records of one segment with the offset just past each; stops at a torn tail."""
+        for payload, offset in self._payloads(path):
             record = wal_pb.WalRecord()
             try:
                 record.ParseFromString(payload)
             except Exception:  # a CRC collision on garbage; treat as torn
                 return
-            offset = start + length
             yield record, offset
 
     def replay(self, after_sequence: int = 0) -> Iterator[wal_pb.WalRecord]:
@@ -153,9 +160,18 @@ class WriteAheadLog:
         segs = self.segments()
         for seg in segs:
             end = 0
-            for record, offset in self._read_segment(seg):
+            tail: memoryview | None = None
+            for tail, end in self._payloads(seg):  # noqa: B007 - only the last one is parsed
+                pass
+            if tail is not None:  # records are in sequence order: the last holds the largest
+                record = wal_pb.WalRecord()
+                try:
+                    record.ParseFromString(tail)
+                except Exception:  # a CRC collision on garbage: parse them all, stop before it
+                    end = 0
+                    for record, end in self._read_segment(seg):  # noqa: B007
+                        pass
                 last = max(last, record.sequence)
-                end = offset
             if seg.stat().st_size != end:
                 logger.warning(
                     "WAL segment %s: cutting a torn tail of %d bytes (never acknowledged)",

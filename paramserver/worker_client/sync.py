@@ -23,7 +23,7 @@ import numpy as np
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import WaitTimeout
 from paramserver.server.optimizers import UpdateRule
-from paramserver.worker_client.client import PushAck, WorkerClient
+from paramserver.worker_client.client import PushAck, WorkerClient, connect
 
 T = TypeVar("T")
 
@@ -72,7 +72,7 @@ class SyncWorkerClient:
         self._thread.start()
 
         async def make() -> WorkerClient:
-            client = WorkerClient(self._address, self._name, **self._kwargs)
+            client = connect(self._address, self._name, **self._kwargs)
             await client.open()
             return client
 

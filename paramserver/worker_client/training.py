@@ -13,11 +13,10 @@ server and N worker processes on 127.0.0.1 and reports per-epoch loss and test a
 from __future__ import annotations
 
 import argparse
-import itertools
 import asyncio
+import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.server.optimizers import UpdateRule
 from paramserver.errors import WaitTimeout
+from paramserver.server.optimizers import UpdateRule
 from paramserver.worker_client.client import WorkerClient, connect
+from paramserver.worker_client.local_cluster import start_servers, stop_servers
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     with tempfile.TemporaryDirectory(prefix="paramserver-demo-") as tmp:
-        port_file = Path(tmp) / "port"
         server_cmd = [
             py,
             "-m",
@@ -269,12 +268,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             "--log-level",
             "WARNING",
             "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
             "--consistency",
             args.consistency,
             "--staleness",
@@ -286,13 +279,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         ]
         if args.no_uvloop:
             server_cmd.append("--no-uvloop")
-        server = subprocess.Popen(server_cmd, env=env)
+        servers, addresses = start_servers(
+            server_cmd, args.shards, Path(tmp), env=env, slice_bytes=args.slice_bytes
+        )
         workers: list[subprocess.Popen[str]] = []
         try:
-            port = _wait_for_file(port_file, server, 30.0)
-            address = f"127.0.0.1:{port}"
+            address = addresses[0]  # any shard: workers fetch the shard map from it
+            where = address if args.shards == 1 else f"{args.shards} shards {','.join(addresses)}"
             print(
-                f"paramserver demo: server on {address} ({args.consistency}, staleness "
+                f"paramserver demo: server on {where} ({args.consistency}, staleness "
                 f"{args.staleness}), {args.workers} workers, {args.epochs} epochs on digits",
                 flush=True,
             )
@@ -344,13 +339,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 if w.poll() is None:
                     w.kill()
                     w.wait()
-            if server.poll() is None:
-                server.send_signal(signal.SIGTERM)
-                try:
-                    server.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-                    server.wait()
+            stop_servers(servers)
 
 
 def _follow(workers: list[subprocess.Popen[str]], args: argparse.Namespace, t0: float) -> int:
@@ -447,6 +436,8 @@ def add_subcommands(sub: Any) -> None:
     d.add_argument("--staleness", type=int, default=2)
     d.add_argument("--aggregation", choices=["mean", "sum", "weighted_mean"], default="mean")
     d.add_argument("--lease-ms", type=int, default=10_000)
+    d.add_argument("--shards", type=int, default=1, help="parameter-server shards (default 1)")
+    d.add_argument("--slice-bytes", type=int, help="slice tensors above this size over shards")
     d.add_argument("--timeout-s", type=float, default=600.0, help="give up after this long")
     _add_training_flags(d, epochs=10)
     d.set_defaults(func=_cmd_demo)

@@ -1,0 +1,59 @@
+"""Operator commands: ``paramserver health`` (container health checks) and ``reshard``.
+
+``paramserver health --server HOST:PORT`` asks the standard gRPC health service
+(``grpc.health.v1.Health/Check``) and exits 0 only when the answer is SERVING, so it fits a
+docker-compose ``healthcheck``; ``--service`` checks one service (default: the whole server);
+``--allow-unimplemented`` accepts a gRPC server that has no health service (a liveness probe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from paramserver.server import reshard
+
+
+async def check_health(address: str, service: str = "", timeout_s: float = 3.0) -> str:
+    """The health status name of ``service`` at ``address`` (``SERVING``, ``NOT_SERVING``...).
+
+    Raises:
+        grpc.aio.AioRpcError: unreachable, or the service is unknown (NOT_FOUND).
+    """
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    try:
+        status = asyncio.run(check_health(args.server, args.service, args.timeout_s))
+    except grpc.aio.AioRpcError as err:
+        if args.allow_unimplemented and err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            print(f"{args.server}: serving gRPC (no health service)")
+            return 0
+        print(f"{args.server}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    print(f"{args.server}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
+def add_subcommands(sub: Any) -> None:
+    """Register ``health`` and ``reshard``."""
+    h = sub.add_parser("health", help="gRPC health check of a server; exit 0 iff SERVING")
+    h.add_argument("--server", required=True, help="HOST:PORT")
+    h.add_argument("--service", default="", help="service name (default: the whole server)")
+    h.add_argument("--timeout-s", type=float, default=3.0)
+    h.add_argument(
+        "--allow-unimplemented",
+        action="store_true",
+        help="count a gRPC server without the health service (UNIMPLEMENTED) as up",
+    )
+    h.set_defaults(func=_cmd_health)
+    reshard.add_subcommands(sub)
