@@ -1,4 +1,4 @@
-"""Command line: ``paramserver serve | worker | demo | status | rank-server | spmd-demo``.
+"""The ``paramserver`` command line: one subcommand per entry point (``paramserver --help``).
 
 Each subcommand lives beside the code it runs; this module only wires the parsers.
 Only entry points configure logging handlers.
@@ -18,36 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    try:
-        from paramserver.server import daemon
+    # Imported here, not at module level, so `paramserver --help` stays cheap to reach.
+    from paramserver.server import daemon, ops
+    from paramserver.spmd import cli as spmd_cli
+    from paramserver.worker_client import cluster_check, training
 
-        daemon.add_subcommands(sub)
-    except ImportError:  # pragma: no cover - during bring-up only
-        pass
-    try:
-        from paramserver.worker_client import training
-
-        training.add_subcommands(sub)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from paramserver.server import ops
-
-        ops.add_subcommands(sub)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from paramserver.worker_client import cluster_check
-
-        cluster_check.add_subcommands(sub)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from paramserver.spmd import cli as spmd_cli
-
-        spmd_cli.add_subcommands(sub)
-    except ImportError:  # pragma: no cover
-        pass
+    for module in (daemon, ops, training, cluster_check, spmd_cli):
+        module.add_subcommands(sub)
     return parser
 
 
