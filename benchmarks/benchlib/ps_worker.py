@@ -1,0 +1,82 @@
+"""paramserver worker runners for :class:`benchlib.WorkerPool`.
+
+``push_pull``: each round pushes a gradient of ones (float32, N elements) and pulls the whole
+tensor back (ASP; the server applies ``w -= lr * g`` on every push).
+
+``bsp_step``: each round is one BSP/SSP iteration: pull (waits as the model requires), a
+simulated compute of ``compute_s`` (``slow_factor`` times longer on the straggler ranks), push,
+clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from paramserver.server.optimizers import UpdateRule
+from paramserver.worker_client.client import WorkerClient
+
+KEY = "w"
+
+
+class _Base:
+    def __init__(self, rank: int, cfg: dict[str, Any]) -> None:
+        self.rank = rank
+        self.cfg = cfg
+        self.n = int(cfg["n"])
+        self.client = WorkerClient(
+            cfg["address"],
+            f"bench-{rank}",
+            rpc_timeout_s=300.0,
+            wait_timeout_s=300.0,
+            channel_options=[("grpc.max_receive_message_length", 64 << 20)],
+        )
+        self.grad = np.ones(self.n, dtype=np.float32)
+        self.pushes = 0
+        self.duplicates = 0
+        self.dropped = 0
+
+    async def setup(self) -> None:
+        await self.client.open()
+        rule = UpdateRule("sgd", lr=float(self.cfg["lr"]))
+        await self.client.init({KEY: np.zeros(self.n, dtype=np.float32)}, rule=rule)
+
+    async def _push(self) -> None:
+        ack = await self.client.push({KEY: self.grad})
+        self.pushes += 1
+        self.duplicates += ack.duplicate
+        self.dropped += ack.dropped_stale
+
+    async def finish(self) -> dict[str, Any]:
+        await self.client.close()
+        return {"pushes": self.pushes, "duplicates": self.duplicates, "dropped": self.dropped}
+
+
+class PushPull(_Base):
+    async def round(self) -> None:
+        await self._push()
+        pulled = await self.client.pull([KEY])
+        assert pulled[KEY].shape == (self.n,)
+
+
+class BspStep(_Base):
+    def __init__(self, rank: int, cfg: dict[str, Any]) -> None:
+        super().__init__(rank, cfg)
+        slow = rank in cfg.get("stragglers", ())
+        self.compute_s = float(cfg["compute_s"]) * (float(cfg["slow_factor"]) if slow else 1.0)
+
+    async def round(self) -> None:
+        await self.client.pull([KEY])
+        await asyncio.sleep(self.compute_s)
+        await self._push()
+        await self.client.clock()
+
+
+def push_pull(rank: int, cfg: dict[str, Any]) -> PushPull:
+    return PushPull(rank, cfg)
+
+
+def bsp_step(rank: int, cfg: dict[str, Any]) -> BspStep:
+    return BspStep(rank, cfg)

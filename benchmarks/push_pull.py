@@ -1,0 +1,451 @@
+"""Push+pull throughput: paramserver side by side with Ray, torch.distributed.rpc and ceilings.
+
+The common workload of issue 7: one server shard holding one dense float32 tensor of N elements;
+W worker processes; each round a worker pushes a gradient of N float32 (all ones) and pulls the
+whole tensor back; ASP, the server applies ``w -= lr * g`` (sgd, lr = 2**-10) on every push.
+Every timed phase starts on a barrier; a probe phase (also the warm-up) sizes the phases to about
+``--phase-s`` seconds; the median of 3 timed phases is reported as
+
+- ``rounds_per_s``: rounds of all workers together per second (S·W / s);
+- ``payload_gb_s``: 2·N·4·S·W / s / 1e9 (bytes pushed plus bytes pulled).
+
+Afterwards every update is checked to have been applied exactly once: the server's applied-update
+count equals the pushes the workers made, and the value equals ``-lr * pushes`` exactly (every
+such value is representable in float32 here).
+
+Systems (each config of each system runs in a fresh subprocess, config by config so that the
+ratios compare figures taken close in time on a noisy host; a missing system is reported as
+skipped, with the reason, in its JSON line):
+
+- ``paramserver``: ``paramserver serve --consistency asp`` + :class:`WorkerClient` push/pull
+  (two RPCs per round), client and server on uvloop.
+- ``ray``: a Ray actor parameter server (``benchlib/ray_ps.py``), one call per round.
+- ``torch_rpc``: a torch.distributed.rpc parameter server (``benchlib/torch_rpc_ps.py``).
+- ``grpc_raw`` (a new bidi stream echo per round, 1 MiB chunks; the issue's "raw grpc.aio
+  stream echo"), ``grpc_raw_unary`` (one unary echo per round), ``grpc_raw_session`` (one
+  long-lived bidi stream), ``socket`` (TCP ping-pong), ``memcpy``: the ceilings
+  (``benchlib/ceilings.py``).
+
+``--profile-server DIR`` samples the paramserver server with py-spy during each config and writes
+a collapsed-stack file plus a summary of the hottest functions.
+
+Usage: ``python benchmarks/push_pull.py [--quick] [--systems paramserver,ray] [--sizes 1000]``.
+Everything runs on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import benchlib
+import numpy as np
+from benchlib import profile
+
+SYSTEMS = (
+    "paramserver",
+    "ray",
+    "torch_rpc",
+    "grpc_raw",
+    "grpc_raw_unary",
+    "grpc_raw_session",
+    "socket",
+    "memcpy",
+)
+RAW_GRPC = ("grpc_raw", "grpc_raw_unary", "grpc_raw_session")
+PEERS = ("ray", "torch_rpc")
+LR = 2.0**-10
+DEFAULT_SIZES = (1_000, 1_000_000, 16_000_000)
+QUICK_SIZES = (1_000, 1_000_000)
+DEFAULT_WORKERS = (1, 2)
+DEFAULT_PHASE_S = 1.0
+QUICK_PHASE_S = 0.25
+SYSTEM_TIMEOUT_S = 600.0  # per child process (one system, its configs)
+
+
+def _record(system: str, n: int, workers: int) -> dict[str, Any]:
+    return {"bench": "push_pull", "system": system, "n": n, "workers": workers}
+
+
+def _configs(args: argparse.Namespace) -> list[tuple[int, int]]:
+    return [(n, w) for n in args.sizes for w in args.workers]
+
+
+def _result_record(
+    system: str, n: int, workers: int, result: dict[str, Any], extra: dict[str, Any]
+) -> dict[str, Any]:
+    rec = _record(system, n, workers)
+    rec.update(benchlib.rates(n, workers, result["rounds_per_phase"], result["median_s"]))
+    rec.update(result)
+    rec.update(extra)
+    return rec
+
+
+# ---------------------------------------------------------------------- paramserver
+def _run_paramserver(args: argparse.Namespace) -> None:
+    for n, workers in _configs(args):
+        with benchlib.paramserver(["--consistency", "asp", "--lease-ms", "60000"]) as server:
+            profiler = _start_profiler(args, server.pid, n, workers)
+            cfg = {"address": server.address, "n": n, "lr": LR}
+            with benchlib.WorkerPool("benchlib.ps_worker:push_pull", cfg, workers) as pool:
+                result = benchlib.measure(pool.phase, n_elements=n, target_s=args.phase_s)
+                reports = pool.finish()
+            profile = _stop_profiler(profiler)
+            status, values = benchlib.observer_read(server.address, ["w"])
+            pushes = sum(r["pushes"] for r in reports)
+            value_exact = bool(np.all(values["w"] == np.float32(-LR * pushes)))
+            key_updates = status.keys[0].updates if status.keys else -1
+            extra = {
+                "pushes": pushes,
+                "applied_updates": status.applied_updates,
+                "key_updates": key_updates,
+                "duplicates": sum(r["duplicates"] for r in reports),
+                "value_exact": value_exact,
+                "verified": status.applied_updates == pushes == key_updates and value_exact,
+                "server_peak_rss_bytes": benchlib.peak_rss_bytes(server.pid),
+                "pattern": "push stream + pull stream: 2 RPCs/round",
+            }
+            if profile:
+                extra["profile"] = profile
+        benchlib.emit(_result_record("paramserver", n, workers, result, extra))
+
+
+def _start_profiler(
+    args: argparse.Namespace, pid: int, n: int, workers: int
+) -> tuple[subprocess.Popen[bytes], Path] | None:
+    if not args.profile_server:
+        return None
+    out_dir = Path(args.profile_server)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"server_n{n}_w{workers}.collapsed"
+    cmd = ["py-spy", "record", "--pid", str(pid), "--rate", "250", "--format", "raw"]
+    cmd += ["--output", str(out)]
+    if args.profile_native:
+        cmd.append("--native")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches
+    return proc, out
+
+
+def _stop_profiler(profiler: tuple[subprocess.Popen[bytes], Path] | None) -> dict[str, Any]:
+    if profiler is None:
+        return {}
+    proc, out = profiler
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if not out.exists():
+        return {"error": "py-spy wrote nothing (is ptrace allowed?)"}
+    return {"collapsed": str(out), **profile.summarize_collapsed(out)}
+
+
+# ---------------------------------------------------------------------- ceilings
+def _serve_in_process(target: str) -> tuple[Any, int]:
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    module, _, name = target.partition(":")
+    fn = getattr(__import__(module, fromlist=[name]), name)
+    proc = ctx.Process(target=fn, args=(ports,), daemon=True)
+    proc.start()
+    return proc, int(ports.get(timeout=60))
+
+
+def _run_ceiling(system: str, args: argparse.Namespace) -> None:
+    factory = {
+        "memcpy": "benchlib.ceilings:memcpy",
+        "socket": "benchlib.ceilings:socket_pingpong",
+        "grpc_raw": "benchlib.ceilings:grpc_echo",
+        "grpc_raw_unary": "benchlib.ceilings:grpc_unary_echo",
+        "grpc_raw_session": "benchlib.ceilings:grpc_session_echo",
+    }[system]
+    server = {
+        "socket": "benchlib.ceilings:socket_echo_serve",
+        "grpc_raw": "benchlib.ceilings:grpc_echo_serve",
+        "grpc_raw_unary": "benchlib.ceilings:grpc_echo_serve",
+        "grpc_raw_session": "benchlib.ceilings:grpc_echo_serve",
+    }.get(system)
+    proc, port = _serve_in_process(server) if server else (None, 0)
+    try:
+        for n, workers in _configs(args):
+            cfg = {"n": n, "port": port}
+            with benchlib.WorkerPool(factory, cfg, workers) as pool:
+                result = benchlib.measure(pool.phase, n_elements=n, target_s=args.phase_s)
+                reports = pool.finish()
+            extra = {"verified": all(r["ok"] for r in reports)}
+            if system == "grpc_raw":
+                extra["pattern"] = "bidi stream, 1 MiB chunks echoed as they arrive"
+            elif system == "grpc_raw_unary":
+                extra["pattern"] = "one unary call per round, whole payload each way"
+            elif system == "grpc_raw_session":
+                extra["pattern"] = "one long-lived bidi stream, 1 MiB chunks per round"
+            elif system == "socket":
+                extra["pattern"] = "TCP_NODELAY ping-pong, server echoes after the whole message"
+            else:
+                extra["pattern"] = "two np.copyto of N*4 bytes per round"
+            benchlib.emit(_result_record(system, n, workers, result, extra))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.join(timeout=10)
+
+
+# ---------------------------------------------------------------------- peers
+def _missing(module: str) -> str | None:
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed (pip install 'paramserver[bench]')"
+    return None
+
+
+def _run_ray(args: argparse.Namespace) -> None:
+    from benchlib import ray_ps
+
+    def report(n: int, workers: int, result: dict[str, Any], check: dict[str, Any]) -> None:
+        extra = dict(check)
+        extra["verified"] = check["applied_updates"] == check["pushes"] and check["value_exact"]
+        extra["pattern"] = "apply_gradients returns weights: 1 call/round"
+        benchlib.emit(_result_record("ray", n, workers, result, extra))
+
+    ray_ps.run(_configs(args), LR, benchlib.measure, report, args.phase_s)
+
+
+def _run_torch(args: argparse.Namespace) -> None:
+    import torch.distributed.rpc as rpc
+    from benchlib import torch_rpc_ps
+
+    if not rpc.is_available():
+        for n, w in _configs(args):
+            benchlib.emit({**_record("torch_rpc", n, w), "skipped": "torch built without rpc"})
+        return
+    torch_rpc_ps.run(_configs(args), LR, args.phase_s)
+
+
+def run_system(system: str, args: argparse.Namespace) -> None:
+    """Measure one system for every config (the body of a ``--system`` subprocess)."""
+    missing = {"ray": _missing("ray"), "torch_rpc": _missing("torch")}.get(system)
+    if missing:
+        for n, w in _configs(args):
+            benchlib.emit({**_record(system, n, w), "skipped": missing})
+        return
+    if system == "paramserver":
+        _run_paramserver(args)
+    elif system == "ray":
+        _run_ray(args)
+    elif system == "torch_rpc":
+        _run_torch(args)
+    else:
+        _run_ceiling(system, args)
+
+
+# ---------------------------------------------------------------------- orchestration
+def _child_argv(system: str, configs: list[tuple[int, int]], args: argparse.Namespace) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--system", system]
+    argv += ["--sizes", ",".join(str(n) for n in sorted({n for n, _ in configs}))]
+    argv += ["--workers", ",".join(str(w) for w in sorted({w for _, w in configs}))]
+    argv += ["--phase-s", str(args.phase_s)]
+    if args.profile_server:
+        argv += ["--profile-server", args.profile_server]
+    if args.profile_native:
+        argv.append("--profile-native")
+    return argv
+
+
+def _run_child(
+    system: str, configs: list[tuple[int, int]], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Measure ``configs`` of one system in a fresh subprocess; returns (and echoes) its lines."""
+    records: list[dict[str, Any]] = []
+    proc = subprocess.Popen(
+        _child_argv(system, configs, args),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # so a timeout can kill its whole process group
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + SYSTEM_TIMEOUT_S
+    while True:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            print(f"[{system}] timed out after {SYSTEM_TIMEOUT_S} s", file=sys.stderr)
+            break
+        if line is None:
+            break
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            print(f"[{system}] {line.rstrip()}", file=sys.stderr)
+            continue
+        if isinstance(rec, dict) and rec.get("bench") == "push_pull":
+            records.append(rec)
+            benchlib.emit(rec)
+    if proc.poll() is None:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    done = {(r["n"], r["workers"]) for r in records}
+    for n, w in configs:
+        if (n, w) not in done:
+            rec = {**_record(system, n, w), "error": f"no result (exit code {proc.returncode})"}
+            records.append(rec)
+            benchlib.emit(rec)
+    return records
+
+
+def _value(
+    records: dict[tuple[str, int, int], dict[str, Any]], key: tuple[str, int, int], field: str
+) -> float | None:
+    rec = records.get(key)
+    if rec is None or field not in rec:
+        return None
+    return float(rec[field])
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """The closing tables: rounds/s, payload GB/s and the issue's target ratios."""
+    by = {(r["system"], r["n"], r["workers"]): r for r in records}
+    systems = [s for s in args.systems]
+    for field, title in (("rounds_per_s", "rounds/s"), ("payload_gb_s", "payload GB/s")):
+        rows = []
+        for n, w in _configs(args):
+            rows.append([n, w, *(_value(by, (s, n, w), field) for s in systems)])
+        benchlib.print_table(f"push_pull: {title} (median of 3 phases)", ["N", "W", *systems], rows)
+    rows = []
+    for n, w in _configs(args):
+        ps_r = _value(by, ("paramserver", n, w), "rounds_per_s")
+        ps_g = _value(by, ("paramserver", n, w), "payload_gb_s")
+        best_r = _best(by, PEERS, n, w, "rounds_per_s")
+        best_g = _best(by, PEERS, n, w, "payload_gb_s")
+        stream_g = _value(by, ("grpc_raw", n, w), "payload_gb_s")
+        raw_g = _best(by, RAW_GRPC, n, w, "payload_gb_s")
+        small = n <= 10_000
+        peer_ratio = _ratio(ps_r, best_r) if small else _ratio(ps_g, best_g)
+        peer_target = 5.0 if small else 2.0
+        verified = by.get(("paramserver", n, w), {}).get("verified")
+        rows.append(
+            [
+                n,
+                w,
+                peer_ratio,
+                f">= {peer_target:g} ({'rounds/s' if small else 'GB/s'})",
+                _met(peer_ratio, peer_target),
+                _ratio(ps_g, stream_g),
+                _ratio(ps_g, raw_g),
+                ">= 0.8",
+                _met(_ratio(ps_g, raw_g), 0.8),
+                verified,
+            ]
+        )
+    benchlib.print_table(
+        "push_pull: paramserver against the issue-7 targets (ratios within this run; "
+        "best raw = max(grpc_raw, grpc_raw_unary, grpc_raw_session))",
+        [
+            "N",
+            "W",
+            "ps/best peer",
+            "target",
+            "met",
+            "ps/grpc stream",
+            "ps/best raw grpc",
+            "target",
+            "met",
+            "exactly-once",
+        ],
+        rows,
+    )
+
+
+def _best(
+    by: dict[tuple[str, int, int], dict[str, Any]],
+    systems: tuple[str, ...],
+    n: int,
+    w: int,
+    field: str,
+) -> float | None:
+    values = [v for s in systems if (v := _value(by, (s, n, w), field)) is not None]
+    return max(values) if values else None
+
+
+def _met(ratio: float | None, target: float) -> str:
+    if ratio is None:
+        return "n/a"
+    return "yes" if ratio >= target else "NO"
+
+
+def _parse_ints(text: str) -> list[int]:
+    return [int(float(t)) for t in text.split(",") if t.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: small N, short phases")
+    parser.add_argument("--sizes", type=_parse_ints, help="N values, comma-separated")
+    parser.add_argument("--workers", type=_parse_ints, help="W values, comma-separated")
+    parser.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--phase-s", type=float, help="target seconds per timed phase")
+    parser.add_argument(
+        "--no-interleave",
+        dest="interleave",
+        action="store_false",
+        help="measure each system's configs in one process (faster; ratios less robust)",
+    )
+    parser.add_argument("--profile-server", metavar="DIR", help="py-spy the paramserver server")
+    parser.add_argument("--profile-native", action="store_true", help="py-spy --native")
+    parser.add_argument("--system", help=argparse.SUPPRESS)  # internal: one system, one process
+    args = parser.parse_args(argv)
+    quick = args.quick or benchlib.quick_from_env()
+    args.sizes = args.sizes or list(QUICK_SIZES if quick else DEFAULT_SIZES)
+    args.workers = args.workers or list(DEFAULT_WORKERS)
+    args.phase_s = args.phase_s or (QUICK_PHASE_S if quick else DEFAULT_PHASE_S)
+    args.systems = args.systems.split(",") if args.systems else list(SYSTEMS)
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if args.system:
+        run_system(args.system, args)
+        return 0
+    benchlib.emit({"bench": "push_pull", "machine": benchlib.machine_info(), "lr": LR})
+    records: list[dict[str, Any]] = []
+    if args.interleave:
+        # One config at a time across all systems: on a shared, noisy host the ratios within
+        # a config are then measured minutes apart at most.
+        for config in _configs(args):
+            for system in args.systems:
+                records += _run_child(system, [config], args)
+    else:
+        for system in args.systems:
+            records += _run_child(system, _configs(args), args)
+    summarize(records, args)
+    failed = [r for r in records if "error" in r or r.get("verified") is False]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
