@@ -228,6 +228,9 @@ def encode_frames(
     key: str,
     array: np.ndarray | np.generic | float | int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    *,
+    role: int = 0,
+    dense_shape: tuple[int, ...] = (),
 ) -> Iterator[tensor_pb2.TensorFrame]:
     """Split one tensor into frames: header in frame 0, then chunks of raw bytes.
 
@@ -240,6 +243,8 @@ def encode_frames(
         array: Tensor of any shape (including ``()`` and zero-size) and a supported dtype, or
             anything else :func:`normalize` accepts (numpy or Python scalars).
         chunk_bytes: Maximum payload bytes per frame, > 0. Default 1 MiB.
+        role: ``TensorRole`` of a compressed gradient (default dense); see tensor.proto.
+        dense_shape: With ``TENSOR_ROLE_SPARSE_INDICES``: the dense gradient's shape.
 
     Returns:
         Iterator of ``TensorFrame``: ``chunk_index`` 0..n-1, ``offset_bytes`` increasing by the
@@ -266,6 +271,8 @@ def encode_frames(
         dtype=_TO_WIRE[_little_endian(arr.dtype)],
         shape=[int(d) for d in arr.shape],
         size_bytes=size_bytes,
+        role=role,
+        dense_shape=[int(d) for d in dense_shape],
     )
     return _frames(header, _payload_view(arr), chunk_bytes, n_chunks)
 
@@ -291,12 +298,18 @@ def _frames(
 class _Pending:
     """The tensor currently being assembled."""
 
-    __slots__ = ("buffer", "dtype", "key", "next_index", "received_bytes", "shape")
+    __slots__ = ("buffer", "dtype", "header", "key", "next_index", "received_bytes", "shape")
 
     def __init__(
-        self, key: str, dtype: np.dtype[Any], shape: tuple[int, ...], buffer: np.ndarray
+        self,
+        key: str,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+        buffer: np.ndarray,
+        header: tensor_pb2.TensorHeader | None = None,
     ) -> None:
         self.key = key
+        self.header = header
         self.dtype = dtype
         self.shape = shape
         self.buffer = buffer  # uint8, (size_bytes,)
@@ -325,6 +338,8 @@ class TensorAssembler:
         self._max_tensor_bytes = max_tensor_bytes
         self._pending: _Pending | None = None
         self._last_key: str | None = None  # key of the last completed tensor, for messages
+        #: Header of the tensor :meth:`feed` returned last (its role, dense_shape).
+        self.last_header: tensor_pb2.TensorHeader | None = None
 
     @property
     def in_progress(self) -> str | None:
@@ -404,6 +419,7 @@ class TensorAssembler:
             )
         self._pending = None
         self._last_key = key
+        self.last_header = pending.header
         return key, pending.buffer.view(pending.dtype).reshape(pending.shape)
 
     def _start(self, frame: tensor_pb2.TensorFrame) -> None:
@@ -446,7 +462,7 @@ class TensorAssembler:
             raise ResourceExhausted(
                 f"{_key_label(key)}: cannot allocate {expected} bytes: {err}"
             ) from None
-        self._pending = _Pending(key, dtype, shape, buffer)
+        self._pending = _Pending(key, dtype, shape, buffer, header)
 
     def finish(self) -> None:
         """Declare the end of the stream.

@@ -22,6 +22,7 @@ import numpy as np
 from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.api.v1 import tensor_pb2
 from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.errors import (
     ERROR_CLASS_METADATA_KEY,
@@ -33,6 +34,7 @@ from paramserver.errors import (
 from paramserver.server import wal
 from paramserver.server.consistency import Consistency
 from paramserver.server.cut import shard_map_of
+from paramserver.server.decompress import Encoded, decode
 from paramserver.server.engine import InflightTicket, ServerEngine
 from paramserver.server.optimizers import UpdateRule
 from paramserver.sharding import shard_map_to_proto
@@ -183,9 +185,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         request_iterator: AsyncIterator[Any],
         header_field: str,
         ticket: InflightTicket | None = None,
+        *,
+        allow_encoded: bool = False,
     ) -> tuple[Any, dict[str, np.ndarray]]:
         header = None
         tensors: dict[str, np.ndarray] = {}
+        encoded: dict[str, Encoded] = {}
+        sparse_indices: dict[str, tuple[np.ndarray, tuple[int, ...]]] = {}
         assembler = tensor.TensorAssembler(max_tensor_bytes=self.engine.config.max_tensor_bytes)
         async for msg in request_iterator:
             which = msg.WhichOneof("body")
@@ -203,14 +209,39 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             if ticket is not None and msg.frame.HasField("header"):
                 ticket.reserve(msg.frame.header.size_bytes)
             done = assembler.feed(msg.frame)
-            if done is not None:
-                key, array = done
-                if key in tensors:
-                    raise MalformedStream(f"key {key!r} appears twice in one stream")
+            if done is None:
+                continue
+            key, array = done
+            h = assembler.last_header
+            role = h.role if h is not None else tensor_pb2.TENSOR_ROLE_UNSPECIFIED
+            if role == tensor_pb2.TENSOR_ROLE_SPARSE_VALUES:
+                if key not in sparse_indices:
+                    raise MalformedStream(f"sparse values for key {key!r} without indices")
+                indices, dense_shape = sparse_indices.pop(key)
+                encoded[key] = Encoded(array, indices, dense_shape)
+                continue
+            if key in tensors or key in encoded or key in sparse_indices:
+                raise MalformedStream(f"key {key!r} appears twice in one stream")
+            if role == tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
                 tensors[key] = array
+            elif role == tensor_pb2.TENSOR_ROLE_CAST:
+                encoded[key] = Encoded(array)
+            elif role == tensor_pb2.TENSOR_ROLE_SPARSE_INDICES and h is not None:
+                sparse_indices[key] = (array, tuple(int(d) for d in h.dense_shape))
+            else:
+                raise MalformedStream(f"key {key!r}: unknown tensor role {role}")
         if header is None:
             raise MalformedStream(f"empty stream: no {header_field}")
         assembler.finish()
+        if sparse_indices:
+            raise MalformedStream(
+                f"sparse indices without values for keys {sorted(sparse_indices)}"
+            )
+        if encoded:
+            if header_field != "header" or not allow_encoded:
+                raise MalformedStream("compressed tensors are accepted in pushes only")
+            for key, enc in encoded.items():
+                tensors[key] = decode(self.core.store, key, enc)
         return header, tensors
 
     @grpc_errors
@@ -244,7 +275,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
     async def _push(
         self, request_iterator: AsyncIterator[pb.PushRequest], ticket: InflightTicket
     ) -> pb.PushResponse:
-        header, grads = await self._read_tensors(request_iterator, "header", ticket)
+        header, grads = await self._read_tensors(
+            request_iterator, "header", ticket, allow_encoded=True
+        )
         if not header.worker_id:
             raise InvalidArgument("push header needs a worker_id")
         result = self.core.push(

@@ -40,6 +40,7 @@ from paramserver.errors import (
     from_rpc_error,
 )
 from paramserver.server.optimizers import UpdateRule
+from paramserver.worker_client.compression import Compression, GradientCompressor
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ class WorkerClient:
         wait_timeout_s: Deadline of a pull's consistency wait (server side).
         retry: Backoff policy for UNAVAILABLE / RESOURCE_EXHAUSTED.
         heartbeat: Renew the lease in the background.
+        compression: key -> :class:`~paramserver.worker_client.compression.Cast` or
+            :class:`~paramserver.worker_client.compression.TopK` (opt-in wire compression of
+            pushed gradients; a scheme for key K also covers K's slices in a sharded cluster).
         auto_reregister: When the server no longer knows this worker (it restarted without
             its state, or evicted the worker), register again under the same name and carry
             on from the cluster's current clock. A fenced worker is never re-registered.
@@ -129,6 +133,7 @@ class WorkerClient:
         retry: RetryPolicy | None = None,
         heartbeat: bool = True,
         auto_reregister: bool = True,
+        compression: Mapping[str, Compression] | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.address = address
@@ -139,6 +144,7 @@ class WorkerClient:
         self.retry = retry or RetryPolicy()
         self.heartbeat_enabled = heartbeat
         self.auto_reregister = auto_reregister
+        self.compressor = GradientCompressor(dict(compression or {}))
         self.reregistrations = 0
         self.channel_options = list(channel_options)
         self.worker_id = ""
@@ -377,6 +383,8 @@ class WorkerClient:
         request_id = self._next_request_id
         self._next_request_id += 1
         arrays = {k: tensor.normalize(v, k) for k, v in grads.items()}
+        # Encoded once per push (not per attempt): error-feedback residuals advance once.
+        parts = {k: self.compressor.encode(k, v) for k, v in arrays.items()}
 
         def messages() -> Iterator[pb.PushRequest]:
             yield pb.PushRequest(
@@ -388,9 +396,16 @@ class WorkerClient:
                     base_version=self.last_version if base_version is None else base_version,
                 )
             )
-            for key, value in arrays.items():
-                for frame in tensor.encode_frames(key, value, _SEND_CHUNK_BYTES):
-                    yield pb.PushRequest(frame=frame)
+            for key, key_parts in parts.items():
+                for part in key_parts:
+                    for frame in tensor.encode_frames(
+                        key,
+                        part.array,
+                        _SEND_CHUNK_BYTES,
+                        role=part.role,
+                        dense_shape=part.dense_shape,
+                    ):
+                        yield pb.PushRequest(frame=frame)
 
         resp = await self._member_call(
             lambda: self.stub.Push(messages(), timeout=timeout_s or self.rpc_timeout_s),

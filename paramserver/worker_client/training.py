@@ -30,6 +30,7 @@ import numpy as np
 from paramserver.errors import WaitTimeout
 from paramserver.server.optimizers import UpdateRule
 from paramserver.worker_client.client import WorkerClient, connect
+from paramserver.worker_client.compression import Cast, Compression, TopK
 from paramserver.worker_client.local_cluster import start_servers, stop_servers
 
 
@@ -135,6 +136,22 @@ class TrainConfig:
     evaluate: bool = True
     slow_factor: float = 1.0
     start_timeout_s: float = 60.0
+    compression: str = "none"
+    topk_ratio: float = 0.1
+
+
+def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[str, Compression]:
+    """Wire compression for every key: ``none``, ``fp16``, ``bf16`` or ``topk``."""
+    if kind == "none":
+        return {}
+    scheme: Compression
+    if kind in ("fp16", "bf16"):
+        scheme = Cast("float16" if kind == "fp16" else "bfloat16")
+    elif kind == "topk":
+        scheme = TopK(topk_ratio)
+    else:
+        raise ValueError(f"unknown compression {kind!r}")
+    return dict.fromkeys(keys, scheme)
 
 
 async def wait_for_workers(ps: WorkerClient, n: int, timeout_s: float) -> None:
@@ -172,7 +189,12 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     steps = max(1, (len(data.y_train) // cfg.num_workers) // cfg.batch_size)
     rule = UpdateRule("sgd", lr=cfg.lr, momentum=cfg.momentum)
     t0 = time.monotonic()
-    async with connect(cfg.server, worker_name=f"worker-{cfg.worker_index}") as ps:
+    schemes = compression_schemes(
+        cfg.compression, sorted(init_params(cfg.hidden, cfg.seed)), cfg.topk_ratio
+    )
+    async with connect(
+        cfg.server, worker_name=f"worker-{cfg.worker_index}", compression=schemes
+    ) as ps:
         params = await ps.init(init_params(cfg.hidden, cfg.seed), rule=rule)
         keys = sorted(params)
         await wait_for_workers(ps, cfg.num_workers, cfg.start_timeout_s)
@@ -236,6 +258,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         seed=args.seed,
         evaluate=not args.no_eval,
         slow_factor=args.slow_factor,
+        compression=args.compression,
+        topk_ratio=args.topk_ratio,
     )
     if not 0 <= cfg.worker_index < cfg.num_workers:
         print(f"--worker-index must be in [0, {cfg.num_workers})", file=sys.stderr)
@@ -318,6 +342,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     str(args.hidden),
                     "--seed",
                     str(args.seed),
+                    "--compression",
+                    args.compression,
+                    "--topk-ratio",
+                    str(args.topk_ratio),
                 ]
                 if i != 0:
                     cmd.append("--no-eval")
@@ -415,6 +443,13 @@ def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-accuracy", type=float, default=0.93, help="exit 1 below this bar")
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
+    p.add_argument(
+        "--compression",
+        choices=["none", "fp16", "bf16", "topk"],
+        default="none",
+        help="wire compression of pushed gradients (topk: with error feedback)",
+    )
+    p.add_argument("--topk-ratio", type=float, default=0.1, help="topk: fraction of entries sent")
 
 
 def add_subcommands(sub: Any) -> None:
