@@ -222,13 +222,22 @@ class WorkerClient:
         while True:
             try:
                 return await attempt()
+            except asyncio.CancelledError:
+                # Not this task's own cancellation: grpc.aio cancelled the call itself (seen
+                # when the server was killed while a push stream was being written). That is
+                # a broken link, retried like UNAVAILABLE (every call here is idempotent).
+                task = asyncio.current_task()
+                if task is None or task.cancelling() or loop.time() >= deadline:
+                    raise
+                failure = "cancelled by the transport"
             except grpc.aio.AioRpcError as err:
                 if err.code() not in retryable or loop.time() >= deadline:
                     raise from_rpc_error(err) from err
-                delay = min(random.uniform(0, ceiling), max(0.0, deadline - loop.time()))
-                logger.debug("%s: %s; retrying in %.3f s", what, err.code().name, delay)
-                await asyncio.sleep(delay)
-                ceiling = min(ceiling * self.retry.multiplier, self.retry.max_backoff_s)
+                failure = err.code().name
+            delay = min(random.uniform(0, ceiling), max(0.0, deadline - loop.time()))
+            logger.debug("%s: %s; retrying in %.3f s", what, failure, delay)
+            await asyncio.sleep(delay)
+            ceiling = min(ceiling * self.retry.multiplier, self.retry.max_backoff_s)
 
     async def _member_call(
         self, attempt: Callable[[], Awaitable[T]], what: str, retryable: set[Any] = _RETRYABLE
