@@ -57,7 +57,9 @@ class CheckpointError(ParamServerError):
 
 
 def _sha256(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).tobytes()).hexdigest()
+    """SHA-256 of the array's C-order bytes, hashed in place (hashlib releases the GIL)."""
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return hashlib.sha256(flat.data).hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -167,6 +169,9 @@ class CheckpointManager:
             seq = self._next_sequence()
             final = self.directory / f"{_PREFIX}{seq:08d}"
             tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+            for name, info in snap.manifest["tensors"].items():
+                if not info["sha256"]:
+                    info["sha256"] = _sha256(snap.tensors[name])
             storable = {name: _to_storable(array)[0] for name, array in snap.tensors.items()}
             try:
                 tmp.mkdir()
@@ -204,7 +209,7 @@ class CheckpointManager:
                 name: {
                     "dtype": _to_storable(a)[1],
                     "shape": list(a.shape),
-                    "sha256": _sha256(a),
+                    "sha256": "",  # computed by write(), off the event loop
                 }
                 for name, a in tensors.items()
             },

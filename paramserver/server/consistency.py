@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 from paramserver.errors import AlreadyExists, InvalidArgument, StaleUpdate, WorkerNotFound
 
+#: Departed (left, evicted, fenced) registrations remembered for clearer refusals.
+DEPARTED_KEPT = 1024
+
 
 class Consistency(enum.Enum):
     """Consistency model of a server shard."""
@@ -193,8 +196,16 @@ class ClusterState:
             client_nonce=client_nonce,
         )
         self.workers[rec.worker_id] = rec
+        self._prune_departed()
         self.epoch += 1
         return rec, changes
+
+    def _prune_departed(self) -> None:
+        """Forget the oldest departed registrations beyond :data:`DEPARTED_KEPT` (their ids
+        then answer "unknown worker" instead of "no longer a member"; both are refusals)."""
+        departed = [wid for wid, w in self.workers.items() if not w.live and not w.lost]
+        for wid in departed[: max(0, len(departed) - DEPARTED_KEPT)]:
+            del self.workers[wid]
 
     def require_live(self, worker_id: str) -> WorkerRecord:
         """The live record of ``worker_id``.

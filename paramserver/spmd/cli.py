@@ -16,12 +16,24 @@ flag                            environment variable
 ``--timeout-s``                 ``PARAMSERVER_SPMD_TIMEOUT_S``
 (test only)                     ``PARAMSERVER_SPMD_FAULTS``
 ==============================  =========================================
+
+``spmd-demo`` drives rank servers that already run when given both instances (same precedence,
+flag then environment variable); without them it starts its own on 127.0.0.1:
+
+==============================  =========================================
+flag                            environment variable
+==============================  =========================================
+``--instance-a``                ``PARAMSERVER_SPMD_INSTANCE_A``
+``--instance-b``                ``PARAMSERVER_SPMD_INSTANCE_B``
+``--wait-s``                    ``PARAMSERVER_SPMD_WAIT_S``
+==============================  =========================================
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -34,7 +46,15 @@ from paramserver.spmd.faults import Faults
 from paramserver.spmd.layout import parse_layout_spec
 from paramserver.spmd.rank_server import RankServerConfig, serve
 
-__all__ = ["add_subcommands", "config_from_args", "main", "run_event_loop"]
+__all__ = [
+    "DemoTargets",
+    "add_subcommands",
+    "config_from_args",
+    "demo_targets_from_args",
+    "main",
+    "parse_rank_addresses",
+    "run_event_loop",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +102,38 @@ def add_subcommands(sub: Any) -> None:
     demo = sub.add_parser(
         "spmd-demo",
         help="two instances x 2 rank servers: fill, offload, onboard, verify, report GB/s",
-        description="End-to-end demo of the SPMD block-transfer layer on 127.0.0.1.",
+        description="End-to-end demo of the SPMD block-transfer layer: on rank servers it "
+        "starts on 127.0.0.1, or on running ones given by --instance-a and --instance-b.",
     )
     demo.add_argument("--blocks", type=int, default=128, help="blocks moved per rank")
     demo.add_argument(
         "--layout",
-        default="num_layers=4,outer_dim=2,page_size=16,inner_dim=128,dtype=float16",
-        help="block format (default: 32 KiB blocks)",
+        default=None,
+        help="block format (default for its own servers: num_layers=4,outer_dim=2,"
+        "page_size=16,inner_dim=128,dtype=float16, 32 KiB blocks; running servers must match "
+        "it when given)",
     )
-    demo.add_argument("--ranks", type=int, default=2, help="ranks per instance")
+    demo.add_argument(
+        "--ranks", type=int, default=None, help="ranks per instance it starts (default 2)"
+    )
+    demo.add_argument(
+        "--instance-a",
+        default=None,
+        metavar="HOST:PORT,...",
+        help="running rank servers of instance A, in rank order (with --instance-b)",
+    )
+    demo.add_argument(
+        "--instance-b",
+        default=None,
+        metavar="HOST:PORT,...",
+        help="running rank servers of instance B, in rank order (with --instance-a)",
+    )
+    demo.add_argument(
+        "--wait-s",
+        type=float,
+        default=None,
+        help="how long to poll rank servers until they answer SERVING (default 60 s)",
+    )
     demo.add_argument("--work-dir", type=Path, default=None, help="keep files here")
     demo.add_argument("--json", action="store_true", help="print one JSON line per path")
     demo.add_argument(
@@ -102,6 +145,88 @@ def add_subcommands(sub: Any) -> None:
 def _env(env: Mapping[str, str], name: str) -> str | None:
     value = env.get(ENV_PREFIX + name)
     return value if value not in (None, "") else None
+
+
+def parse_rank_addresses(text: str, what: str = "addresses") -> list[str]:
+    """Parse ``"host:port,host:port"`` (rank order) into a list of ``host:port``.
+
+    Raises:
+        InvalidArgument: empty, a duplicate, or an item that is not ``host:port`` with a port
+            in [1, 65535] (INVALID_ARGUMENT).
+    """
+    items = [item.strip() for item in text.split(",")]
+    if not items or any(not item for item in items):
+        raise InvalidArgument(f"{what}: expected HOST:PORT,HOST:PORT..., got {text!r}")
+    for item in items:
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise InvalidArgument(f"{what}: {item!r} is not HOST:PORT")
+    if len(set(items)) != len(items):
+        raise InvalidArgument(f"{what}: {text!r} names one rank server twice")
+    return items
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoTargets:
+    """Running rank servers for ``spmd-demo`` to drive.
+
+    Attributes:
+        instance_a: ``host:port`` of instance A's ranks, by rank.
+        instance_b: ``host:port`` of instance B's ranks, by rank (as many as A's).
+    """
+
+    instance_a: tuple[str, ...]
+    instance_b: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.instance_a or len(self.instance_a) != len(self.instance_b):
+            raise InvalidArgument(
+                f"instance A has {len(self.instance_a)} rank servers and B "
+                f"{len(self.instance_b)}; rank i of B pairs with rank i of A, so give as many"
+            )
+        if set(self.instance_a) & set(self.instance_b):
+            raise InvalidArgument("instances A and B share a rank server address")
+
+
+def demo_targets_from_args(
+    args: argparse.Namespace, env: Mapping[str, str]
+) -> tuple[DemoTargets | None, float]:
+    """Which rank servers ``spmd-demo`` drives: flag, then ``PARAMSERVER_SPMD_*``, then default.
+
+    Returns:
+        ``(targets, wait_s)``: ``targets`` is ``None`` when neither instance is given (the demo
+        starts its own rank servers); ``wait_s`` bounds the polling until every rank server
+        answers SERVING, seconds (default 60).
+
+    Raises:
+        InvalidArgument: only one instance given, malformed addresses, a ``--ranks`` that
+            disagrees with the addresses, or a bad ``--wait-s`` (INVALID_ARGUMENT).
+    """
+    a_text = args.instance_a if args.instance_a is not None else _env(env, "INSTANCE_A")
+    b_text = args.instance_b if args.instance_b is not None else _env(env, "INSTANCE_B")
+    wait_raw: Any = args.wait_s if args.wait_s is not None else _env(env, "WAIT_S")
+    try:
+        wait_s = 60.0 if wait_raw is None else float(wait_raw)
+    except ValueError:
+        raise InvalidArgument(f"{ENV_PREFIX}WAIT_S={wait_raw!r} is malformed") from None
+    if wait_s <= 0:
+        raise InvalidArgument(f"--wait-s must be > 0, got {wait_s}")
+    if a_text is None and b_text is None:
+        return None, wait_s
+    if a_text is None or b_text is None:
+        raise InvalidArgument(
+            "give both --instance-a and --instance-b (or PARAMSERVER_SPMD_INSTANCE_A/_B), "
+            "or neither to start rank servers here"
+        )
+    targets = DemoTargets(
+        tuple(parse_rank_addresses(a_text, "--instance-a")),
+        tuple(parse_rank_addresses(b_text, "--instance-b")),
+    )
+    if args.ranks is not None and args.ranks != len(targets.instance_a):
+        raise InvalidArgument(
+            f"--ranks {args.ranks} but --instance-a lists {len(targets.instance_a)} rank servers"
+        )
+    return targets, wait_s
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankServerConfig:
@@ -182,13 +307,25 @@ def _run_rank_server(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     from paramserver.spmd.demo import run_demo
 
+    try:
+        targets, wait_s = demo_targets_from_args(args, os.environ)
+        if args.blocks < 1:
+            raise InvalidArgument(f"--blocks must be >= 1, got {args.blocks}")
+        if args.layout is not None:
+            parse_layout_spec(args.layout)
+    except ParamServerError as exc:
+        print(f"paramserver spmd-demo: {exc.message}", file=sys.stderr)
+        return 2
     return run_demo(
         blocks=args.blocks,
         layout_text=args.layout,
-        ranks=args.ranks,
+        ranks=2 if args.ranks is None else args.ranks,
         work_dir=args.work_dir,
         json_lines=args.json,
         loop=args.loop,
+        instance_a=targets.instance_a if targets is not None else None,
+        instance_b=targets.instance_b if targets is not None else None,
+        wait_s=wait_s,
     )
 
 

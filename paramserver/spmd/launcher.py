@@ -4,6 +4,8 @@ Each process is ``python -m paramserver.spmd rank-server ... --port 0 --port-fil
 launcher polls for the port files (never a fixed sleep), and reports a process that died during
 start-up with the tail of its log. :class:`RankServerCluster` stops its processes with SIGTERM
 (clean shutdown: shared memory unlinked, pool files removed) and SIGKILLs stragglers.
+:func:`wait_serving` polls rank servers started elsewhere (compose services, other hosts) through
+the gRPC health service until each answers SERVING.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from paramserver.spmd.layout import Layout
 
 __all__ = [
@@ -28,6 +33,7 @@ __all__ = [
     "RankServerProcess",
     "async_wait_for",
     "wait_for",
+    "wait_serving",
 ]
 
 T = TypeVar("T")
@@ -71,6 +77,64 @@ async def async_wait_for(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout_s:.1f} s waiting for {what or predicate}")
         await asyncio.sleep(interval_s)
+
+
+async def _health_status(address: str, service: str, timeout_s: float) -> str:
+    """One ``grpc.health.v1.Health/Check``: the status name, or the RPC's status code name."""
+    # A fresh channel per probe: a channel that failed to connect backs off before retrying
+    # (up to minutes), which would hide a server that has come up since.
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            response = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            return str(exc.code().name)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+
+async def wait_serving(
+    addresses: Sequence[str],
+    *,
+    timeout_s: float,
+    interval_s: float = 0.1,
+    service: str = "",
+) -> None:
+    """Poll the gRPC health service of every address until each answers SERVING.
+
+    All pending addresses are probed concurrently each round; an address counts once it has
+    answered SERVING. Unreachable servers (UNAVAILABLE), servers shutting down (NOT_SERVING)
+    and probes that time out are retried until ``timeout_s`` has passed.
+
+    Args:
+        addresses: ``host:port`` of each server.
+        timeout_s: total budget, seconds.
+        interval_s: pause between rounds, seconds.
+        service: health service name (``""``: the whole server).
+
+    Raises:
+        TimeoutError: an address did not answer SERVING in time (each such address named with
+            the last answer it gave).
+    """
+    last: dict[str, str] = dict.fromkeys(addresses, "not probed")
+    pending = list(dict.fromkeys(addresses))
+    deadline = time.monotonic() + timeout_s
+
+    async def round_done() -> bool:
+        probe_s = max(0.05, min(2.0, deadline - time.monotonic()))
+        answers = await asyncio.gather(*(_health_status(a, service, probe_s) for a in pending))
+        for address, answer in zip(list(pending), answers, strict=True):
+            last[address] = answer
+            if answer == "SERVING":
+                pending.remove(address)
+        return not pending
+
+    try:
+        await async_wait_for(round_done, timeout_s=timeout_s, interval_s=interval_s)
+    except TimeoutError:
+        detail = ", ".join(f"{a}: {last[a]}" for a in pending)
+        raise TimeoutError(f"rank servers not SERVING after {timeout_s:.1f} s ({detail})") from None
 
 
 @dataclasses.dataclass

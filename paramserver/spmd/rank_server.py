@@ -26,6 +26,11 @@ a concurrent overwrite by the peer. Every other remote path streams chunks of <=
 
 Refusals map to status codes through the :mod:`paramserver.errors` tree; anything unexpected is
 logged with its traceback and becomes INTERNAL.
+
+Each rank server also serves the standard gRPC health service (``grpc.health.v1.Health``):
+SERVING for the whole server (``""``) and for :data:`SERVICE_NAME` once it listens, NOT_SERVING
+from the start of a graceful shutdown, so ``paramserver health --server HOST:PORT`` (a compose
+health check) and :func:`paramserver.spmd.launcher.wait_serving` can probe it.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import spmd_pb2, spmd_pb2_grpc
 from paramserver.errors import (
@@ -88,7 +94,14 @@ from paramserver.spmd.pools import (
     make_device_pool,
 )
 
-__all__ = ["RankServerConfig", "RankServerHandle", "RankServicer", "serve", "start_rank_server"]
+__all__ = [
+    "SERVICE_NAME",
+    "RankServerConfig",
+    "RankServerHandle",
+    "RankServicer",
+    "serve",
+    "start_rank_server",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +114,9 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 """Channel/server options: chunks are <= 1 MiB, so 8 MiB leaves ample headroom."""
 
 _OBJECT_IO_CONCURRENCY = 8
+
+SERVICE_NAME = "paramserver.api.v1.RankServer"
+"""Full gRPC service name of the rank server (also its health-check service name)."""
 
 
 def _default_root() -> Path:
@@ -1378,6 +1394,7 @@ class RankServerHandle:
     server: grpc.aio.Server
     servicer: RankServicer
     port: int
+    health: health.aio.HealthServicer
 
     @property
     def address(self) -> str:
@@ -1385,7 +1402,11 @@ class RankServerHandle:
         return self.servicer.address
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        """Stop serving (in-flight RPCs get ``grace_s`` seconds) and release the pools."""
+        """Stop serving (in-flight RPCs get ``grace_s`` seconds) and release the pools.
+
+        Health turns NOT_SERVING first (watchers are told), then the server stops.
+        """
+        await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.servicer.close()
 
@@ -1404,6 +1425,8 @@ async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
     try:
         server = grpc.aio.server(options=CHANNEL_OPTIONS)
         spmd_pb2_grpc.add_RankServerServicer_to_server(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
@@ -1417,7 +1440,9 @@ async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
         removed = await asyncio.to_thread(servicer.store.sweep_temp, 3600.0)
         if removed:
             logger.info("removed %d stale object temp files", removed)
-    return RankServerHandle(server, servicer, port)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RankServerHandle(server, servicer, port, health_servicer)
 
 
 def _write_port_file(path: Path, port: int) -> None:

@@ -10,9 +10,10 @@ a reduction server in gossip mode.
 """
 
 from paramserver.server.optimizers import UpdateRule
-from paramserver.worker_client.client import PushAck, RetryPolicy, WorkerClient, connect
+from paramserver.worker_client.client import PushAck, WorkerClient, connect
 from paramserver.worker_client.gossip import GossipWorker
 from paramserver.worker_client.reduction import ReductionClient, connect_reduction
+from paramserver.worker_client.retry import RetryPolicy
 from paramserver.worker_client.sharded import ClusterWorkerClient, connect_cluster
 from paramserver.worker_client.sync import SyncWorkerClient, connect_sync
 

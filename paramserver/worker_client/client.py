@@ -19,9 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import secrets
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -37,19 +36,16 @@ from paramserver.errors import (
     MalformedStream,
     ParamServerError,
     WorkerNotFound,
-    from_rpc_error,
 )
 from paramserver.server.optimizers import UpdateRule
 from paramserver.worker_client.compression import Compression, GradientCompressor
+from paramserver.worker_client.retry import RETRYABLE, RetryPolicy, call_with_retry
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-#: A push attempt whose own deadline expired may have been applied with its reply lost; the
-#: retry reuses the request id, so the server answers it as a duplicate (cases/retried-push.md).
-_PUSH_RETRYABLE = _RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
+_PUSH_RETRYABLE = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
 
 #: Payload bytes per frame sent to the server: 16 KiB under 1 MiB, so a whole message (frame
 #: header, key, shape, proto framing) stays within a server receive limit as low as 1 MiB
@@ -63,24 +59,6 @@ _RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff with full jitter (AWS architecture blog, "Exponential Backoff And
-    Jitter", 2015) for UNAVAILABLE / RESOURCE_EXHAUSTED.
-
-    Attributes:
-        initial_backoff_s: First backoff ceiling in seconds.
-        max_backoff_s: Largest backoff ceiling in seconds.
-        multiplier: Growth of the ceiling per attempt.
-        deadline_s: Give up (re-raising the last error) after this many seconds.
-    """
-
-    initial_backoff_s: float = 0.05
-    max_backoff_s: float = 2.0
-    multiplier: float = 2.0
-    deadline_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -113,6 +91,7 @@ class WorkerClient:
         wait_timeout_s: Deadline of a pull's consistency wait (server side).
         retry: Backoff policy for UNAVAILABLE / RESOURCE_EXHAUSTED.
         heartbeat: Renew the lease in the background.
+        close_timeout_s: Deadline (seconds) of the clean Leave sent by :meth:`close`.
         compression: key -> :class:`~paramserver.worker_client.compression.Cast` or
             :class:`~paramserver.worker_client.compression.TopK` (opt-in wire compression of
             pushed gradients; a scheme for key K also covers K's slices in a sharded cluster).
@@ -133,6 +112,7 @@ class WorkerClient:
         retry: RetryPolicy | None = None,
         heartbeat: bool = True,
         auto_reregister: bool = True,
+        close_timeout_s: float = 2.0,
         compression: Mapping[str, Compression] | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
@@ -144,6 +124,7 @@ class WorkerClient:
         self.retry = retry or RetryPolicy()
         self.heartbeat_enabled = heartbeat
         self.auto_reregister = auto_reregister
+        self.close_timeout_s = close_timeout_s
         self.compressor = GradientCompressor(dict(compression or {}))
         self.reregistrations = 0
         self.channel_options = list(channel_options)
@@ -199,10 +180,13 @@ class WorkerClient:
             self._heartbeat_task = None
         if self._channel is not None:
             if not self._left and not self.evicted and self.worker_id:
+                # A server that is gone must not hold close() for the whole retry deadline:
+                # its lease reaper removes the worker anyway.
                 try:
-                    await self.leave()
-                except ParamServerError as exc:
-                    logger.debug("leave on close failed: %s", exc)
+                    async with asyncio.timeout(self.close_timeout_s):
+                        await self.leave()
+                except (ParamServerError, TimeoutError) as exc:
+                    logger.debug("leave on close failed: %r", exc)
             await self._channel.close()
             self._channel = None
 
@@ -214,33 +198,18 @@ class WorkerClient:
 
     # ------------------------------------------------------------------ retry funnel
     async def _call(
-        self, attempt: Callable[[], Awaitable[T]], what: str, retryable: set[Any] = _RETRYABLE
+        self,
+        attempt: Callable[[], Awaitable[T]],
+        what: str,
+        retryable: Collection[grpc.StatusCode] = RETRYABLE,
     ) -> T:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry.deadline_s
-        ceiling = self.retry.initial_backoff_s
-        while True:
-            try:
-                return await attempt()
-            except asyncio.CancelledError:
-                # Not this task's own cancellation: grpc.aio cancelled the call itself (seen
-                # when the server was killed while a push stream was being written). That is
-                # a broken link, retried like UNAVAILABLE (every call here is idempotent).
-                task = asyncio.current_task()
-                if task is None or task.cancelling() or loop.time() >= deadline:
-                    raise
-                failure = "cancelled by the transport"
-            except grpc.aio.AioRpcError as err:
-                if err.code() not in retryable or loop.time() >= deadline:
-                    raise from_rpc_error(err) from err
-                failure = err.code().name
-            delay = min(random.uniform(0, ceiling), max(0.0, deadline - loop.time()))
-            logger.debug("%s: %s; retrying in %.3f s", what, failure, delay)
-            await asyncio.sleep(delay)
-            ceiling = min(ceiling * self.retry.multiplier, self.retry.max_backoff_s)
+        return await call_with_retry(attempt, self.retry, what, retryable)
 
     async def _member_call(
-        self, attempt: Callable[[], Awaitable[T]], what: str, retryable: set[Any] = _RETRYABLE
+        self,
+        attempt: Callable[[], Awaitable[T]],
+        what: str,
+        retryable: Collection[grpc.StatusCode] = RETRYABLE,
     ) -> T:
         """:meth:`_call` for calls made as this worker: when the server no longer knows the
         worker (restarted without its state, or evicted it), re-register under the same name

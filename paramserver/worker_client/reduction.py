@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import secrets
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,9 +41,8 @@ from paramserver.errors import (
     ParamServerError,
     WaitTimeout,
     WorkerNotFound,
-    from_rpc_error,
 )
-from paramserver.worker_client.client import RetryPolicy
+from paramserver.worker_client.retry import RetryPolicy, call_with_retry
 
 __all__ = ["LayerInfo", "ReduceInfo", "ReductionClient", "connect_reduction"]
 
@@ -52,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 #: Payload bytes per frame sent: 16 KiB under 1 MiB, so a whole message stays within a server
 #: receive limit as low as 1 MiB (as the parameter-server client does).
@@ -203,19 +200,7 @@ class ReductionClient:
 
     # ------------------------------------------------------------------ retry funnel
     async def _call(self, attempt: Callable[[], Awaitable[T]], what: str) -> T:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry.deadline_s
-        ceiling = self.retry.initial_backoff_s
-        while True:
-            try:
-                return await attempt()
-            except grpc.aio.AioRpcError as err:
-                if err.code() not in _RETRYABLE or loop.time() >= deadline:
-                    raise from_rpc_error(err) from err
-                delay = min(random.uniform(0, ceiling), max(0.0, deadline - loop.time()))
-                logger.debug("%s: %s; retrying in %.3f s", what, err.code().name, delay)
-                await asyncio.sleep(delay)
-                ceiling = min(ceiling * self.retry.multiplier, self.retry.max_backoff_s)
+        return await call_with_retry(attempt, self.retry, what)
 
     # ------------------------------------------------------------------ membership
     def _seen(self, view: pb.ReductionView) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -42,7 +41,6 @@ from paramserver.errors import (
     KeyNotFound,
     ParamServerError,
     WorkerNotFound,
-    from_rpc_error,
 )
 from paramserver.server.optimizers import UpdateRule
 from paramserver.sharding import (
@@ -57,13 +55,13 @@ from paramserver.sharding import (
     parse_name,
     shard_map_from_proto,
 )
-from paramserver.worker_client.client import PushAck, RetryPolicy, WorkerClient
+from paramserver.worker_client.client import PushAck, WorkerClient
+from paramserver.worker_client.retry import RetryPolicy, call_with_retry
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 _SEND_CHUNK_BYTES = tensor.DEFAULT_CHUNK_BYTES - (16 << 10)
 
 
@@ -84,24 +82,19 @@ async def fetch_shard_map(
     Raises:
         ParamServerError: the mapped error once the retry deadline has passed.
     """
-    policy = retry or RetryPolicy()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + policy.deadline_s
-    ceiling = policy.initial_backoff_s
     async with grpc.aio.insecure_channel(address, options=list(channel_options)) as channel:
         stub = pb_grpc.ParameterServerStub(channel)
-        while True:
+
+        async def attempt() -> ShardMap | None:
             try:
                 resp = await stub.GetShardMap(pb.GetShardMapRequest(), timeout=timeout_s)
-                return shard_map_from_proto(resp)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     return None
-                if err.code() not in _RETRYABLE or loop.time() >= deadline:
-                    raise from_rpc_error(err) from err
-                delay = min(random.uniform(0, ceiling), max(0.0, deadline - loop.time()))
-                await asyncio.sleep(delay)
-                ceiling = min(ceiling * policy.multiplier, policy.max_backoff_s)
+                raise
+            return shard_map_from_proto(resp)
+
+        return await call_with_retry(attempt, retry or RetryPolicy(), "shard map")
 
 
 def merge_views(views: Iterable[pb.ClusterView]) -> pb.ClusterView:

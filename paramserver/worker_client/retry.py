@@ -1,0 +1,83 @@
+"""The one retry funnel of the clients: backoff with full jitter up to a deadline, then the
+error mapped to :mod:`paramserver.errors` (raised ``from`` the original RPC error).
+
+Source: AWS Architecture Blog, "Exponential Backoff And Jitter" (2015), full-jitter variant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from paramserver.errors import from_rpc_error
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Retried by default. CANCELLED comes from the server's side (a restart cancelling calls in
+#: flight); a cancellation by this process raises asyncio.CancelledError instead. Every call the
+#: clients retry is idempotent: pushes by request id, clocks by clock value, reads trivially.
+RETRYABLE: frozenset[grpc.StatusCode] = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter for retryable status codes.
+
+    Attributes:
+        initial_backoff_s: First backoff ceiling in seconds.
+        max_backoff_s: Largest backoff ceiling in seconds.
+        multiplier: Growth of the ceiling per attempt.
+        deadline_s: Give up (re-raising the last error) after this many seconds.
+    """
+
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+    deadline_s: float = 30.0
+
+
+async def call_with_retry(
+    attempt: Callable[[], Awaitable[T]],
+    policy: RetryPolicy,
+    what: str,
+    retryable: Collection[grpc.StatusCode] = RETRYABLE,
+) -> T:
+    """Run ``attempt`` until it succeeds, retrying ``retryable`` codes up to the deadline.
+
+    ``attempt`` builds a fresh call each time (a stream's request iterator too). A
+    CancelledError that is not this task's own cancellation (grpc.aio cancelling the call when
+    the server dies mid-stream) is retried like UNAVAILABLE.
+
+    Raises:
+        ParamServerError: the mapped error of a non-retryable failure, or of the last attempt
+            once the deadline passed (UNAVAILABLE -> Unavailable, ...).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + policy.deadline_s
+    ceiling = policy.initial_backoff_s
+    while True:
+        try:
+            return await attempt()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling() or loop.time() >= deadline:
+                raise
+            failure = "cancelled by the transport"
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in retryable or loop.time() >= deadline:
+                raise from_rpc_error(err) from err
+            failure = err.code().name
+        delay = min(random.uniform(0, ceiling), max(0.0, deadline - loop.time()))
+        logger.debug("%s: %s; retrying in %.3f s", what, failure, delay)
+        await asyncio.sleep(delay)
+        ceiling = min(ceiling * policy.multiplier, policy.max_backoff_s)

@@ -1,0 +1,255 @@
+"""``paramserver spmd-demo`` driving rank servers that already run, and the rank servers' gRPC
+health service (what the docker-compose cluster relies on).
+
+Four real rank-server subprocesses (instance A ranks 0, 1 and instance B ranks 0, 1) on
+127.0.0.1 ephemeral ports, one object store shared by both instances, started once for the
+module; the demo runs as a subprocess against them, as the compose ``spmd-demo`` service does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from paramserver.spmd import SpmdParallelWorkers
+from paramserver.spmd.cli import run_event_loop
+from paramserver.spmd.launcher import RankServerCluster, wait_serving
+from paramserver.spmd.layout import Layout
+from paramserver.spmd.rank_server import SERVICE_NAME, RankServerConfig, start_rank_server
+
+LOOPS = ["asyncio", "uvloop"]
+LAYOUT = Layout(0, num_layers=2, outer_dim=2, page_size=8, inner_dim=64)  # 4 KiB blocks
+LAYOUT_ARG = "num_layers=2,outer_dim=2,page_size=8,inner_dim=64,dtype=float16"
+BLOCKS = 16  # per rank; B.G2 needs 4 x BLOCKS (four onboard paths)
+
+
+def run(loop: str, body: Callable[[], Awaitable[Any]]) -> Any:
+    return run_event_loop(body(), loop)
+
+
+def demo(*args: str, env: dict[str, str] | None = None, timeout_s: float = 90) -> Any:
+    """Run ``paramserver spmd-demo`` as a subprocess; the CompletedProcess."""
+    return subprocess.run(
+        ["paramserver", "--log-level", "WARNING", "spmd-demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=dict(os.environ, **(env or {})),
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankServerCluster]:
+    base = tmp_path_factory.mktemp("spmd-running")
+    c = RankServerCluster(base, layout=LAYOUT, host_blocks=4 * BLOCKS, disk_blocks=BLOCKS)
+    try:
+        c.spawn_instance("A", 2)
+        c.spawn_instance("B", 2)
+        c.wait_ready(timeout_s=60)
+        yield c
+    finally:
+        c.stop()
+
+
+def bytes_moved(addresses: list[str]) -> int:
+    async def body() -> int:
+        async with SpmdParallelWorkers(addresses) as g:
+            return sum(s.bytes_moved for s in await g.status())
+
+    return int(run("asyncio", body))
+
+
+# --------------------------------------------------------------------------- spmd-demo
+
+
+@pytest.mark.timeout(120)
+def test_demo_drives_running_rank_servers(cluster: RankServerCluster) -> None:
+    a, b = cluster.addresses("A"), cluster.addresses("B")
+    before = bytes_moved(b)
+    out = demo("--instance-a", ",".join(a), "--instance-b", ",".join(b), "--blocks", str(BLOCKS))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "verified" in out.stdout and "every byte matches" in out.stdout
+    # 2 ranks x (A.G3 + four B.G2 ranges) x BLOCKS blocks, each compared by digest
+    assert f"OK: {2 * 5 * BLOCKS} blocks verified" in out.stdout
+    for path in ("local offload (disk)", "gRPC stream", "object store", "GB/s"):
+        assert path in out.stdout
+    assert f"A at {','.join(a)}" in out.stdout
+    # The demo moved its bytes through *these* servers: B received 4 ranges per rank.
+    assert bytes_moved(b) - before >= 2 * 4 * BLOCKS * LAYOUT.bytes_per_block
+
+
+@pytest.mark.timeout(120)
+def test_demo_from_environment_twice_with_json(cluster: RankServerCluster) -> None:
+    env = {
+        "PARAMSERVER_SPMD_INSTANCE_A": ",".join(cluster.addresses("A")),
+        "PARAMSERVER_SPMD_INSTANCE_B": ",".join(cluster.addresses("B")),
+        "PARAMSERVER_SPMD_WAIT_S": "30",
+    }
+    seeds = set()
+    for _ in range(2):  # a rerun against the same servers and object store verifies afresh
+        out = demo("--blocks", "8", "--json", "--layout", LAYOUT_ARG, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        lines = [json.loads(line) for line in out.stdout.splitlines()]
+        summary = lines[-1]
+        assert summary["mismatches"] == 0
+        assert summary["verified_blocks"] == 2 * 5 * 8
+        assert summary["instance_b"] == cluster.addresses("B")
+        paths = {line["path"]: line for line in lines[:-1]}
+        assert paths["G4->B.G2 onboard (object store)"]["bytes"] == 2 * 8 * LAYOUT.bytes_per_block
+        assert paths["G4->B.G2 onboard (object store)"]["transport"] == ["object"]
+        seeds.add(summary["run_seed"])
+    assert len(seeds) == 2
+
+
+@pytest.mark.timeout(60)
+def test_demo_refuses_servers_too_small_or_of_another_format(cluster: RankServerCluster) -> None:
+    args = ["--instance-a", ",".join(cluster.addresses("A"))]
+    args += ["--instance-b", ",".join(cluster.addresses("B"))]
+    out = demo(*args, "--blocks", str(BLOCKS + 1))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"G2 holds {4 * BLOCKS} blocks, the demo needs {4 * (BLOCKS + 1)}" in out.stderr
+    out = demo(*args, "--blocks", "4", "--layout", "num_layers=3")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "block format" in out.stderr
+    out = demo(*args, "--ranks", "3")
+    assert out.returncode == 2 and "--ranks 3" in out.stderr
+    out = demo("--instance-a", ",".join(cluster.addresses("A")))
+    assert out.returncode == 2 and "both" in out.stderr
+    out = demo("--instance-a", "nohost", "--instance-b", "127.0.0.1:1")
+    assert out.returncode == 2 and "HOST:PORT" in out.stderr
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.timeout(90)
+def test_demo_waits_for_rank_servers_that_start_later(tmp_path: Path) -> None:
+    ports = free_ports(4)
+    a = [f"127.0.0.1:{p}" for p in ports[:2]]
+    b = [f"127.0.0.1:{p}" for p in ports[2:]]
+    cmd = ["paramserver", "--log-level", "WARNING", "spmd-demo", "--blocks", "4"]
+    cmd += ["--instance-a", ",".join(a), "--instance-b", ",".join(b), "--wait-s", "60"]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    c = RankServerCluster(tmp_path, layout=LAYOUT, host_blocks=16, disk_blocks=4)
+    try:
+        time.sleep(1.0)  # the demo is polling servers that do not exist yet
+        assert proc.poll() is None, proc.communicate()
+        for k, port in enumerate(ports):
+            c.spawn("AB"[k // 2], k % 2, extra_args=["--port", str(port)])
+        stdout, stderr = proc.communicate(timeout=80)
+        assert proc.returncode == 0, stdout + stderr
+        assert "verified" in stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        c.stop()
+
+
+@pytest.mark.timeout(60)
+def test_demo_gives_up_on_servers_that_never_answer() -> None:
+    ports = free_ports(2)
+    t0 = time.monotonic()
+    out = demo(
+        "--instance-a",
+        f"127.0.0.1:{ports[0]}",
+        "--instance-b",
+        f"127.0.0.1:{ports[1]}",
+        "--wait-s",
+        "1.5",
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "not SERVING after 1.5 s" in out.stderr
+    assert f"127.0.0.1:{ports[0]}: UNAVAILABLE" in out.stderr
+    assert time.monotonic() - t0 < 30
+
+
+# --------------------------------------------------------------------------- health
+
+
+@pytest.mark.timeout(60)
+def test_health_command_without_allow_unimplemented(cluster: RankServerCluster) -> None:
+    for address in cluster.addresses("A") + cluster.addresses("B"):
+        for service in ("", SERVICE_NAME):
+            cmd = [sys.executable, "-m", "paramserver", "health", "--server", address]
+            out = subprocess.run(
+                [*cmd, "--service", service],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert out.stdout.strip() == f"{address}: SERVING"
+    out = subprocess.run(
+        ["paramserver", "health", "--server", cluster.addresses("A")[0], "--service", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 1 and "NOT_FOUND" in out.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_health_serving_then_not_serving_on_graceful_shutdown(tmp_path: Path, loop: str) -> None:
+    async def body() -> None:
+        config = RankServerConfig(
+            instance_id="health",
+            rank=0,
+            port=0,
+            layout=LAYOUT,
+            host_blocks=4,
+            disk_blocks=4,
+            disk_dir=tmp_path / "disk",
+            object_dir=tmp_path / "objects",
+        )
+        handle = await start_rank_server(config)
+        address = f"127.0.0.1:{handle.port}"
+        stopped = False
+        try:
+            await wait_serving([address], timeout_s=10)
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                for service in ("", SERVICE_NAME):
+                    reply = await stub.Check(
+                        health_pb2.HealthCheckRequest(service=service), timeout=5
+                    )
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+                first = await asyncio.wait_for(watch.read(), 5)
+                assert first.status == health_pb2.HealthCheckResponse.SERVING
+                stopping = asyncio.create_task(handle.stop(grace_s=2.0))
+                stopped = True
+                second = await asyncio.wait_for(watch.read(), 5)
+                assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                await stopping
+        finally:
+            if not stopped:
+                await handle.stop(0)
+
+    run(loop, body)
