@@ -18,6 +18,7 @@ from paramserver.errors import Aborted, ResourceExhausted, Unavailable, WaitTime
 from paramserver.server.config import ServerConfig
 from paramserver.server.consistency import Admission
 from paramserver.server.core import ServerCore
+from paramserver.server.waiting import LeaseReaperBase
 from paramserver.server.wal import WriteAheadLog
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class InflightTicket:
             self.worker_id = None
 
 
-class ServerEngine:
+class ServerEngine(LeaseReaperBase):
     """Owns the core, wakes waiters on change, and runs the lease reaper.
 
     Construct and use it inside a running event loop; it creates its asyncio objects lazily.
@@ -121,12 +122,12 @@ class ServerEngine:
         now: Monotonic clock in seconds (injectable for tests).
     """
 
+    _reaper_label = "lease reaper"
+    _reaper_logger = logger
+
     def __init__(self, config: ServerConfig, *, now: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
-        self.now = now
+        super().__init__(config, now=now)
         self.core = ServerCore(config)
-        self._change: asyncio.Future[None] | None = None
-        self._reaper: asyncio.Task[None] | None = None
         #: Write-ahead log; when set, every mutation is durable before it is acknowledged.
         self.wal: WriteAheadLog | None = None
         self.backpressure = Backpressure(
@@ -134,48 +135,22 @@ class ServerEngine:
             config.max_inflight_pushes,
             config.max_inflight_push_bytes,
         )
-        #: Set at graceful shutdown: waits end at once with UNAVAILABLE.
-        self.shutting_down = False
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        """Start the lease reaper (call from inside the event loop)."""
-        if self._reaper is None:
-            self._reaper = asyncio.get_running_loop().create_task(
-                self._reap_forever(), name="paramserver-lease-reaper"
-            )
-
-    async def stop(self) -> None:
-        """Stop the reaper and wake every waiter (they re-check and see the shutdown)."""
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-            self._reaper = None
-        self.notify()
-
-    async def _reap_forever(self) -> None:
-        tick_s = min(self.config.lease_ms / 1000.0 / 8.0, 0.25)
-        while True:
-            await asyncio.sleep(tick_s)
-            try:
-                changes = self.core.expire(self.now())
-                if changes:
-                    self.notify()
-                    if self.wal is not None:
-                        # One sweep, logged as consecutive records (replayed together).
-                        last = 0
-                        for ch in changes:
-                            last = self.wal.append(
-                                wal_pb.WalRecord(
-                                    depart=wal_pb.WalDepart(
-                                        worker_id=ch.worker.worker_id, why=ch.why
-                                    )
-                                )
-                            )
-                        await self.wal.durable(last)
-            except Exception:  # pragma: no cover - a bug; keep serving
-                logger.exception("lease reaper failed")
+    async def _reap(self) -> None:
+        changes = self.core.expire(self.now())
+        if changes:
+            self.notify()
+            if self.wal is not None:
+                # One sweep, logged as consecutive records (replayed together).
+                last = 0
+                for ch in changes:
+                    last = self.wal.append(
+                        wal_pb.WalRecord(
+                            depart=wal_pb.WalDepart(worker_id=ch.worker.worker_id, why=ch.why)
+                        )
+                    )
+                await self.wal.durable(last)
 
     async def commit(self, record: wal_pb.WalRecord) -> None:
         """Append a mutation to the write-ahead log and wait until it is durable (no-op
@@ -183,24 +158,7 @@ class ServerEngine:
         if self.wal is not None:
             await self.wal.durable(self.wal.append(record))
 
-    def begin_shutdown(self) -> None:
-        """Refuse further waits and end the current ones with UNAVAILABLE."""
-        self.shutting_down = True
-        self.notify()
-
     # ------------------------------------------------------------------ waiting
-    def notify(self) -> None:
-        """Wake every waiter to re-evaluate its condition (after any state change)."""
-        fut = self._change
-        self._change = None
-        if fut is not None and not fut.done():
-            fut.set_result(None)
-
-    def _next_change(self) -> asyncio.Future[None]:
-        if self._change is None or self._change.done():
-            self._change = asyncio.get_running_loop().create_future()
-        return self._change
-
     async def wait_pull(self, worker_id: str, timeout_s: float) -> Admission:
         """Wait until a pull by ``worker_id`` is admitted by the consistency model.
 

@@ -73,6 +73,7 @@ from paramserver.server.aggregation import (
 )
 from paramserver.server.config import ServerConfig
 from paramserver.server.servicer import grpc_errors
+from paramserver.server.waiting import LeaseReaperBase
 
 __all__ = [
     "SERVICE_NAME",
@@ -589,7 +590,7 @@ class ReductionCoordinator:
 # Waiting
 
 
-class ReductionEngine:
+class ReductionEngine(LeaseReaperBase):
     """Owns the coordinator, wakes waiting reduces on change, and runs the lease reaper.
 
     Construct and use it inside a running event loop.
@@ -603,62 +604,21 @@ class ReductionEngine:
         InvalidArgument: (INVALID_ARGUMENT) an invalid strategy configuration.
     """
 
+    _reaper_label = "reduction lease reaper"
+    _reaper_logger = logger
+
     def __init__(self, config: ServerConfig, *, now: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
-        self.now = now
+        super().__init__(config, now=now)
         self.coordinator = ReductionCoordinator(
             strategy_from_config(config),
             config.aggregation,
             lease_s=config.lease_ms / 1000.0,
             reject_non_finite=not config.allow_non_finite,
         )
-        self._change: asyncio.Future[None] | None = None
-        self._reaper: asyncio.Task[None] | None = None
-        #: Set at graceful shutdown: waits end at once with UNAVAILABLE.
-        self.shutting_down = False
 
-    def start(self) -> None:
-        """Start the lease reaper (call from inside the event loop)."""
-        if self._reaper is None:
-            self._reaper = asyncio.get_running_loop().create_task(
-                self._reap_forever(), name="paramserver-reduction-lease-reaper"
-            )
-
-    async def stop(self) -> None:
-        """Stop the reaper and wake every waiter."""
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-            self._reaper = None
-        self.notify()
-
-    def begin_shutdown(self) -> None:
-        """Refuse further waits and end the current ones with UNAVAILABLE (retryable)."""
-        self.shutting_down = True
-        self.notify()
-
-    async def _reap_forever(self) -> None:
-        tick_s = min(self.config.lease_ms / 1000.0 / 8.0, 0.25)
-        while True:
-            await asyncio.sleep(tick_s)
-            try:
-                if self.coordinator.expire(self.now()):
-                    self.notify()
-            except Exception:  # pragma: no cover - a bug; keep serving
-                logger.exception("reduction lease reaper failed")
-
-    def notify(self) -> None:
-        """Wake every waiter to re-check its ticket (after any state change)."""
-        fut = self._change
-        self._change = None
-        if fut is not None and not fut.done():
-            fut.set_result(None)
-
-    def _next_change(self) -> asyncio.Future[None]:
-        if self._change is None or self._change.done():
-            self._change = asyncio.get_running_loop().create_future()
-        return self._change
+    async def _reap(self) -> None:
+        if self.coordinator.expire(self.now()):
+            self.notify()
 
     async def wait(self, ticket: Ticket, timeout_s: float) -> ReduceOutcome:
         """Wait for a ticket's aggregates; the ticket is released on every way out.

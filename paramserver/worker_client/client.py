@@ -16,13 +16,9 @@ cached across event loops: the channel is created in ``__aenter__`` on the runni
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import secrets
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
@@ -39,7 +35,8 @@ from paramserver.errors import (
 )
 from paramserver.server.optimizers import UpdateRule
 from paramserver.worker_client.compression import Compression, GradientCompressor
-from paramserver.worker_client.retry import RETRYABLE, RetryPolicy, call_with_retry
+from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
+from paramserver.worker_client.session import ServiceSession
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +77,7 @@ class PushAck:
     live_workers: int
 
 
-class WorkerClient:
+class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
     """One worker's session with a parameter-server shard.
 
     Args:
@@ -101,6 +98,9 @@ class WorkerClient:
         channel_options: Extra grpc channel options.
     """
 
+    _heartbeat_task_prefix = "paramserver-heartbeat-"
+    _connect_name = "connect"
+
     def __init__(
         self,
         address: str,
@@ -116,95 +116,45 @@ class WorkerClient:
         compression: Mapping[str, Compression] | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self.address = address
-        self.worker_name = worker_name
-        self.replace = replace
-        self.rpc_timeout_s = rpc_timeout_s
-        self.wait_timeout_s = wait_timeout_s
-        self.retry = retry or RetryPolicy()
-        self.heartbeat_enabled = heartbeat
+        super().__init__(
+            address,
+            worker_name,
+            replace=replace,
+            rpc_timeout_s=rpc_timeout_s,
+            wait_timeout_s=wait_timeout_s,
+            retry=retry,
+            heartbeat=heartbeat,
+            close_timeout_s=close_timeout_s,
+            channel_options=channel_options,
+        )
         self.auto_reregister = auto_reregister
-        self.close_timeout_s = close_timeout_s
         self.compressor = GradientCompressor(dict(compression or {}))
         self.reregistrations = 0
-        self.channel_options = list(channel_options)
-        self.worker_id = ""
         self.clock_value = 0
-        self.lease_ms = 0
         self.view: pb.ClusterView | None = None
         self.last_version = 0
-        self.evicted = False
-        self._nonce = secrets.token_hex(8)
-        self._next_request_id = secrets.randbits(62)
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.ParameterServerStub | None = None
-        self._heartbeat_task: asyncio.Task[None] | None = None
-        self._left = False
 
-    # ------------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> WorkerClient:
-        await self.open()
-        return self
+    # ------------------------------------------------------------------ session hooks
+    def _new_stub(self, channel: grpc.aio.Channel) -> pb_grpc.ParameterServerStub:
+        return pb_grpc.ParameterServerStub(channel)
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
-    async def open(self) -> None:
-        """Open the channel, register, and start heartbeats."""
+    def _open_options(self) -> list[tuple[str, Any]]:
         given = {name for name, _ in self.channel_options}
-        options = [o for o in _RECONNECT_OPTIONS if o[0] not in given] + self.channel_options
-        self._channel = grpc.aio.insecure_channel(self.address, options=options)
-        self._stub = pb_grpc.ParameterServerStub(self._channel)
+        return [o for o in _RECONNECT_OPTIONS if o[0] not in given] + self.channel_options
+
+    def _heartbeat_request(self) -> pb.HeartbeatRequest:
+        return pb.HeartbeatRequest(worker_id=self.worker_id)
+
+    async def _heartbeat_evicted(self) -> bool:
+        if not self.auto_reregister:
+            return False
         try:
-            await self.register()
-        except BaseException:
-            await self._channel.close()
-            self._channel = None
-            raise
-        if self.heartbeat_enabled:
-            self._heartbeat_task = asyncio.get_running_loop().create_task(
-                self._heartbeat_forever(), name=f"paramserver-heartbeat-{self.worker_name}"
-            )
-
-    async def close(self) -> None:
-        """Leave (if still a member), stop heartbeats and close the channel."""
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
-            self._heartbeat_task = None
-        if self._channel is not None:
-            if not self._left and not self.evicted and self.worker_id:
-                # A server that is gone must not hold close() for the whole retry deadline:
-                # its lease reaper removes the worker anyway.
-                try:
-                    async with asyncio.timeout(self.close_timeout_s):
-                        await self.leave()
-                except (ParamServerError, TimeoutError) as exc:
-                    logger.debug("leave on close failed: %r", exc)
-            await self._channel.close()
-            self._channel = None
-
-    @property
-    def stub(self) -> pb_grpc.ParameterServerStub:
-        if self._stub is None:
-            raise ParamServerError("client is not open: use `async with connect(...)`")
-        return self._stub
+            return await self._reregister("heartbeat")
+        except ParamServerError as exc:  # re-registration failed for another reason
+            logger.warning("heartbeat: %s", exc)
+            return True
 
     # ------------------------------------------------------------------ retry funnel
-    async def _call(
-        self,
-        attempt: Callable[[], Awaitable[T]],
-        what: str,
-        retryable: Collection[grpc.StatusCode] = RETRYABLE,
-    ) -> T:
-        return await call_with_retry(attempt, self.retry, what, retryable)
-
     async def _member_call(
         self,
         attempt: Callable[[], Awaitable[T]],
@@ -262,26 +212,6 @@ class WorkerClient:
         self.evicted = False
         self._left = False
         return int(resp.clock)
-
-    async def _heartbeat_forever(self) -> None:
-        while True:
-            await asyncio.sleep(max(self.lease_ms / 4000.0, 0.05))
-            try:
-                resp = await self.stub.Heartbeat(
-                    pb.HeartbeatRequest(worker_id=self.worker_id),
-                    timeout=max(self.lease_ms / 2000.0, 0.2),
-                )
-                self.view = resp.view
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    logger.warning("worker %s was evicted: %s", self.worker_id, err.details())
-                    if not self.auto_reregister or not await self._reregister("heartbeat"):
-                        self.evicted = True
-                        return
-                    continue
-                logger.debug("heartbeat failed: %s", err.code().name)
-            except ParamServerError as exc:  # re-registration failed for another reason
-                logger.warning("heartbeat: %s", exc)
 
     async def heartbeat(self) -> pb.HeartbeatResponse:
         """Renew the lease now. Raises WorkerNotFound (FAILED_PRECONDITION) if evicted."""
@@ -477,11 +407,6 @@ class WorkerClient:
         return await self._call(
             lambda: self.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s), "status"
         )
-
-    def require_member(self) -> None:
-        """Raise WorkerNotFound (FAILED_PRECONDITION) if heartbeats saw an eviction."""
-        if self.evicted:
-            raise WorkerNotFound(f"worker {self.worker_id!r} was evicted")
 
 
 def connect(address: str, worker_name: str, **kwargs: Any) -> WorkerClient:

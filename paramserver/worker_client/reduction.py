@@ -21,12 +21,9 @@ reuse the request id, so a retried reduce is never counted twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import secrets
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
@@ -38,11 +35,10 @@ from paramserver.api.v1 import reduction_pb2_grpc as pb_grpc
 from paramserver.errors import (
     InvalidArgument,
     MalformedStream,
-    ParamServerError,
     WaitTimeout,
-    WorkerNotFound,
 )
-from paramserver.worker_client.retry import RetryPolicy, call_with_retry
+from paramserver.worker_client.retry import RetryPolicy
+from paramserver.worker_client.session import ServiceSession
 
 __all__ = ["LayerInfo", "ReduceInfo", "ReductionClient", "connect_reduction"]
 
@@ -88,7 +84,7 @@ class ReduceInfo:
     active_workers: int
 
 
-class ReductionClient:
+class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
     """One worker's session with a reduction server.
 
     Args:
@@ -104,6 +100,9 @@ class ReductionClient:
         channel_options: Extra grpc channel options.
     """
 
+    _heartbeat_task_prefix = "paramserver-reduce-heartbeat-"
+    _connect_name = "connect_reduction"
+
     def __init__(
         self,
         address: str,
@@ -117,43 +116,25 @@ class ReductionClient:
         gossip_address: str = "",
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self.address = address
-        self.worker_name = worker_name
-        self.replace = replace
-        self.rpc_timeout_s = rpc_timeout_s
-        self.wait_timeout_s = wait_timeout_s
-        self.retry = retry or RetryPolicy()
-        self.heartbeat_enabled = heartbeat
+        super().__init__(
+            address,
+            worker_name,
+            replace=replace,
+            rpc_timeout_s=rpc_timeout_s,
+            wait_timeout_s=wait_timeout_s,
+            retry=retry,
+            heartbeat=heartbeat,
+            close_timeout_s=None,
+            channel_options=channel_options,
+        )
         self.gossip_address = gossip_address
-        self.channel_options = list(channel_options)
-        self.worker_id = ""
-        self.lease_ms = 0
         #: The open step as last seen: the step the next reduce should carry.
         self.step = 0
         self.view: pb.ReductionView | None = None
         self.last: ReduceInfo | None = None
-        self.evicted = False
-        self._nonce = secrets.token_hex(8)
-        self._next_request_id = secrets.randbits(62)
         self._unanswered: tuple[int, int] | None = None  # (step, request id) to resume
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.ReductionServiceStub | None = None
-        self._heartbeat_task: asyncio.Task[None] | None = None
-        self._left = False
 
     # ------------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> ReductionClient:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     async def open(self) -> None:
         """Open the channel, register, and start heartbeats.
 
@@ -162,45 +143,13 @@ class ReductionClient:
             InvalidArgument: (INVALID_ARGUMENT) a gossip server and no ``gossip_address``.
             Unavailable: (UNAVAILABLE) the server cannot be reached within the retry deadline.
         """
-        self._channel = grpc.aio.insecure_channel(self.address, options=self.channel_options)
-        self._stub = pb_grpc.ReductionServiceStub(self._channel)
-        try:
-            await self.register()
-        except BaseException:
-            await self._channel.close()
-            self._channel = None
-            raise
-        if self.heartbeat_enabled:
-            self._heartbeat_task = asyncio.get_running_loop().create_task(
-                self._heartbeat_forever(), name=f"paramserver-reduce-heartbeat-{self.worker_name}"
-            )
+        await super().open()
 
-    async def close(self) -> None:
-        """Leave (if still a member), stop heartbeats and close the channel."""
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
-            self._heartbeat_task = None
-        if self._channel is not None:
-            if not self._left and not self.evicted and self.worker_id:
-                try:
-                    await self.leave()
-                except ParamServerError as exc:
-                    logger.debug("leave on close failed: %s", exc)
-            await self._channel.close()
-            self._channel = None
+    def _new_stub(self, channel: grpc.aio.Channel) -> pb_grpc.ReductionServiceStub:
+        return pb_grpc.ReductionServiceStub(channel)
 
-    @property
-    def stub(self) -> pb_grpc.ReductionServiceStub:
-        """The service stub (the client must be open)."""
-        if self._stub is None:
-            raise ParamServerError("client is not open: use `async with connect_reduction(...)`")
-        return self._stub
-
-    # ------------------------------------------------------------------ retry funnel
-    async def _call(self, attempt: Callable[[], Awaitable[T]], what: str) -> T:
-        return await call_with_retry(attempt, self.retry, what)
+    def _heartbeat_request(self) -> pb.ReductionHeartbeatRequest:
+        return pb.ReductionHeartbeatRequest(worker_id=self.worker_id)
 
     # ------------------------------------------------------------------ membership
     def _seen(self, view: pb.ReductionView) -> None:
@@ -228,22 +177,6 @@ class ReductionClient:
         self.evicted = False
         self._left = False
         return str(resp.worker_id)
-
-    async def _heartbeat_forever(self) -> None:
-        while True:
-            await asyncio.sleep(max(self.lease_ms / 4000.0, 0.05))
-            try:
-                resp = await self.stub.Heartbeat(
-                    pb.ReductionHeartbeatRequest(worker_id=self.worker_id),
-                    timeout=max(self.lease_ms / 2000.0, 0.2),
-                )
-                self.view = resp.view
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    logger.warning("worker %s was evicted: %s", self.worker_id, err.details())
-                    self.evicted = True
-                    return
-                logger.debug("heartbeat failed: %s", err.code().name)
 
     async def heartbeat(self) -> pb.ReductionView:
         """Renew the lease now; returns the server's view.
@@ -318,11 +251,6 @@ class ReductionClient:
             ),
             "peers",
         )
-
-    def require_member(self) -> None:
-        """Raise WorkerNotFound (FAILED_PRECONDITION) if heartbeats saw an eviction."""
-        if self.evicted:
-            raise WorkerNotFound(f"worker {self.worker_id!r} was evicted")
 
     # ------------------------------------------------------------------ data plane
     async def reduce(
