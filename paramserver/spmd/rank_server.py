@@ -851,6 +851,44 @@ class RankServicer:
             raise TierNotRegistered(f"{self._prefix()}: tier G4 not registered (no object store)")
         return self.store
 
+    async def _per_object(
+        self,
+        hashes: list[int],
+        block_ids: list[int],
+        cancel: threading.Event,
+        io: Callable[[str, int], str],
+        failures: tuple[type[Exception], ...],
+    ) -> dict[int, tuple[str, str]]:
+        """Run ``io(object key, block id) -> status`` for each pair in worker threads, at most
+        ``_OBJECT_IO_CONCURRENCY`` at once; per-key (status, error), in completion order.
+        ObjectNotFound becomes ``not_found``; the ``failures`` exceptions become ``failed``."""
+        sem = asyncio.Semaphore(_OBJECT_IO_CONCURRENCY)
+        results: dict[int, tuple[str, str]] = {}
+
+        def run(h: int, block: int) -> str:
+            if cancel.is_set():
+                raise CopyCancelled()
+            if self.config.faults.io_delay_s:
+                time.sleep(self.config.faults.io_delay_s)
+            return io(object_key(self.rank, h), block)
+
+        async def one(h: int, block: int) -> None:
+            async with sem:
+                try:
+                    status = await self._in_thread(functools.partial(run, h, block), cancel)
+                    results[h] = (status, "")
+                except ObjectNotFound:
+                    results[h] = ("not_found", f"object {object_key(self.rank, h)} not found")
+                except failures as exc:
+                    results[h] = ("failed", f"object {object_key(self.rank, h)}: {exc}")
+
+        # A TaskGroup (not gather): if the command is cancelled it waits for every per-key task,
+        # and each of those waits for its worker thread, before the command releases its blocks.
+        async with asyncio.TaskGroup() as group:
+            for h, block in zip(hashes, block_ids, strict=True):
+                group.create_task(one(h, block))
+        return results
+
     async def _objects_to_blocks(
         self,
         hashes: list[int],
@@ -861,15 +899,8 @@ class RankServicer:
         """Copy objects into blocks concurrently; per-key (status, error), completion order."""
         store = self._store()
         bpb = dst.bytes_per_block
-        sem = asyncio.Semaphore(_OBJECT_IO_CONCURRENCY)
-        results: dict[int, tuple[str, str]] = {}
 
-        def fetch(h: int, block: int) -> None:
-            if cancel.is_set():
-                raise CopyCancelled()
-            if self.config.faults.io_delay_s:
-                time.sleep(self.config.faults.io_delay_s)
-            key = object_key(self.rank, h)
+        def fetch(key: str, block: int) -> str:
             view = dst.view_bytes(block * bpb, bpb)
             if view is not None:
                 store.read_into(key, view)
@@ -877,25 +908,9 @@ class RankServicer:
                 buf = bytearray(bpb)
                 store.read_into(key, memoryview(buf))
                 dst.write_bytes(block * bpb, memoryview(buf))
+            return "retrieved"
 
-        async def one(h: int, block: int) -> None:
-            async with sem:
-                try:
-                    await self._in_thread(functools.partial(fetch, h, block), cancel)
-                    results[h] = ("retrieved", "")
-                except ObjectNotFound:
-                    results[h] = ("not_found", f"object {object_key(self.rank, h)} not found")
-                except ValueError as exc:
-                    results[h] = ("failed", f"object {object_key(self.rank, h)}: {exc}")
-                except OSError as exc:
-                    results[h] = ("failed", f"object {object_key(self.rank, h)}: {exc}")
-
-        # A TaskGroup (not gather): if the command is cancelled it waits for every per-key task,
-        # and each of those waits for its worker thread, before the command releases its blocks.
-        async with asyncio.TaskGroup() as group:
-            for h, block in zip(hashes, dst_ids, strict=True):
-                group.create_task(one(h, block))
-        return results
+        return await self._per_object(hashes, dst_ids, cancel, fetch, (ValueError, OSError))
 
     async def _blocks_to_objects(
         self,
@@ -907,33 +922,15 @@ class RankServicer:
         """Store blocks as objects concurrently; per-key (status, error), completion order."""
         store = self._store()
         bpb = src.bytes_per_block
-        sem = asyncio.Semaphore(_OBJECT_IO_CONCURRENCY)
-        results: dict[int, tuple[str, str]] = {}
 
-        def put(h: int, block: int) -> bool:
-            if cancel.is_set():
-                raise CopyCancelled()
-            if self.config.faults.io_delay_s:
-                time.sleep(self.config.faults.io_delay_s)
-            key = object_key(self.rank, h)
+        def put(key: str, block: int) -> str:
             if store.has(key):
-                return False
+                return "already_present"
             view = src.view_bytes(block * bpb, bpb)
             data = view if view is not None else memoryview(src.read_block(block))
-            return store.put(key, data)
+            return "stored" if store.put(key, data) else "already_present"
 
-        async def one(h: int, block: int) -> None:
-            async with sem:
-                try:
-                    stored = await self._in_thread(functools.partial(put, h, block), cancel)
-                    results[h] = ("stored", "") if stored else ("already_present", "")
-                except OSError as exc:
-                    results[h] = ("failed", f"object {object_key(self.rank, h)}: {exc}")
-
-        async with asyncio.TaskGroup() as group:  # see _objects_to_blocks
-            for h, block in zip(hashes, src_ids, strict=True):
-                group.create_task(one(h, block))
-        return results
+        return await self._per_object(hashes, src_ids, cancel, put, (OSError,))
 
     # ------------------------------------------------------------------ remote offload
 
