@@ -11,6 +11,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from paramserver.errors import InvalidArgument, ParamServerError
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paramserver", description=__doc__.splitlines()[0])
@@ -36,7 +38,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    rc = args.func(args)
+    try:
+        rc = args.func(args)
+    except ParamServerError as exc:
+        # A refusal or an unreachable peer: one line naming what was wrong, not a traceback.
+        print(f"paramserver {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, InvalidArgument) else 1
+    except KeyboardInterrupt:
+        print(f"paramserver {args.command}: interrupted", file=sys.stderr)
+        return 130
     return int(rc or 0)
 
 

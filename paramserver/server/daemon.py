@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from paramserver.errors import ParamServerError
+from paramserver.errors import InvalidArgument, ParamServerError, Unavailable
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
 from paramserver.server.cut import shard_map_of
@@ -92,9 +92,7 @@ class ParameterServerDaemon:
         pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(engine, self), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            raise ParamServerError(f"could not bind {self.config.host}:{self.config.port}")
+        self.port = _bind(server, self.config.host, self.config.port)
         await server.start()
         self._server = server
         self.shard_map = shard_map_of(self.config, self.address)
@@ -129,9 +127,7 @@ class ParameterServerDaemon:
         reduction = add_reduction_service(server, self.config)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            raise ParamServerError(f"could not bind {self.config.host}:{self.config.port}")
+        self.port = _bind(server, self.config.host, self.config.port)
         await server.start()
         self._server = server
         self.reduction = reduction
@@ -160,12 +156,20 @@ class ParameterServerDaemon:
                 logger.info("restored checkpoint %s", restored.name)
             if cfg.checkpoint_every_steps:
                 engine.core.on_progress = self._on_progress
+        wal_dir = Path(cfg.wal_dir) if cfg.wal_dir else Path(cfg.checkpoint_dir or ".") / "wal"
+        after = self.checkpoints.last_restored_wal_sequence if self.checkpoints else 0
+        if not cfg.wal and (cfg.wal_dir or cfg.checkpoint_dir) and wal_dir.is_dir():
+            unreplayed = sum(1 for _ in WriteAheadLog(wal_dir).replay(after))
+            if unreplayed:
+                raise InvalidArgument(
+                    f"the write-ahead log in {wal_dir} holds {unreplayed} acknowledged "
+                    "record(s) that no checkpoint contains: start with --wal to replay them "
+                    "(or delete that directory to discard them)"
+                )
         if cfg.wal:
-            wal_dir = Path(cfg.wal_dir) if cfg.wal_dir else Path(cfg.checkpoint_dir or ".") / "wal"
             log = WriteAheadLog(
                 wal_dir, fsync_interval_ms=cfg.wal_fsync_interval_ms if cfg.wal_fsync else None
             )
-            after = self.checkpoints.last_restored_wal_sequence if self.checkpoints else 0
             last = log.open()
             replayed = replay_into(engine.core, log.replay(after))
             if last < after:
@@ -295,6 +299,19 @@ async def run_daemon(config: ServerConfig, *, port_file: str | None = None) -> N
     if pending:  # a handler or timer that outlived the shutdown: name it
         logger.warning("%d tasks still pending at exit: %s", len(pending), pending)
     logger.info("stopped (%d tasks pending)", len(pending))
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind ``host:port``; a port in use or a host not on this machine is a clear error."""
+    try:
+        bound = int(server.add_insecure_port(f"{host}:{port}"))
+    except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind to address ...")
+        raise Unavailable(
+            f"could not bind {host}:{port} (in use, or not an address here): {exc}"
+        ) from exc
+    if bound == 0:
+        raise Unavailable(f"could not bind {host}:{port} (in use, or not an address here)")
+    return bound
 
 
 def _write_atomic(path: str, text: str) -> None:

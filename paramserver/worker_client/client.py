@@ -29,6 +29,7 @@ from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import (
     AlreadyExists,
+    InvalidArgument,
     MalformedStream,
     ParamServerError,
     WorkerNotFound,
@@ -41,6 +42,9 @@ from paramserver.worker_client.session import ServiceSession
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Longest the client waits for a pull that leaves the wait deadline to the server (seconds).
+SERVER_DEFAULT_WAIT_CAP_S = 600.0
 
 _PUSH_RETRYABLE = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
 
@@ -85,7 +89,9 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         worker_name: Stable name; one live registration per name.
         replace: Fence a live registration of the same name (a restarted worker).
         rpc_timeout_s: Deadline of each unary call, and of a pull's transfer beyond its wait.
-        wait_timeout_s: Deadline of a pull's consistency wait (server side).
+        wait_timeout_s: Deadline of a pull's consistency wait (server side); None uses the
+            server's ``--wait-timeout-ms`` (the client then allows up to
+            :data:`SERVER_DEFAULT_WAIT_CAP_S` for it).
         retry: Backoff policy for UNAVAILABLE / RESOURCE_EXHAUSTED.
         heartbeat: Renew the lease in the background.
         close_timeout_s: Deadline (seconds) of the clean Leave sent by :meth:`close`.
@@ -108,7 +114,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         *,
         replace: bool = False,
         rpc_timeout_s: float = 30.0,
-        wait_timeout_s: float = 60.0,
+        wait_timeout_s: float | None = None,
         retry: RetryPolicy | None = None,
         heartbeat: bool = True,
         auto_reregister: bool = True,
@@ -254,7 +260,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             InvalidArgument: unsupported dtype or bad rule (INVALID_ARGUMENT).
         """
         rule = rule or UpdateRule()
-        arrays = {k: tensor.normalize(v, k) for k, v in tensors.items()}
+        arrays = normalized_tensors(tensors)
 
         def messages() -> Iterator[pb.InitRequest]:
             yield pb.InitRequest(
@@ -290,7 +296,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         """
         request_id = self._next_request_id
         self._next_request_id += 1
-        arrays = {k: tensor.normalize(v, k) for k, v in grads.items()}
+        arrays = normalized_tensors(grads)
         # Encoded once per push (not per attempt): error-feedback residuals advance once.
         parts = {k: self.compressor.encode(k, v) for k, v in arrays.items()}
 
@@ -352,14 +358,19 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         """
         wait_s = self.wait_timeout_s if timeout_s is None else timeout_s
         key_list = list(keys or [])
+        # 0 asks for the server's own default wait deadline.
+        timeout_ms = 0 if wait_s is None else max(1, int(wait_s * 1000))
+        call_deadline_s = (SERVER_DEFAULT_WAIT_CAP_S if wait_s is None else wait_s) + (
+            self.rpc_timeout_s
+        )
 
         async def attempt() -> dict[str, np.ndarray]:
             req = pb.PullRequest(
                 worker_id="" if observer else self.worker_id,
                 keys=key_list,
-                timeout_ms=max(1, int(wait_s * 1000)),
+                timeout_ms=timeout_ms,
             )
-            call = self.stub.Pull(req, timeout=wait_s + self.rpc_timeout_s)
+            call = self.stub.Pull(req, timeout=call_deadline_s)
             out: dict[str, np.ndarray] = {}
             assembler = tensor.TensorAssembler()
             info_seen = False
@@ -407,6 +418,21 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         return await self._call(
             lambda: self.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s), "status"
         )
+
+
+def normalized_tensors(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Check keys and normalise arrays before a stream starts (a stream cannot report an
+    error raised while its request messages are produced).
+
+    Raises:
+        InvalidArgument: an empty or non-string key, or an unsupported dtype (INVALID_ARGUMENT).
+    """
+    out = {}
+    for key, value in tensors.items():
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"tensor keys must be non-empty strings, got {key!r}")
+        out[key] = tensor.normalize(value, key)
+    return out
 
 
 def connect(address: str, worker_name: str, **kwargs: Any) -> WorkerClient:

@@ -37,6 +37,7 @@ from paramserver.errors import (
     MalformedStream,
     WaitTimeout,
 )
+from paramserver.worker_client.client import normalized_tensors
 from paramserver.worker_client.retry import RetryPolicy
 from paramserver.worker_client.session import ServiceSession
 
@@ -295,14 +296,14 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
             step = self.step
         if num_samples < 1:
             raise InvalidArgument(f"num_samples must be >= 1, got {num_samples}")
-        wait_s = self.wait_timeout_s if timeout_s is None else timeout_s
+        wait_s = timeout_s if timeout_s is not None else (self.wait_timeout_s or 60.0)
         if self._unanswered is not None and self._unanswered[0] == step:
             request_id = self._unanswered[1]
         else:
             request_id = self._next_request_id
             self._next_request_id += 1
         self._unanswered = (step, request_id)
-        arrays = {k: tensor.normalize(v, k) for k, v in grads.items()}
+        arrays = normalized_tensors(grads)
         header = pb.ReduceHeader(
             worker_id=self.worker_id,
             request_id=request_id,

@@ -61,7 +61,7 @@ class ServiceSession(ABC, Generic[StubT]):
         *,
         replace: bool,
         rpc_timeout_s: float,
-        wait_timeout_s: float,
+        wait_timeout_s: float | None,
         retry: RetryPolicy | None,
         heartbeat: bool,
         close_timeout_s: float | None,

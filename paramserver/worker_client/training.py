@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -32,6 +35,8 @@ from paramserver.server.optimizers import UpdateRule
 from paramserver.worker_client.client import WorkerClient, connect
 from paramserver.worker_client.compression import Cast, Compression, TopK
 from paramserver.worker_client.local_cluster import start_servers, stop_servers
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -261,11 +266,42 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         compression=args.compression,
         topk_ratio=args.topk_ratio,
     )
-    if not 0 <= cfg.worker_index < cfg.num_workers:
-        print(f"--worker-index must be in [0, {cfg.num_workers})", file=sys.stderr)
+    if cfg.num_workers < 1 or not 0 <= cfg.worker_index < cfg.num_workers:
+        print(
+            f"paramserver worker: --num-workers must be >= 1 and --worker-index in "
+            f"[0, --num-workers); got {cfg.worker_index} of {cfg.num_workers}",
+            file=sys.stderr,
+        )
         return 2
-    summary = run_loop(train_worker(cfg), use_uvloop=not args.no_uvloop)
+    if cfg.batch_size < 1 or cfg.epochs < 0:
+        print("paramserver worker: --batch-size must be >= 1 and --epochs >= 0", file=sys.stderr)
+        return 2
+    summary = run_loop(_until_sigterm(train_worker(cfg)), use_uvloop=not args.no_uvloop)
+    if summary is None:
+        print("paramserver worker: stopped by SIGTERM (left the cluster)", file=sys.stderr)
+        return 143
     return 0 if summary["test_accuracy"] >= args.min_accuracy else 1
+
+
+async def _until_sigterm(job: Coroutine[Any, Any, T]) -> T | None:
+    """Run ``job``; SIGTERM cancels it, so its ``async with connect(...)`` leaves cleanly (the
+    worker's name is free at once instead of after its lease). Returns None when cancelled."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(job)
+    try:
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+        pass
+    try:
+        return await task
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if me is not None and me.cancelling():  # we were cancelled ourselves: propagate
+            raise
+        return None
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGTERM)
 
 
 # ---------------------------------------------------------------------- CLI: demo
@@ -311,8 +347,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             address = addresses[0]  # any shard: workers fetch the shard map from it
             where = address if args.shards == 1 else f"{args.shards} shards {','.join(addresses)}"
             print(
-                f"paramserver demo: server on {where} ({args.consistency}, staleness "
-                f"{args.staleness}), {args.workers} workers, {args.epochs} epochs on digits",
+                f"paramserver demo: server on {where} ({args.consistency}"
+                f"{f', staleness {args.staleness}' if args.consistency == 'ssp' else ''}), "
+                f"{args.workers} workers, {args.epochs} epochs on digits",
                 flush=True,
             )
             t0 = time.monotonic()
