@@ -278,29 +278,55 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         header, grads = await self._read_tensors(
             request_iterator, "header", ticket, allow_encoded=True
         )
-        if not header.worker_id:
-            raise InvalidArgument("push header needs a worker_id")
-        result = self.core.push(
-            header.worker_id,
-            header.request_id,
-            header.clock,
-            grads,
-            self.engine.now(),
+        return await self.apply_push(
+            worker_id=header.worker_id,
+            request_id=header.request_id,
+            clock=header.clock,
             num_samples=header.num_samples,
             base_version=header.base_version if header.HasField("base_version") else None,
+            grads=grads,
+        )
+
+    async def apply_push(
+        self,
+        *,
+        worker_id: str,
+        request_id: int,
+        clock: int,
+        num_samples: int,
+        base_version: int | None,
+        grads: dict[str, np.ndarray],
+    ) -> pb.PushResponse:
+        """Apply one decoded push (the seam every push path shares: Push stream, Session).
+
+        Args:
+            grads: key -> decoded gradient (dtype and shape checked by the core). The arrays may
+                be views of a receive buffer or shared memory; they are not kept after return.
+
+        Raises:
+            InvalidArgument, KeyNotFound, WorkerNotFound, StaleUpdate (see ``ServerCore.push``).
+        """
+        if not worker_id:
+            raise InvalidArgument("push header needs a worker_id")
+        result = self.core.push(
+            worker_id,
+            request_id,
+            clock,
+            grads,
+            self.engine.now(),
+            num_samples=num_samples,
+            base_version=base_version,
         )
         self.engine.notify()
         if self.engine.wal is not None and not (result.duplicate or result.dropped_stale):
             await self.engine.commit(
                 wal_pb.WalRecord(
                     push=wal_pb.WalPush(
-                        worker_id=header.worker_id,
-                        request_id=header.request_id,
-                        clock=header.clock,
-                        num_samples=header.num_samples,
-                        base_version=header.base_version
-                        if header.HasField("base_version")
-                        else None,
+                        worker_id=worker_id,
+                        request_id=request_id,
+                        clock=clock,
+                        num_samples=num_samples,
+                        base_version=base_version,
                         grads=wal.tensors_to_wal(grads),
                     )
                 )
@@ -314,16 +340,37 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Pull(self, request: pb.PullRequest, context: Any) -> AsyncIterator[pb.PullResponse]:
-        keys = self.core.require_keys(request.keys)
-        timeout_ms = request.timeout_ms or self.engine.config.wait_timeout_ms
-        await self.engine.wait_pull(request.worker_id, timeout_ms / 1000.0)
+        keys = await self.admit_pull(request.worker_id, request.keys, request.timeout_ms)
         yield pb.PullResponse(info=pb.PullInfo(view=self._view(), version=self.core.version))
         for key in keys:
             # Copy lazily, one key at a time: a consistent value per key without holding the
             # whole model twice; frames are produced as the reader consumes them.
-            value = self.core.store.get(key).value.copy()
+            value = await self.pull_snapshot(key)
             for frame in tensor.encode_frames(key, value):
                 yield pb.PullResponse(frame=frame)
+
+    async def admit_pull(self, worker_id: str, keys: Any, timeout_ms: int) -> list[str]:
+        """Check the keys and wait as the consistency model requires (every pull path shares it).
+
+        Args:
+            worker_id: The pulling worker; "" reads as an observer (no wait).
+            keys: Keys to read; empty means every key.
+            timeout_ms: Wait deadline in milliseconds; 0 means the server's default.
+
+        Returns:
+            The keys to send, in order.
+
+        Raises:
+            KeyNotFound (NOT_FOUND), WaitTimeout (DEADLINE_EXCEEDED), Aborted (ABORTED).
+        """
+        key_list = self.core.require_keys(keys)
+        wait_ms = timeout_ms or self.engine.config.wait_timeout_ms
+        await self.engine.wait_pull(worker_id, wait_ms / 1000.0)
+        return key_list
+
+    async def pull_snapshot(self, key: str) -> np.ndarray:
+        """A consistent private copy of one key's value (the caller may encode it at leisure)."""
+        return self.core.store.get(key).value.copy()
 
     @grpc_errors
     async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
