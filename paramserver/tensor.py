@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -53,6 +53,7 @@ __all__ = [
     "dtype_from_wire",
     "dtype_to_wire",
     "encode_frames",
+    "encode_messages",
     "normalize",
     "tensor_nbytes",
 ]
@@ -224,6 +225,9 @@ def _payload_view(array: np.ndarray) -> memoryview:
     return array.reshape(-1).view(np.uint8).data
 
 
+_M = TypeVar("_M")
+
+
 def encode_frames(
     key: str,
     array: np.ndarray | np.generic | float | int,
@@ -254,6 +258,48 @@ def encode_frames(
         InvalidArgument: (INVALID_ARGUMENT) empty key, unsupported dtype, ``chunk_bytes <= 0``,
             or more than 2**32 chunks.
     """
+    header, payload, n_chunks = _prepare(key, array, chunk_bytes, role, dense_shape)
+    return _frames(header, payload, chunk_bytes, n_chunks)
+
+
+def encode_messages(
+    message_type: Callable[[], _M],
+    key: str,
+    array: np.ndarray | np.generic | float | int,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    *,
+    field: str = "frame",
+    role: int = 0,
+    dense_shape: tuple[int, ...] = (),
+) -> Iterator[_M]:
+    """:func:`encode_frames`, each frame built in place inside a container message.
+
+    ``PullResponse(frame=frame)`` copies a finished frame into the container (a protobuf merge
+    of the whole payload); this fills ``message_type().frame`` directly, so each chunk's bytes
+    are copied once out of the array and once into the message. Same arguments, validation and
+    frames as :func:`encode_frames`.
+
+    Args:
+        message_type: The container message class, e.g. ``PullResponse``.
+        field: The container's ``TensorFrame`` field.
+
+    Returns:
+        Iterator of ``message_type`` instances, one per frame.
+
+    Raises:
+        InvalidArgument: (INVALID_ARGUMENT) as :func:`encode_frames`.
+    """
+    header, payload, n_chunks = _prepare(key, array, chunk_bytes, role, dense_shape)
+    return _messages(message_type, field, header, payload, chunk_bytes, n_chunks)
+
+
+def _prepare(
+    key: str,
+    array: np.ndarray | np.generic | float | int,
+    chunk_bytes: int,
+    role: int,
+    dense_shape: tuple[int, ...],
+) -> tuple[tensor_pb2.TensorHeader, memoryview, int]:
     if not isinstance(key, str) or not key:
         raise InvalidArgument(f"tensor key must be a non-empty string, got {key!r}")
     if chunk_bytes <= 0:
@@ -274,7 +320,7 @@ def encode_frames(
         role=role,
         dense_shape=[int(d) for d in dense_shape],
     )
-    return _frames(header, _payload_view(arr), chunk_bytes, n_chunks)
+    return header, _payload_view(arr), n_chunks
 
 
 def _frames(
@@ -293,6 +339,29 @@ def _frames(
         if index == 0:
             frame.header.CopyFrom(header)
         yield frame
+
+
+def _messages(
+    message_type: Callable[[], _M],
+    field: str,
+    header: tensor_pb2.TensorHeader,
+    payload: memoryview,
+    chunk_bytes: int,
+    n_chunks: int,
+) -> Iterator[_M]:
+    size_bytes = len(payload)
+    for index in range(n_chunks):
+        start = index * chunk_bytes
+        end = min(start + chunk_bytes, size_bytes)
+        msg = message_type()
+        frame = getattr(msg, field)
+        if index == 0:
+            frame.header.CopyFrom(header)
+        frame.chunk_index = index
+        frame.offset_bytes = start
+        frame.data = bytes(payload[start:end])  # upb takes bytes only
+        frame.last = index == n_chunks - 1
+        yield msg
 
 
 class _Pending:

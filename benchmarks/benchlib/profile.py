@@ -33,7 +33,7 @@ IDLE = "idle: event loop / gRPC poller waiting (epoll)"
 CATEGORIES: tuple[tuple[str, Predicate], ...] = (
     (IDLE, _leaf("epoll_wait", "epoll_pwait")),
     ("apply: update rule math (numpy)", _any("_sgd (", "_adam (", "_adagrad (", "apply_update (")),
-    ("apply: non-finite scan of the gradient", _any("_count_non_finite (")),
+    ("apply: non-finite scan of the gradient", _any("count_non_finite (")),
     (
         "pull: snapshot copy of the value",
         _all(_any("Pull ("), _any("PyArray_NewCopy", "array_copy", "PyArray_AssignArray")),

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paramserver.errors import InvalidArgument, KeyNotFound, StaleUpdate
+from paramserver.errors import (
+    InvalidArgument,
+    KeyNotFound,
+    NonFiniteGradient,
+    StaleUpdate,
+)
 from paramserver.server.aggregation import DistributedOptimizer, GradientUpdate, Synchronous
 from paramserver.server.config import ServerConfig
 from paramserver.server.consistency import (
@@ -29,10 +34,14 @@ from paramserver.server.consistency import (
     MembershipChange,
     WorkerRecord,
 )
+from paramserver.server.observe import CoreObserver
 from paramserver.server.optimizers import UpdateRule
-from paramserver.server.store import ParameterStore
+from paramserver.server.store import Checked, ParameterStore
 
 logger = logging.getLogger(__name__)
+
+#: Applies validated gradients of one push (see :meth:`ServerCore.push`).
+Applier = Callable[[list[Checked]], None]
 
 #: Request ids remembered per worker name for deduplication of retried pushes.
 DEDUP_WINDOW = 8192
@@ -87,6 +96,15 @@ class ServerCore:
         #: Called with the new progress mark (closed BSP steps, or the live minimum clock
         #: under SSP/ASP) whenever it advances; the daemon hangs periodic checkpoints here.
         self.on_progress: Callable[[int], None] | None = None
+        #: Applies a closed BSP step's validated aggregates; None applies them at once. The
+        #: engine installs one that reserves the keys and may run the numeric work in a worker
+        #: thread (:mod:`paramserver.server.offload`).
+        self.step_applier: Applier | None = None
+        #: Told of applied / dropped updates, clocks and closed BSP steps (metrics, status);
+        #: a no-op unless the engine installs one (see :mod:`paramserver.server.observe`).
+        self.observer: CoreObserver = CoreObserver()
+        #: Highest clock of any gradient applied so far (staleness reference; -1: none yet).
+        self._newest_applied_clock = -1
 
     # ------------------------------------------------------------------ membership
     @property
@@ -167,9 +185,14 @@ class ServerCore:
                 self.aggregator.evict_worker(wid)
 
     # ------------------------------------------------------------------ keys
-    def init(self, tensors: Mapping[str, np.ndarray], rule: UpdateRule) -> dict[str, bool]:
-        """Declare keys (first writer wins); returns key -> created. All-or-nothing."""
-        created = self.store.init_many(dict(tensors), rule)
+    def init(
+        self, tensors: Mapping[str, np.ndarray], rule: UpdateRule, *, take: bool = False
+    ) -> dict[str, bool]:
+        """Declare keys (first writer wins); returns key -> created. All-or-nothing.
+
+        ``take``: the caller hands the arrays over (receive buffers), stored without a copy
+        (see :meth:`ParameterStore.init`)."""
+        created = self.store.init_many(dict(tensors), rule, take=take)
         if self.aggregator is not None:
             for key, was_created in created.items():
                 if was_created:
@@ -195,8 +218,15 @@ class ServerCore:
         *,
         num_samples: int = 1,
         base_version: int | None = None,
+        applier: Applier | None = None,
+        finite_checked: bool = False,
     ) -> PushResult:
         """Apply (SSP/ASP) or queue (BSP) one push of gradients, at most once per request id.
+
+        Everything is decided here, synchronously: validation, deduplication, staleness, BSP
+        queueing, counters. Only the numeric apply of an SSP/ASP push may be handed to
+        ``applier``, which must apply it exactly once before any later reader or writer of
+        those keys runs (the engine reserves the keys at once and may run it in a thread).
 
         Args:
             worker_id: A live worker's id.
@@ -207,6 +237,10 @@ class ServerCore:
             num_samples: Examples behind the gradients (weighted_mean); 0 is taken as 1.
             base_version: :attr:`applied_updates` the gradient was computed from (ASP
                 ``max_staleness``).
+            applier: Takes the validated gradients of an SSP/ASP push to apply them; None
+                applies them here, before returning.
+            finite_checked: The caller already found every gradient free of NaN/Inf (e.g. in a
+                worker thread); the scan is not repeated.
 
         Raises:
             WorkerNotFound: unknown or evicted worker (FAILED_PRECONDITION).
@@ -219,20 +253,32 @@ class ServerCore:
         seen = self._dedup.setdefault(rec.name, OrderedDict())
         if request_id in seen:
             self.duplicate_pushes += 1
+            self.observer.dropped("duplicate")
             prior = seen[request_id]
             return PushResult(True, self.applied_updates, prior.dropped_stale, prior.queued)
         try:
-            for key, grad in grads.items():
-                self.store.validate_gradient(
-                    key, grad, allow_non_finite=self.config.allow_non_finite
-                )
-            result = self._apply_or_queue(rec, clock, grads, now, max(num_samples, 1), base_version)
+            checked = self.store.check_many(
+                grads,
+                allow_non_finite=self.config.allow_non_finite or finite_checked,
+                allow_aggregate=False,
+            )
+            result = self._apply_or_queue(
+                rec, clock, grads, checked, now, max(num_samples, 1), base_version, applier
+            )
         except InvalidArgument as exc:
             # Name the pushing worker too (cases/non-finite-gradient.md), same class and code.
             self.rejected_pushes += 1
+            self.observer.dropped("non_finite" if isinstance(exc, NonFiniteGradient) else "invalid")
             raise type(exc)(f"push from worker {rec.worker_id!r}: {exc.message}") from exc
-        except Exception:
+        except Exception as exc:
             self.rejected_pushes += 1
+            self.observer.dropped(
+                "stale_step"
+                if isinstance(exc, StaleUpdate)
+                else "unknown_key"
+                if isinstance(exc, KeyNotFound)
+                else "rejected"
+            )
             raise
         seen[request_id] = result
         if len(seen) > DEDUP_WINDOW:
@@ -244,9 +290,11 @@ class ServerCore:
         rec: WorkerRecord,
         clock: int,
         grads: Mapping[str, np.ndarray],
+        checked: list[Checked],
         now: float,
         num_samples: int,
         base_version: int | None,
+        applier: Applier | None,
     ) -> PushResult:
         if self.aggregator is not None:
             step = self.aggregator.current_step
@@ -276,18 +324,36 @@ class ServerCore:
             and self.applied_updates - base_version > max_stale
         ):
             self.dropped_stale += 1
+            self.observer.dropped("stale")
             return PushResult(False, self.applied_updates, dropped_stale=True)
         if clock > rec.clock:
             raise StaleUpdate(
                 f"worker {rec.worker_id!r} pushes for clock {clock} but is at clock {rec.clock}"
             )
-        self.store.apply_many(dict(grads), allow_non_finite=self.config.allow_non_finite)
+        # Decided: the numeric apply runs now, or wherever the applier schedules it (the
+        # engine runs big ones in a worker thread with the keys reserved).
+        if applier is None:
+            self.store.apply_checked(checked)
+        else:
+            applier(checked)
+        self._observe_applied(rec.name, clock, base_version)
         self.applied_updates += 1
         return PushResult(False, self.applied_updates)
+
+    def _observe_applied(self, name: str, clock: int, base_version: int | None) -> None:
+        """Report one applied gradient's staleness (definitions: :mod:`.observe`)."""
+        self.observer.applied(
+            name,
+            max(0, self._newest_applied_clock - clock),
+            None if base_version is None else max(0, self.applied_updates - base_version),
+        )
+        self._newest_applied_clock = max(self._newest_applied_clock, clock)
 
     def clock(self, worker_id: str, clock: int) -> int:
         """End iteration ``clock``; closes BSP steps every live worker finished."""
         new = self.cluster.clock(worker_id, clock)
+        if new == clock + 1:
+            self.observer.clocked(self.cluster.workers[worker_id].name, clock)
         self._advance()
         return new
 
@@ -342,21 +408,31 @@ class ServerCore:
         while self.aggregator.current_step < target:
             step = self.aggregator.current_step
             if step in self.cluster.aborted_steps:
+                queued = len(self.aggregator.pending_updates())
+                if queued:
+                    self.observer.dropped("aborted_step", queued)
                 self.aggregator.advance_step()
                 logger.warning(
                     "%s: its queued gradients were dropped", self.cluster.aborted_steps[step]
                 )
             else:
                 aggregates = self.aggregator.close_step()
-                for key, agg in aggregates.items():
-                    self.store.apply(
-                        key, agg.gradient, allow_non_finite=self.config.allow_non_finite
-                    )
+                checked = self.store.check_many(
+                    {key: agg.gradient for key, agg in aggregates.items()},
+                    allow_non_finite=self.config.allow_non_finite,
+                )
+                if self.step_applier is None:
+                    self.store.apply_checked(checked)
+                else:
+                    self.step_applier(checked)
                 if aggregates:
-                    self.applied_updates += len(
-                        {w for agg in aggregates.values() for w in agg.worker_ids}
-                    )
+                    contributors = {w for agg in aggregates.values() for w in agg.worker_ids}
+                    for wid in sorted(contributors):
+                        rec = self.cluster.workers.get(wid)
+                        self._observe_applied(rec.name if rec else wid, step, None)
+                    self.applied_updates += len(contributors)
             closed = step
+            self.observer.step_closed(step)
             for wid, wclock in list(self._release_after_step.items()):
                 if wclock <= closed + 1:
                     self.aggregator.evict_worker(wid)

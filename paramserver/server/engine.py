@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterator
 from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.errors import Aborted, ResourceExhausted, Unavailable, WaitTimeout
 from paramserver.server.config import ServerConfig
-from paramserver.server.consistency import Admission
+from paramserver.server.consistency import Admission, Consistency
 from paramserver.server.core import ServerCore
+from paramserver.server.observe import ServingHooks, ShardObservations
+from paramserver.server.offload import Offload
 from paramserver.server.waiting import LeaseReaperBase
 from paramserver.server.wal import WriteAheadLog
 
@@ -128,8 +130,16 @@ class ServerEngine(LeaseReaperBase):
     def __init__(self, config: ServerConfig, *, now: Callable[[], float] = time.monotonic) -> None:
         super().__init__(config, now=now)
         self.core = ServerCore(config)
+        #: Staleness, drops, barrier waits, checkpoints (plain counters; status and metrics).
+        self.obs = ShardObservations(now, bsp=self.core.consistency is Consistency.BSP)
+        self.core.observer = self.obs
+        #: Push/pull bytes and latencies at the servicer seams (no-op without metrics).
+        self.hooks = ServingHooks()
         #: Write-ahead log; when set, every mutation is durable before it is acknowledged.
         self.wal: WriteAheadLog | None = None
+        #: Big push applies and pull copies in worker threads, keys reserved (see offload.py).
+        self.offload = Offload(lambda: self.core.store)
+        self.core.step_applier = self.offload.apply_detached
         self.backpressure = Backpressure(
             config.max_inflight_pushes_per_worker,
             config.max_inflight_pushes,
@@ -137,6 +147,12 @@ class ServerEngine(LeaseReaperBase):
         )
 
     # ------------------------------------------------------------------ lifecycle
+    async def stop(self) -> None:
+        """Finish the scheduled applies, stop their threads, then stop the reaper."""
+        await self.offload.drain()
+        self.offload.close()
+        await super().stop()
+
     async def _reap(self) -> None:
         changes = self.core.expire(self.now())
         if changes:

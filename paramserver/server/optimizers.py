@@ -2,7 +2,8 @@
 
 A key is declared with one :class:`UpdateRule` (DESIGN §3). Its optimizer state (from
 :func:`init_state`) lives beside the key and :func:`apply_update` changes the parameter and the
-state in place with numpy, so a push never reallocates the parameter.
+state in place with numpy, block by block (:data:`BLOCK_ELEMENTS`) with a small per-key
+:class:`Workspace`, so a push allocates nothing of the parameter's size.
 
 Rules and their sources (the optimizer semantics match ``torch.optim`` exactly, as documented at
 https://pytorch.org/docs/stable/optim.html; each function names its page):
@@ -44,13 +45,16 @@ from paramserver.api.v1 import parameter_server_pb2 as ps_pb2
 from paramserver.errors import DimensionMismatch, InvalidArgument
 
 __all__ = [
+    "BLOCK_ELEMENTS",
     "FLOAT_DTYPES",
     "RULE_KINDS",
     "Array",
     "UpdateRule",
+    "Workspace",
     "apply_update",
     "compute_dtype",
     "init_state",
+    "workspace_for",
 ]
 
 Array: TypeAlias = npt.NDArray[Any]
@@ -353,14 +357,66 @@ def _check(rule: UpdateRule, param: Array, grad: Array, state: Mapping[str, Arra
             )
 
 
-def _with_l2(g: Array, p: Array, weight_decay: float) -> Array:
-    """A new array ``g + weight_decay * p`` (PyTorch's ``grad.add(param, alpha=weight_decay)``)."""
-    out = np.multiply(p, weight_decay, out=np.empty_like(p))
+#: Elements per block of the blocked update (32 Ki: a block of each operand stays in L2 cache).
+BLOCK_ELEMENTS: Final = 1 << 15
+
+
+class Workspace:
+    """Block-sized scratch buffers of one key's update, allocated once and reused per push.
+
+    The update runs block by block over the flat parameter, so its temporaries are at most a few
+    arrays of :data:`BLOCK_ELEMENTS` elements (a few hundred KiB), never of the parameter's size.
+    Not thread-safe: one update of the key at a time (the store's owner guarantees it).
+
+    Args:
+        dtype: Compute dtype of the key (float32 or float64).
+        size: Elements per buffer, ``min(BLOCK_ELEMENTS, param.size)``.
+    """
+
+    __slots__ = ("buffers", "dtype", "size")
+
+    def __init__(self, dtype: np.dtype[Any], size: int) -> None:
+        self.dtype = dtype
+        self.size = size
+        self.buffers: list[Array] = []
+
+    def take(self, count: int) -> list[Array]:
+        """``count`` distinct flat buffers of ``size`` elements (grown on first need)."""
+        while len(self.buffers) < count:
+            self.buffers.append(np.empty(self.size, dtype=self.dtype))
+        return self.buffers[:count]
+
+
+def workspace_for(rule: UpdateRule, param: Array) -> Workspace | None:
+    """A workspace fit for :func:`apply_update` of ``param`` under ``rule`` (None if unneeded).
+
+    Raises:
+        InvalidArgument: (INVALID_ARGUMENT) an optimizer rule on a non-floating parameter.
+    """
+    dtype = compute_dtype(rule, param.dtype)
+    if dtype is None or param.size == 0:
+        return None
+    return Workspace(dtype, min(BLOCK_ELEMENTS, param.size))
+
+
+# Each kernel updates one block in place. ``p`` is the parameter block in the compute dtype,
+# ``g`` the gradient block (read only), ``st`` the state blocks, ``s`` two scratch blocks of
+# the block's shape, ``t`` the step count (Adam).
+# Element by element they perform exactly the operations of the whole-array formulas in their
+# docstrings, so the blocked result is bit-identical to the unblocked one.
+_Kernel: TypeAlias = Callable[[UpdateRule, Array, Array, dict[str, Array], list[Array], int], None]
+
+
+def _l2(p: Array, g: Array, weight_decay: float, out: Array) -> Array:
+    """``out = p * weight_decay + g`` (PyTorch's ``grad.add(param, alpha=weight_decay)``)."""
+    np.multiply(p, weight_decay, out=out)
     out += g
     return out
 
 
-def _sgd(rule: UpdateRule, p: Array, g: Array, state: dict[str, Array]) -> None:
+def _sgd(
+    rule: UpdateRule, p: Array, g: Array, st: dict[str, Array], s: list[Array], t: int
+) -> None:
     """``torch.optim.SGD`` (dampening 0, maximize False); see its documentation page.
 
     With lr, mu = momentum, wd = weight_decay and b the momentum buffer::
@@ -373,27 +429,26 @@ def _sgd(rule: UpdateRule, p: Array, g: Array, state: dict[str, Array]) -> None:
     The zero-initialised buffer gives ``b = mu * 0 + g = g`` on the first step (up to the sign of
     a zero), as PyTorch's ``torch.clone(grad)`` does.
     """
-    owned = False  # whether `direction` is a temporary this call may overwrite
+    scratch = s[0]
     if rule.weight_decay != 0:
-        g = _with_l2(g, p, rule.weight_decay)
-        owned = True
+        g = _l2(p, g, rule.weight_decay, s[1])
     direction = g
     if rule.momentum != 0:
-        buf = state["momentum_buffer"]
+        buf = st["momentum_buffer"]
         buf *= rule.momentum
         buf += g
         if rule.nesterov:
-            direction = np.multiply(buf, rule.momentum, out=np.empty_like(p))
+            direction = np.multiply(buf, rule.momentum, out=scratch)
             direction += g
-            owned = True
         else:
-            direction, owned = buf, False
-    scratch = direction if owned else np.empty_like(p)
+            direction = buf
     np.multiply(direction, rule.lr, out=scratch)
     p -= scratch
 
 
-def _adam(rule: UpdateRule, p: Array, g: Array, state: dict[str, Array]) -> None:
+def _adam(
+    rule: UpdateRule, p: Array, g: Array, st: dict[str, Array], s: list[Array], t: int
+) -> None:
     """``torch.optim.Adam`` / ``torch.optim.AdamW`` (amsgrad False); Kingma & Ba 2015.
 
     With t the step count after increment, m = exp_avg, v = exp_avg_sq::
@@ -407,15 +462,12 @@ def _adam(rule: UpdateRule, p: Array, g: Array, state: dict[str, Array]) -> None
 
     which is PyTorch's ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`` form.
     """
-    step_count = state["step"]
-    np.add(step_count, 1, out=step_count)
-    t = int(step_count)
     if rule.kind == "adamw":
         p *= 1.0 - rule.lr * rule.weight_decay
     elif rule.weight_decay != 0:
-        g = _with_l2(g, p, rule.weight_decay)
-    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    scratch = np.multiply(g, 1.0 - rule.beta1, out=np.empty_like(p))
+        g = _l2(p, g, rule.weight_decay, s[1])
+    exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]
+    scratch = np.multiply(g, 1.0 - rule.beta1, out=s[0])
     exp_avg *= rule.beta1
     exp_avg += scratch
     np.multiply(g, g, out=scratch)
@@ -432,7 +484,9 @@ def _adam(rule: UpdateRule, p: Array, g: Array, state: dict[str, Array]) -> None
     p -= scratch
 
 
-def _adagrad(rule: UpdateRule, p: Array, g: Array, state: dict[str, Array]) -> None:
+def _adagrad(
+    rule: UpdateRule, p: Array, g: Array, st: dict[str, Array], s: list[Array], t: int
+) -> None:
     """``torch.optim.Adagrad`` (lr_decay 0, initial_accumulator_value 0); Duchi et al. 2011.
 
     With s = sum_sq::
@@ -442,9 +496,9 @@ def _adagrad(rule: UpdateRule, p: Array, g: Array, state: dict[str, Array]) -> N
         p = p - lr * g / (sqrt(s) + eps)
     """
     if rule.weight_decay != 0:
-        g = _with_l2(g, p, rule.weight_decay)
-    sum_sq = state["sum_sq"]
-    scratch = np.multiply(g, g, out=np.empty_like(p))
+        g = _l2(p, g, rule.weight_decay, s[1])
+    sum_sq = st["sum_sq"]
+    scratch = np.multiply(g, g, out=s[0])
     sum_sq += scratch
     np.sqrt(sum_sq, out=scratch)
     scratch += rule.eps
@@ -453,7 +507,7 @@ def _adagrad(rule: UpdateRule, p: Array, g: Array, state: dict[str, Array]) -> N
     p -= scratch
 
 
-_STEPS: Final[dict[str, Callable[[UpdateRule, Array, Array, dict[str, Array]], None]]] = {
+_STEPS: Final[dict[str, _Kernel]] = {
     "sgd": _sgd,
     "adam": _adam,
     "adamw": _adam,
@@ -461,20 +515,37 @@ _STEPS: Final[dict[str, Callable[[UpdateRule, Array, Array, dict[str, Array]], N
 }
 
 
-def apply_update(rule: UpdateRule, param: Array, grad: Array, state: dict[str, Array]) -> None:
+def _flat(a: Array) -> Array | None:
+    """A flat view of a C-contiguous array (None if it is not one)."""
+    return a.reshape(-1) if a.flags.c_contiguous else None
+
+
+def apply_update(
+    rule: UpdateRule,
+    param: Array,
+    grad: Array,
+    state: dict[str, Array],
+    workspace: Workspace | None = None,
+) -> None:
     """Apply one gradient to ``param`` and ``state`` in place.
 
-    ``param`` keeps its object and buffer; temporaries are at most a few arrays of
-    ``param.shape`` (one float32 copy of a half-precision parameter, one scratch array, one for L2
-    or Nesterov). ``grad`` is never modified.
+    ``param`` keeps its object and buffer. The update runs over blocks of
+    :data:`BLOCK_ELEMENTS` elements of the flat arrays, so its temporaries are block-sized
+    (taken from ``workspace``, allocated once per key by the store), never parameter-sized: no
+    per-push allocation of the parameter's size. ``grad`` is never modified. The result is
+    bit-identical to evaluating the rule's formula on whole arrays (every operation is
+    elementwise). A non-contiguous ``param`` (a strided view) is updated in one whole-array
+    block with temporaries of its size.
 
     Args:
         rule: The key's rule.
         param: The parameter, any shape; float16/bfloat16/float32/float64, or int32/int64 for
             ``assign``/``add``. Updated in place.
-        grad: Same shape as ``param``; dtype ``param.dtype``, or float64 (an aggregate) for a
-            floating ``param``.
+        grad: Same shape as ``param``; dtype ``param.dtype``, or float32/float64 (an aggregate)
+            for a floating ``param``.
         state: From :func:`init_state` for ``(rule, param)``; updated in place.
+        workspace: From :func:`workspace_for` for ``(rule, param)``, reused across pushes;
+            None allocates a block-sized one for this call.
 
     Raises:
         DimensionMismatch: (INVALID_ARGUMENT) ``grad`` shape or dtype disagrees with ``param``.
@@ -486,12 +557,73 @@ def apply_update(rule: UpdateRule, param: Array, grad: Array, state: dict[str, A
         np.copyto(param, grad, casting="same_kind")
         return
     if rule.kind == "add":
-        np.add(param, grad, out=param, casting="same_kind")
+        flat_p, flat_g = _flat(param), _flat(grad)
+        if grad.dtype == param.dtype or flat_p is None or flat_g is None:
+            np.add(param, grad, out=param, casting="same_kind")
+            return
+        # Mixed dtypes (an aggregate): numpy would buffer a whole-size cast copy; go by blocks.
+        for start in range(0, flat_p.size, BLOCK_ELEMENTS):
+            block = flat_p[start : start + BLOCK_ELEMENTS]
+            np.add(block, flat_g[start : start + BLOCK_ELEMENTS], out=block, casting="same_kind")
         return
     dtype = compute_dtype(rule, param.dtype)
     assert dtype is not None
+    t = 0
+    if "step" in state:
+        step_count = state["step"]
+        np.add(step_count, 1, out=step_count)
+        t = int(step_count)
+    if param.size == 0:
+        return
+    flat_p = _flat(param)
+    flat_g = _flat(grad)
+    flat_state = {name: _flat(a) for name, a in state.items() if name != "step"}
+    if flat_p is None or flat_g is None or any(a is None for a in flat_state.values()):
+        _apply_whole(rule, param, grad, state, dtype, t)
+        return
+    if workspace is None or workspace.dtype != dtype or workspace.size < 1:
+        workspace = Workspace(dtype, min(BLOCK_ELEMENTS, param.size))
+    half = param.dtype != dtype
+    cast_g = grad.dtype != dtype
+    buffers = workspace.take(2 + half + cast_g)
+    kernel = _STEPS[rule.kind]
+    n = flat_p.size
+    size = workspace.size
+    for start in range(0, n, size):
+        stop = min(start + size, n)
+        width = stop - start
+        s = [buffers[0][:width], buffers[1][:width]]
+        extra = 2
+        if half:
+            p = buffers[extra][:width]
+            extra += 1
+            np.copyto(p, flat_p[start:stop], casting="unsafe")
+        else:
+            p = flat_p[start:stop]
+        if cast_g:
+            g = buffers[extra][:width]
+            np.copyto(g, flat_g[start:stop], casting="unsafe")
+        else:
+            g = flat_g[start:stop]
+        st = {name: a[start:stop] for name, a in flat_state.items() if a is not None}
+        kernel(rule, p, g, st, s, t)
+        if half:
+            np.copyto(flat_p[start:stop], p, casting="unsafe")
+
+
+def _apply_whole(
+    rule: UpdateRule,
+    param: Array,
+    grad: Array,
+    state: dict[str, Array],
+    dtype: np.dtype[Any],
+    t: int,
+) -> None:
+    """The update on whole (possibly strided) arrays, with temporaries of ``param``'s shape."""
     work = param if param.dtype == dtype else param.astype(dtype)
     g = grad if grad.dtype == dtype else grad.astype(dtype)
-    _STEPS[rule.kind](rule, work, g, state)
+    s = [np.empty(param.shape, dtype=dtype), np.empty(param.shape, dtype=dtype)]
+    st = {name: a for name, a in state.items() if name != "step"}
+    _STEPS[rule.kind](rule, work, g, st, s, t)
     if work is not param:
         np.copyto(param, work, casting="unsafe")

@@ -5,7 +5,10 @@ its :class:`~paramserver.server.optimizers.UpdateRule`, the rule's optimizer sta
 counter. Gradients are validated before anything changes, and the ``*_many`` methods validate every
 key before touching any, so a refused request never leaves a half-applied update.
 
-The store is not thread-safe: one event loop (or one lock held by the caller) owns it.
+The store is not thread-safe: one event loop (or one lock held by the caller) owns it. The
+numeric part of an update (:meth:`Entry.apply`, :meth:`ParameterStore.apply_checked`) touches only
+its keys' arrays, so the owner may run it in a worker thread while it keeps those keys to itself
+(see :mod:`paramserver.server.offload`).
 """
 
 from __future__ import annotations
@@ -19,14 +22,24 @@ import numpy as np
 
 from paramserver.errors import DimensionMismatch, InvalidArgument, KeyNotFound, NonFiniteGradient
 from paramserver.server.optimizers import (
+    BLOCK_ELEMENTS,
     FLOAT_DTYPES,
     Array,
     UpdateRule,
+    Workspace,
     apply_update,
     init_state,
+    workspace_for,
 )
 
-__all__ = ["SUPPORTED_DTYPES", "ArrayOrScalar", "Entry", "ParameterStore"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "ArrayOrScalar",
+    "Checked",
+    "Entry",
+    "ParameterStore",
+    "count_non_finite",
+]
 
 # A numpy scalar (what numpy reductions return for ``()`` shapes) is taken as a 0-d array.
 ArrayOrScalar: TypeAlias = "Array | np.generic[Any]"
@@ -54,6 +67,8 @@ class Entry:
         rule: The key's update rule.
         state: Optimizer state from :func:`~paramserver.server.optimizers.init_state`.
         updates: Gradients applied to this key.
+        workspace: Block-sized scratch of the key's update rule, allocated at its first update
+            and reused (never checkpointed).
     """
 
     key: str
@@ -61,20 +76,43 @@ class Entry:
     rule: UpdateRule
     state: dict[str, Array] = field(repr=False)
     updates: int = 0
+    workspace: Workspace | None = field(default=None, repr=False, compare=False)
+
+    def apply(self, grad: Array) -> None:
+        """Apply an already validated gradient in place (the numeric part of an update only).
+
+        Touches only this entry's arrays, so it may run in a worker thread while nothing else
+        reads or writes this key.
+        """
+        if self.workspace is None:
+            self.workspace = workspace_for(self.rule, self.value)
+        apply_update(self.rule, self.value, grad, self.state, self.workspace)
+        self.updates += 1
 
 
-def _count_non_finite(grad: Array) -> int:
-    """Number of NaN/±Inf elements of a floating ``grad`` (0 for integers)."""
+#: A validated gradient and the entry it applies to (see :meth:`ParameterStore.check_many`).
+Checked: TypeAlias = tuple[Entry, Array]
+
+
+def count_non_finite(grad: Array) -> int:
+    """Number of NaN/±Inf elements of a floating ``grad`` (0 for integers).
+
+    Allocates nothing of ``grad``'s size: the fast path is one sum (finite only if every term
+    is); an overflowing sum of finite terms, or a non-finite one, is counted exactly block by
+    block with block-sized temporaries.
+    """
     if grad.dtype not in FLOAT_DTYPES or grad.size == 0:
         return 0
-    # Fast path without a boolean temporary: a sum is finite only if every term is; an
-    # overflowing sum of finite terms falls through to the exact count below.
     acc = np.float64 if grad.dtype == np.float64 else np.float32
     with np.errstate(over="ignore", invalid="ignore"):
         total = np.add.reduce(grad, axis=None, dtype=acc)
     if np.isfinite(total):
         return 0
-    return int(grad.size - np.count_nonzero(np.isfinite(grad)))
+    flat = grad.reshape(-1)  # a copy only for a strided gradient
+    finite = 0
+    for start in range(0, flat.size, BLOCK_ELEMENTS):
+        finite += int(np.count_nonzero(np.isfinite(flat[start : start + BLOCK_ELEMENTS])))
+    return int(flat.size - finite)
 
 
 class ParameterStore:
@@ -109,21 +147,34 @@ class ParameterStore:
         except InvalidArgument as exc:
             raise InvalidArgument(f"key {key!r}: {exc.message}") from exc
 
-    def _create(self, key: str, value: ArrayOrScalar, rule: UpdateRule) -> bool:
+    def _create(self, key: str, value: ArrayOrScalar, rule: UpdateRule, take: bool) -> bool:
         if key in self._entries:
             return False
-        stored = np.array(value, copy=True, order="C")  # a 0-d array for a numpy scalar
+        if (
+            take
+            and isinstance(value, np.ndarray)
+            and type(value) is np.ndarray
+            and value.flags.c_contiguous
+            and value.flags.writeable
+            and value.dtype.isnative
+        ):
+            stored = value  # handed over by the caller: no copy
+        else:
+            stored = np.array(value, copy=True, order="C")  # a 0-d array for a numpy scalar
         self._entries[key] = Entry(key, stored, rule, init_state(rule, stored))
         return True
 
-    def init(self, key: str, value: ArrayOrScalar, rule: UpdateRule) -> bool:
-        """Declare ``key`` with a copy of ``value`` and ``rule``; the first writer wins.
+    def init(self, key: str, value: ArrayOrScalar, rule: UpdateRule, *, take: bool = False) -> bool:
+        """Declare ``key`` with ``value`` and ``rule``; the first writer wins.
 
         Args:
             key: Non-empty key name.
             value: Initial value, any shape, a supported dtype (a numpy scalar is stored as a 0-d
-                array). Copied into a new C-order array, never aliased.
+                array). Copied into a new C-order array, never aliased, unless ``take``.
             rule: The key's update rule.
+            take: The caller hands ``value`` over (e.g. a receive buffer it will never touch
+                again): a writeable, C-contiguous, native-order ndarray is stored as is, without
+                a copy. Other values are still copied.
 
         Returns:
             True if the key was created; False if it existed (its value and rule are untouched).
@@ -133,14 +184,17 @@ class ParameterStore:
                 on an integer value; checked even when the key exists.
         """
         self._check_init(key, value, rule)
-        return self._create(key, value, rule)
+        return self._create(key, value, rule, take)
 
-    def init_many(self, items: Mapping[str, ArrayOrScalar], rule: UpdateRule) -> dict[str, bool]:
+    def init_many(
+        self, items: Mapping[str, ArrayOrScalar], rule: UpdateRule, *, take: bool = False
+    ) -> dict[str, bool]:
         """Declare several keys with one rule, all or nothing.
 
         Args:
             items: Key → initial value, as for :meth:`init`.
             rule: The update rule of every key.
+            take: As for :meth:`init`, for every value.
 
         Returns:
             Key → whether it was created (False: it existed and was left untouched).
@@ -150,7 +204,7 @@ class ParameterStore:
         """
         for key, value in items.items():
             self._check_init(key, value, rule)
-        return {key: self._create(key, value, rule) for key, value in items.items()}
+        return {key: self._create(key, value, rule, take) for key, value in items.items()}
 
     # -- lookup --------------------------------------------------------------------------------
 
@@ -201,7 +255,7 @@ class ParameterStore:
         if problems:
             raise DimensionMismatch(f"gradient for key {key!r} has {' and '.join(problems)}")
         if not allow_non_finite:
-            bad = _count_non_finite(grad)
+            bad = count_non_finite(grad)
             if bad:
                 raise NonFiniteGradient(
                     f"gradient for key {key!r} has {bad} non-finite value(s) (NaN or Inf) "
@@ -245,8 +299,7 @@ class ParameterStore:
         entry, array = self._validate(
             key, grad, allow_non_finite=allow_non_finite, allow_aggregate=True
         )
-        apply_update(entry.rule, entry.value, array, entry.state)
-        entry.updates += 1
+        entry.apply(array)
 
     def apply_many(
         self, grads: Mapping[str, ArrayOrScalar], *, allow_non_finite: bool = False
@@ -262,13 +315,44 @@ class ParameterStore:
             DimensionMismatch: (INVALID_ARGUMENT) a shape or dtype differs; nothing is applied.
             NonFiniteGradient: (INVALID_ARGUMENT) NaN/Inf present; nothing is applied.
         """
-        checked = [
-            self._validate(k, g, allow_non_finite=allow_non_finite, allow_aggregate=True)
+        self.apply_checked(self.check_many(grads, allow_non_finite=allow_non_finite))
+
+    def check_many(
+        self,
+        grads: Mapping[str, ArrayOrScalar],
+        *,
+        allow_non_finite: bool = False,
+        allow_aggregate: bool = True,
+    ) -> list[Checked]:
+        """Validate several gradients (the decision part of :meth:`apply_many`); nothing changes.
+
+        Args:
+            grads: Key → gradient.
+            allow_non_finite: Accept NaN/Inf.
+            allow_aggregate: Accept float32/float64 for any floating key (an aggregate); when
+                False the dtype must be the key's own (a pushed gradient, as
+                :meth:`validate_gradient`).
+
+        Returns:
+            ``(entry, gradient)`` pairs for :meth:`apply_checked`, in ``grads`` order.
+
+        Raises:
+            As :meth:`apply_many`.
+        """
+        return [
+            self._validate(k, g, allow_non_finite=allow_non_finite, allow_aggregate=allow_aggregate)
             for k, g in grads.items()
         ]
+
+    @staticmethod
+    def apply_checked(checked: Iterable[Checked]) -> None:
+        """Apply gradients validated by :meth:`check_many` (the numeric part only).
+
+        Touches only the entries' arrays (never the key table), so it may run in a worker
+        thread while no one else reads or writes those keys.
+        """
         for entry, grad in checked:
-            apply_update(entry.rule, entry.value, grad, entry.state)
-            entry.updates += 1
+            entry.apply(grad)
 
     # -- snapshots and checkpoints -------------------------------------------------------------
 
