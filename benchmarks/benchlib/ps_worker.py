@@ -1,7 +1,8 @@
 """paramserver worker runners for :class:`benchlib.WorkerPool`.
 
 ``push_pull``: each round pushes a gradient of ones (float32, N elements) and pulls the whole
-tensor back (ASP; the server applies ``w -= lr * g`` on every push).
+tensor back in one round trip (:meth:`WorkerClient.push_pull`; ASP, the server applies
+``w -= lr * g`` on every push). ``cfg["shared_memory"]`` False forces the network path.
 
 ``bsp_step``: each round is one BSP/SSP iteration: pull (waits as the model requires), a
 simulated compute of ``compute_s`` (``slow_factor`` times longer on the straggler ranks), push,
@@ -32,6 +33,7 @@ class _Base:
             rpc_timeout_s=300.0,
             wait_timeout_s=300.0,
             channel_options=[("grpc.max_receive_message_length", 64 << 20)],
+            shared_memory=bool(cfg.get("shared_memory", True)),
         )
         self.grad = np.ones(self.n, dtype=np.float32)
         self.pushes = 0
@@ -50,14 +52,25 @@ class _Base:
         self.dropped += ack.dropped_stale
 
     async def finish(self) -> dict[str, Any]:
+        fp = self.client.fastpath
+        paths = {
+            "shm_active": fp.shm_active if fp else False,
+            "shm_declined": fp.shm_declined if fp else "no session",
+            "sessions_opened": fp.sessions_opened if fp else 0,
+        }
         await self.client.close()
-        return {"pushes": self.pushes, "duplicates": self.duplicates, "dropped": self.dropped}
+        return {
+            "pushes": self.pushes,
+            "duplicates": self.duplicates,
+            "dropped": self.dropped,
+            **paths,
+        }
 
 
 class PushPull(_Base):
     async def round(self) -> None:
-        await self._push()
-        pulled = await self.client.pull([KEY])
+        pulled = await self.client.push_pull({KEY: self.grad})
+        self.pushes += 1
         assert pulled[KEY].shape == (self.n,)
 
 

@@ -81,6 +81,14 @@ class ServerConfig:
             count): when ``checkpoint_dir`` holds no checkpoint yet, this shard's part of
             their newest common cut is resharded into it on start.
         metrics_port: Serve Prometheus metrics on ``host:metrics_port`` (None: off; 0: any).
+        shared_memory: Accept same-host workers' shared-memory segments for tensor bytes on the
+            Session stream (False: network only, as between hosts).
+        tls_cert: PEM certificate the server presents; with ``tls_key`` the server speaks TLS
+            (see :mod:`paramserver.security`).
+        tls_key: PEM private key of ``tls_cert``.
+        tls_ca: PEM CA bundle: require client certificates signed by it (mutual TLS).
+        auth_tokens: File of ``ROLE TOKEN`` lines (roles ``worker``, ``admin``): every RPC but
+            health and reflection then needs a bearer token.
     """
 
     host: str = "127.0.0.1"
@@ -121,6 +129,11 @@ class ServerConfig:
     shard_map_epoch: int = 0
     restore_from: str | None = None
     metrics_port: int | None = None
+    shared_memory: bool = True
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    auth_tokens: str | None = None
 
     def __post_init__(self) -> None:
         try:

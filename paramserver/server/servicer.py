@@ -36,7 +36,9 @@ from paramserver.server.consistency import Consistency
 from paramserver.server.cut import shard_map_of
 from paramserver.server.decompress import Encoded, decode
 from paramserver.server.engine import InflightTicket, ServerEngine
+from paramserver.server.observe import observed_admit, observed_push, observed_snapshot
 from paramserver.server.optimizers import UpdateRule
+from paramserver.server.session_service import SessionService
 from paramserver.sharding import shard_map_to_proto
 
 logger = logging.getLogger(__name__)
@@ -132,6 +134,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         self.engine = engine
         self.core = engine.core
         self.daemon = daemon
+        #: Serves the Session RPC (fast path: inline small tensors, same-host shared memory).
+        self.sessions = SessionService(
+            self, shared_memory=getattr(engine.config, "shared_memory", True)
+        )
 
     def _view(self) -> pb.ClusterView:
         cluster = self.core.cluster
@@ -250,7 +256,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
     ) -> pb.InitResponse:
         header, tensors = await self._read_tensors(request_iterator, "header")
         rule = UpdateRule.from_proto(header.rule) if header.HasField("rule") else UpdateRule()
-        created = self.core.init(tensors, rule)
+        created = self.core.init(tensors, rule, take=True)  # receive buffers: stored, not copied
         self.engine.notify()
         if self.engine.wal is not None and any(created.values()):
             await self.engine.commit(
@@ -287,6 +293,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             grads=grads,
         )
 
+    @observed_push
     async def apply_push(
         self,
         *,
@@ -308,6 +315,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         """
         if not worker_id:
             raise InvalidArgument("push header needs a worker_id")
+        offload = self.engine.offload
+        # Big gradients: the NaN/Inf scan runs in a worker thread (a failed scan leaves it to
+        # the core, which refuses the push with its usual bookkeeping).
+        finite = not self.engine.config.allow_non_finite and await offload.all_finite(grads)
+        await offload.admit_writer()  # (a checkpoint may hold decisions back) no await after
+        applied: list[asyncio.Future[None]] = []
         result = self.core.push(
             worker_id,
             request_id,
@@ -316,7 +329,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             self.engine.now(),
             num_samples=num_samples,
             base_version=base_version,
+            applier=lambda checked: applied.append(offload.apply(checked)),
+            finite_checked=finite,
         )
+        for done in applied:  # decided: applied exactly once even if this call is cancelled
+            await asyncio.shield(done)
         self.engine.notify()
         if self.engine.wal is not None and not (result.duplicate or result.dropped_stale):
             await self.engine.commit(
@@ -346,9 +363,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             # Copy lazily, one key at a time: a consistent value per key without holding the
             # whole model twice; frames are produced as the reader consumes them.
             value = await self.pull_snapshot(key)
-            for frame in tensor.encode_frames(key, value):
-                yield pb.PullResponse(frame=frame)
+            for msg in tensor.encode_messages(pb.PullResponse, key, value):
+                yield msg
 
+    @observed_admit
     async def admit_pull(self, worker_id: str, keys: Any, timeout_ms: int) -> list[str]:
         """Check the keys and wait as the consistency model requires (every pull path shares it).
 
@@ -368,9 +386,33 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         await self.engine.wait_pull(worker_id, wait_ms / 1000.0)
         return key_list
 
+    @observed_snapshot
     async def pull_snapshot(self, key: str) -> np.ndarray:
-        """A consistent private copy of one key's value (the caller may encode it at leisure)."""
-        return self.core.store.get(key).value.copy()
+        """A consistent private copy of one key's value (the caller may encode it at leisure).
+
+        Taken after every push of the key decided before the call has been applied; big keys
+        are copied in a worker thread (see :mod:`paramserver.server.offload`).
+        """
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        return await self.engine.offload.snapshot(key, timeout_s=wait_s)
+
+    async def pull_snapshot_into(self, key: str, out: np.ndarray) -> None:
+        """:meth:`pull_snapshot` written into ``out`` (one copy, e.g. into a client's shared
+        memory): a consistent copy of one key's value.
+
+        Args:
+            out: Array of the key's dtype and shape to overwrite.
+        """
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        await self.engine.offload.snapshot(key, out, timeout_s=wait_s)
+
+    @grpc_errors
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: Any
+    ) -> AsyncIterator[pb.SessionResponse]:
+        """One worker client's persistent stream (:mod:`paramserver.server.session_service`)."""
+        async for resp in self.sessions.serve(request_iterator):
+            yield resp
 
     @grpc_errors
     async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
@@ -387,16 +429,27 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
     async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
         core = self.core
         now = self.engine.now()
-        workers = [
-            pb.WorkerInfo(
-                worker_id=w.worker_id,
-                worker_name=w.name,
-                clock=w.clock,
-                live=w.live,
-                lease_remaining_ms=max(0, int((w.lease_expiry_s - now) * 1000)) if w.live else 0,
+        obs = self.engine.obs
+        lease_s = core.cluster.lease_s
+        workers = []
+        for w in core.cluster.workers.values():
+            barrier = obs.barrier.get(w.name)
+            workers.append(
+                pb.WorkerInfo(
+                    worker_id=w.worker_id,
+                    worker_name=w.name,
+                    clock=w.clock,
+                    live=w.live,
+                    lease_remaining_ms=(
+                        max(0, int((w.lease_expiry_s - now) * 1000)) if w.live else 0
+                    ),
+                    heartbeat_age_ms=max(0, int((now - (w.lease_expiry_s - lease_s)) * 1000)),
+                    barrier_wait_ms=int(barrier.wait_s * 1000) if barrier else 0,
+                    barrier_lag_ms=int(barrier.lag_s * 1000) if barrier else 0,
+                    barrier_steps=barrier.steps if barrier else 0,
+                    applied_updates=obs.applied_by_worker.get(w.name, 0),
+                )
             )
-            for w in core.cluster.workers.values()
-        ]
         keys = []
         for key in core.store.keys():
             entry = core.store.get(key)
@@ -407,6 +460,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
                     shape=list(entry.value.shape),
                     rule=entry.rule.to_proto().kind,
                     updates=entry.updates,
+                    size_bytes=int(entry.value.nbytes),
                 )
             )
         return pb.StatusResponse(
@@ -426,6 +480,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             inflight_push_bytes=self.engine.backpressure.bytes,
             refused_backpressure=self.engine.backpressure.refused,
             wal_sequence=self.engine.wal.next_sequence - 1 if self.engine.wal else 0,
+            dropped_updates=dict(obs.dropped_by_reason),
+            last_checkpoint_age_ms=(
+                max(1, int((time.time() - obs.last_checkpoint_unix_s) * 1000))
+                if obs.last_checkpoint_unix_s is not None
+                else 0
+            ),
         )
 
     @grpc_errors

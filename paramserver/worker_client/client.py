@@ -9,7 +9,13 @@ Usage::
         await ps.clock()
 
 Every push carries ``(worker id, request id)``; a push retried after UNAVAILABLE reuses its
-request id, so the server applies it at most once. Retries use exponential backoff with full
+request id, so the server applies it at most once.
+
+Pushes and pulls travel over one persistent ``Session`` stream per client (opened on first use,
+reopened after a broken link): small tensors inline, larger ones through shared memory when the
+server is on the same host (negotiated automatically), otherwise over the chunked Push/Pull
+streams (see :mod:`paramserver.worker_client.fastpath`). :meth:`WorkerClient.push_pull` pushes and
+pulls in one round trip. Retries use exponential backoff with full
 jitter up to a deadline. A background task renews the lease every quarter lease. No channel is
 cached across event loops: the channel is created in ``__aenter__`` on the running loop.
 """
@@ -19,14 +25,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from paramserver import tensor
+from paramserver import shm, tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.api.v1 import tensor_pb2
 from paramserver.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -34,8 +42,10 @@ from paramserver.errors import (
     ParamServerError,
     WorkerNotFound,
 )
+from paramserver.security import ClientSecurity
 from paramserver.server.optimizers import UpdateRule
-from paramserver.worker_client.compression import Compression, GradientCompressor
+from paramserver.worker_client.compression import Compression, GradientCompressor, WirePart
+from paramserver.worker_client.fastpath import Fallback, FastPath
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
 from paramserver.worker_client.session import ServiceSession
 
@@ -102,6 +112,16 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             its state, or evicted the worker), register again under the same name and carry
             on from the cluster's current clock. A fenced worker is never re-registered.
         channel_options: Extra grpc channel options.
+        security: TLS / mutual TLS and bearer token (:class:`paramserver.security.ClientSecurity`);
+            None: plain text, no token.
+        session: Send pushes and pulls over one persistent Session stream (False: one Push or
+            Pull stream per call, as before).
+        shared_memory: Offer the server a shared-memory segment for tensor bytes when it is
+            on the same host (False: network only; the server can refuse too,
+            ``--no-shared-memory``). Negotiated on the Session stream; a declined offer falls
+            back to the network silently.
+        shared_memory_dir: Directory of the segments (default ``/dev/shm``; the server must
+            see the same directory, which is how another host or container is told apart).
     """
 
     _heartbeat_task_prefix = "paramserver-heartbeat-"
@@ -121,6 +141,10 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         close_timeout_s: float = 2.0,
         compression: Mapping[str, Compression] | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        security: ClientSecurity | None = None,
+        session: bool = True,
+        shared_memory: bool = True,
+        shared_memory_dir: str | Path | None = None,
     ) -> None:
         super().__init__(
             address,
@@ -132,6 +156,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             heartbeat=heartbeat,
             close_timeout_s=close_timeout_s,
             channel_options=channel_options,
+            security=security,
         )
         self.auto_reregister = auto_reregister
         self.compressor = GradientCompressor(dict(compression or {}))
@@ -139,8 +164,32 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         self.clock_value = 0
         self.view: pb.ClusterView | None = None
         self.last_version = 0
+        #: The Session stream (None: ``session=False``).
+        self.fastpath: FastPath | None = (
+            FastPath(
+                lambda: self.stub,
+                shared_memory=shared_memory,
+                shm_dir=Path(shared_memory_dir) if shared_memory_dir is not None else None,
+            )
+            if session
+            else None
+        )
 
     # ------------------------------------------------------------------ session hooks
+    async def open(self) -> None:
+        """Open the channel, register, start heartbeats; first remove shared-memory segments
+        that clients killed before offering them left behind (their pid is dead)."""
+        fp = self.fastpath
+        if fp is not None and fp.shared_memory:
+            shm.sweep_dead(fp.shm_dir)
+        await super().open()
+
+    async def close(self) -> None:
+        """Drop the Session stream and its segment, leave, stop heartbeats, close the channel."""
+        if self.fastpath is not None:
+            self.fastpath.close()
+        await super().close()
+
     def _new_stub(self, channel: grpc.aio.Channel) -> pb_grpc.ParameterServerStub:
         return pb_grpc.ParameterServerStub(channel)
 
@@ -267,8 +316,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
                 header=pb.InitHeader(worker_id=self.worker_id, rule=rule.to_proto())
             )
             for key, value in arrays.items():
-                for frame in tensor.encode_frames(key, value, _SEND_CHUNK_BYTES):
-                    yield pb.InitRequest(frame=frame)
+                yield from tensor.encode_messages(pb.InitRequest, key, value, _SEND_CHUNK_BYTES)
 
         await self._call(lambda: self.stub.Init(messages(), timeout=self.rpc_timeout_s), "init")
         return await self.pull(list(arrays), observer=True)
@@ -299,33 +347,32 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         arrays = normalized_tensors(grads)
         # Encoded once per push (not per attempt): error-feedback residuals advance once.
         parts = {k: self.compressor.encode(k, v) for k, v in arrays.items()}
+        deadline_s = timeout_s or self.rpc_timeout_s
 
-        def messages() -> Iterator[pb.PushRequest]:
-            yield pb.PushRequest(
-                header=pb.PushHeader(
-                    worker_id=self.worker_id,
-                    request_id=request_id,
-                    clock=self.clock_value,
-                    num_samples=num_samples,
-                    base_version=self.last_version if base_version is None else base_version,
-                )
+        def header() -> pb.PushHeader:
+            return pb.PushHeader(
+                worker_id=self.worker_id,
+                request_id=request_id,
+                clock=self.clock_value,
+                num_samples=num_samples,
+                base_version=self.last_version if base_version is None else base_version,
             )
-            for key, key_parts in parts.items():
-                for part in key_parts:
-                    for frame in tensor.encode_frames(
-                        key,
-                        part.array,
-                        _SEND_CHUNK_BYTES,
-                        role=part.role,
-                        dense_shape=part.dense_shape,
-                    ):
-                        yield pb.PushRequest(frame=frame)
 
-        resp = await self._member_call(
-            lambda: self.stub.Push(messages(), timeout=timeout_s or self.rpc_timeout_s),
-            "push",
-            _PUSH_RETRYABLE,
-        )
+        dense = _dense_parts(parts)
+
+        async def attempt() -> pb.PushResponse:
+            fp = self.fastpath
+            if dense is not None and fp is not None and fp.usable:
+                try:
+                    return await fp.push(header(), dense, deadline_s)
+                except Fallback:
+                    pass
+            return await self._push_stream_attempt(header, parts, deadline_s)()
+
+        resp = await self._member_call(attempt, "push", _PUSH_RETRYABLE)
+        return self._ack(request_id, resp)
+
+    def _ack(self, request_id: int, resp: pb.PushResponse) -> PushAck:
         self.view = resp.view
         return PushAck(
             request_id=request_id,
@@ -335,12 +382,38 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             live_workers=resp.view.live_workers,
         )
 
+    def _push_stream_attempt(
+        self,
+        header: Callable[[], pb.PushHeader],
+        parts: Mapping[str, list[WirePart]],
+        deadline_s: float,
+    ) -> Callable[[], Awaitable[pb.PushResponse]]:
+        """One attempt of a push over its own Push stream (chunked frames, any size,
+        compressed gradients too)."""
+
+        def messages() -> Iterator[pb.PushRequest]:
+            yield pb.PushRequest(header=header())
+            for key, key_parts in parts.items():
+                for part in key_parts:
+                    # Frames built inside the request message (no protobuf merge copy).
+                    yield from tensor.encode_messages(
+                        pb.PushRequest,
+                        key,
+                        part.array,
+                        _SEND_CHUNK_BYTES,
+                        role=part.role,
+                        dense_shape=part.dense_shape,
+                    )
+
+        return lambda: self.stub.Push(messages(), timeout=deadline_s)
+
     async def pull(
         self,
         keys: Iterable[str] | None = None,
         *,
         timeout_s: float | None = None,
         observer: bool = False,
+        copy: bool = True,
     ) -> dict[str, np.ndarray]:
         """Pull parameters, waiting as the consistency model requires.
 
@@ -348,38 +421,74 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             keys: Keys to read; None or empty reads every key.
             timeout_s: Deadline of the consistency wait (default ``wait_timeout_s``).
             observer: Read without waiting (not as this worker).
+            copy: True (default): every value is a fresh array. False: values that came
+                through shared memory are read-write views of this client's pull region,
+                valid only until the client's next push, pull or push_pull (which may
+                overwrite them) — copy what you keep. Values that came otherwise are fresh.
 
         Returns:
-            key -> a fresh writeable ndarray of the key's dtype and shape.
+            key -> a writeable ndarray of the key's dtype and shape.
 
         Raises:
             KeyNotFound (NOT_FOUND); WaitTimeout (DEADLINE_EXCEEDED) naming the workers waited
             for; Aborted (ABORTED) under the fail_fast policy; WorkerNotFound.
         """
-        wait_s = self.wait_timeout_s if timeout_s is None else timeout_s
         key_list = list(keys or [])
+        timeout_ms, call_deadline_s = self._pull_deadlines(timeout_s)
+
+        def request() -> pb.PullRequest:
+            return pb.PullRequest(
+                worker_id="" if observer else self.worker_id, keys=key_list, timeout_ms=timeout_ms
+            )
+
+        async def attempt() -> dict[str, np.ndarray]:
+            fp = self.fastpath
+            if fp is not None and fp.usable:
+                try:
+                    info, values = await fp.pull(request(), call_deadline_s, copy=copy)
+                except Fallback:
+                    pass
+                else:
+                    self._note_pull(info, observer)
+                    return values
+            out = await self._pull_stream_attempt(request, observer, call_deadline_s)()
+            if fp is not None:  # sized: the next pull of these keys skips the session
+                fp.known_nbytes.update((k, v.nbytes) for k, v in out.items())
+            return out
+
+        if observer:
+            return await self._call(attempt, "pull")
+        return await self._member_call(attempt, "pull")
+
+    def _note_pull(self, info: pb.PullInfo, observer: bool) -> None:
+        self.view = info.view
+        if not observer:
+            self.last_version = info.version
+
+    def _pull_deadlines(self, timeout_s: float | None) -> tuple[int, float]:
+        """(timeout_ms sent to the server, the client's deadline in seconds) of a pull."""
+        wait_s = self.wait_timeout_s if timeout_s is None else timeout_s
         # 0 asks for the server's own default wait deadline.
         timeout_ms = 0 if wait_s is None else max(1, int(wait_s * 1000))
         call_deadline_s = (SERVER_DEFAULT_WAIT_CAP_S if wait_s is None else wait_s) + (
             self.rpc_timeout_s
         )
+        return timeout_ms, call_deadline_s
+
+    def _pull_stream_attempt(
+        self, request: Callable[[], pb.PullRequest], observer: bool, call_deadline_s: float
+    ) -> Callable[[], Awaitable[dict[str, np.ndarray]]]:
+        """One attempt of a pull over its own Pull stream (chunked frames, any size)."""
 
         async def attempt() -> dict[str, np.ndarray]:
-            req = pb.PullRequest(
-                worker_id="" if observer else self.worker_id,
-                keys=key_list,
-                timeout_ms=timeout_ms,
-            )
-            call = self.stub.Pull(req, timeout=call_deadline_s)
+            call = self.stub.Pull(request(), timeout=call_deadline_s)
             out: dict[str, np.ndarray] = {}
             assembler = tensor.TensorAssembler()
             info_seen = False
             async for resp in call:
                 if resp.WhichOneof("body") == "info":
                     info_seen = True
-                    self.view = resp.info.view
-                    if not observer:
-                        self.last_version = resp.info.version
+                    self._note_pull(resp.info, observer)
                     continue
                 done = assembler.feed(resp.frame)
                 if done is not None:
@@ -389,9 +498,88 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
                 raise MalformedStream("pull stream ended without its info message")
             return out
 
-        if observer:
-            return await self._call(attempt, "pull")
-        return await self._member_call(attempt, "pull")
+        return attempt
+
+    async def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray],
+        keys: Iterable[str] | None = None,
+        *,
+        num_samples: int = 1,
+        base_version: int | None = None,
+        timeout_s: float | None = None,
+        copy: bool = True,
+    ) -> dict[str, np.ndarray]:
+        """Push gradients, then pull parameters, in one round trip (BytePS's ``push_pull``).
+
+        The push is applied exactly as :meth:`push` applies it (once, however often it is
+        retried); the pull then waits as the consistency model requires and reads the values
+        after the push, like :meth:`pull`. Over the Session stream both go in one request;
+        gradients that must take the Push stream (compressed, or large without shared memory)
+        are pushed and then pulled with two calls.
+
+        Args:
+            grads: key -> gradient of the key's dtype and shape.
+            keys: Keys to pull; None pulls the pushed keys; empty (``[]``) pulls every key.
+            num_samples: Examples behind the gradients (weighted_mean aggregation).
+            base_version: Parameter version the gradients were computed from (default: the
+                version of the last pull).
+            timeout_s: Deadline of the pull's consistency wait in seconds (default
+                ``wait_timeout_s``); each attempt also gets ``rpc_timeout_s`` beyond it.
+            copy: As in :meth:`pull`: False returns shared-memory values as views of the pull
+                region, valid until this client's next request.
+
+        Returns:
+            key -> a writeable ndarray of the key's dtype and shape.
+
+        Raises:
+            The errors of :meth:`push` and :meth:`pull`, with the same classes and status codes.
+        """
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        arrays = normalized_tensors(grads)
+        parts = {k: self.compressor.encode(k, v) for k, v in arrays.items()}
+        key_list = list(arrays) if keys is None else list(keys)
+        timeout_ms, call_deadline_s = self._pull_deadlines(timeout_s)
+        push_deadline_s = self.rpc_timeout_s
+
+        def header() -> pb.PushHeader:
+            return pb.PushHeader(
+                worker_id=self.worker_id,
+                request_id=request_id,
+                clock=self.clock_value,
+                num_samples=num_samples,
+                base_version=self.last_version if base_version is None else base_version,
+            )
+
+        def request() -> pb.PullRequest:
+            return pb.PullRequest(worker_id=self.worker_id, keys=key_list, timeout_ms=timeout_ms)
+
+        dense = _dense_parts(parts)
+
+        def pull_stream() -> Awaitable[dict[str, np.ndarray]]:
+            return self._pull_stream_attempt(request, False, call_deadline_s)()
+
+        async def attempt() -> dict[str, np.ndarray]:
+            fp = self.fastpath
+            if dense is not None and fp is not None and fp.usable:
+                try:
+                    pushed, pulled = await fp.push_pull(
+                        header(), dense, request(), call_deadline_s, copy=copy
+                    )
+                except Fallback:
+                    pass
+                else:
+                    self._ack(request_id, pushed)
+                    if pulled is None:
+                        return await pull_stream()
+                    info, values = pulled
+                    self._note_pull(info, False)
+                    return values
+            self._ack(request_id, await self._push_stream_attempt(header, parts, push_deadline_s)())
+            return await pull_stream()
+
+        return await self._member_call(attempt, "push_pull")
 
     async def clock(self) -> int:
         """End the current iteration; returns the new clock (idempotent when retried).
@@ -418,6 +606,17 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         return await self._call(
             lambda: self.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s), "status"
         )
+
+
+def _dense_parts(parts: Mapping[str, list[WirePart]]) -> dict[str, np.ndarray] | None:
+    """The arrays of an uncompressed push (one dense part per key), or None when some key is
+    compressed (compressed pushes take the Push stream)."""
+    out = {}
+    for key, key_parts in parts.items():
+        if len(key_parts) != 1 or key_parts[0].role != tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
+            return None
+        out[key] = key_parts[0].array
+    return out
 
 
 def normalized_tensors(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:

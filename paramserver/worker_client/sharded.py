@@ -42,6 +42,7 @@ from paramserver.errors import (
     ParamServerError,
     WorkerNotFound,
 )
+from paramserver.security import ClientSecurity, open_channel
 from paramserver.server.optimizers import UpdateRule
 from paramserver.sharding import (
     ShardMap,
@@ -71,8 +72,10 @@ async def fetch_shard_map(
     retry: RetryPolicy | None = None,
     timeout_s: float = 10.0,
     channel_options: Sequence[tuple[str, Any]] = (),
+    security: ClientSecurity | None = None,
 ) -> ShardMap | None:
-    """Ask the server at ``address`` for the cluster's shard map.
+    """Ask the server at ``address`` for the cluster's shard map (over TLS / with a token as
+    ``security`` says).
 
     Retries UNAVAILABLE / RESOURCE_EXHAUSTED with backoff (the server may still be starting).
 
@@ -82,7 +85,7 @@ async def fetch_shard_map(
     Raises:
         ParamServerError: the mapped error once the retry deadline has passed.
     """
-    async with grpc.aio.insecure_channel(address, options=list(channel_options)) as channel:
+    async with open_channel(address, security, channel_options) as channel:
         stub = pb_grpc.ParameterServerStub(channel)
 
         async def attempt() -> ShardMap | None:
@@ -146,6 +149,7 @@ class ClusterWorkerClient(WorkerClient):
                 retry=self.retry,
                 timeout_s=self.rpc_timeout_s,
                 channel_options=self.channel_options,
+                security=self.security,
             )
             if shard_map is not None and shard_map.num_shards > 1:
                 await self._open_sharded(shard_map)
@@ -487,11 +491,13 @@ class ClusterWorkerClient(WorkerClient):
         *,
         timeout_s: float | None = None,
         observer: bool = False,
+        copy: bool = True,
     ) -> dict[str, np.ndarray]:
         """Pull from every shard holding a part of ``keys`` (all keys when empty), concurrently,
-        and reassemble; each shard waits as its consistency model requires."""
+        and reassemble; each shard waits as its consistency model requires. ``copy`` as in
+        :meth:`WorkerClient.pull` (sliced keys are always reassembled into fresh arrays)."""
         if not self.sharded:
-            return await super().pull(keys, timeout_s=timeout_s, observer=observer)
+            return await super().pull(keys, timeout_s=timeout_s, observer=observer, copy=copy)
         assert self.shard_map is not None
         key_list = list(keys or [])
         layouts = await self._resolve(key_list) if key_list else await self._resolve_all()
@@ -502,7 +508,7 @@ class ClusterWorkerClient(WorkerClient):
                     names[shard].append(name)
         pulled = await self._fan_out(
             {
-                i: self.shards[i].pull(ns, timeout_s=timeout_s, observer=observer)
+                i: self.shards[i].pull(ns, timeout_s=timeout_s, observer=observer, copy=copy)
                 for i, ns in enumerate(names)
                 if ns
             }
@@ -512,6 +518,31 @@ class ClusterWorkerClient(WorkerClient):
             parts.update(got)
         self._sync_state()
         return {k: assemble(lay, parts) for k, lay in layouts.items()}
+
+    async def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray],
+        keys: Iterable[str] | None = None,
+        *,
+        num_samples: int = 1,
+        base_version: int | None = None,
+        timeout_s: float | None = None,
+        copy: bool = True,
+    ) -> dict[str, np.ndarray]:
+        """:meth:`WorkerClient.push_pull`; over several shards a push to every shard holding a
+        part, then a pull from them (two fan-outs)."""
+        if not self.sharded:
+            return await super().push_pull(
+                grads,
+                keys,
+                num_samples=num_samples,
+                base_version=base_version,
+                timeout_s=timeout_s,
+                copy=copy,
+            )
+        await self.push(grads, num_samples=num_samples, base_version=base_version)
+        key_list = list(grads) if keys is None else list(keys)
+        return await self.pull(key_list, timeout_s=timeout_s, copy=copy)
 
     async def clock(self) -> int:
         """End the current iteration on every shard; returns the new (cluster-wide) clock."""

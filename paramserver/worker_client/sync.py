@@ -133,6 +133,19 @@ class SyncWorkerClient:
     ) -> dict[str, np.ndarray]:
         return self._run(self.client.pull(keys, timeout_s=timeout_s))
 
+    def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray],
+        keys: Iterable[str] | None = None,
+        *,
+        num_samples: int = 1,
+        timeout_s: float | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Push, then pull, in one round trip (see :meth:`WorkerClient.push_pull`)."""
+        return self._run(
+            self.client.push_pull(grads, keys, num_samples=num_samples, timeout_s=timeout_s)
+        )
+
     def clock(self) -> int:
         return self._run(self.client.clock())
 

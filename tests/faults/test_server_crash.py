@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 from integration import case_stubs as raw
-from integration.test_case_retried_push import ReplyCuttingProxy
+from integration.test_case_retried_push import _HTTP2_DATA, ReplyCuttingProxy
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.worker_client import RetryPolicy, UpdateRule, connect
@@ -273,7 +273,10 @@ async def test_retried_push_across_server_restart_is_applied_once(tmp_path: Path
             async with connect(
                 proxy.address, "client", heartbeat=False, retry=retry, channel_options=own
             ) as ps:
-                proxy.arm("hold", hold_s=60.0)
+                # The first call opens the client's Session stream; the push's reply is then
+                # the next DATA frame on it, and that is what the proxy holds.
+                np.testing.assert_array_equal((await ps.pull(["w"]))["w"], -2 * ones)
+                proxy.arm("hold", hold_s=60.0, frame_type=_HTTP2_DATA)
                 push = asyncio.ensure_future(ps.push({"w": ones}, timeout_s=0.2))
                 await eventually(proxy.intercepted.is_set, timeout_s=10, what="reply held")
                 server.kill()

@@ -34,6 +34,7 @@ SGD1 = UpdateRule("sgd", lr=1.0)
 ONES = np.ones(4, np.float32)
 MINUS_ONE = np.full(4, -1, np.float32)
 
+_HTTP2_DATA = 0x0
 _HTTP2_HEADERS = 0x1
 
 
@@ -54,6 +55,7 @@ class ReplyCuttingProxy:
         self.intercepted = asyncio.Event()
         self._mode = "pass"
         self._hold_s = 0.0
+        self._frame_type = _HTTP2_HEADERS
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -61,9 +63,11 @@ class ReplyCuttingProxy:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def arm(self, mode: str, hold_s: float = 0.0) -> None:
+    def arm(self, mode: str, hold_s: float = 0.0, frame_type: int = _HTTP2_HEADERS) -> None:
+        """``frame_type``: HEADERS (a call's reply starts) or DATA (the next message on an
+        open stream, e.g. a reply on the Session stream)."""
         assert mode in ("drop", "hold")
-        self._mode, self._hold_s = mode, hold_s
+        self._mode, self._hold_s, self._frame_type = mode, hold_s, frame_type
         self.intercepted.clear()
 
     async def __aenter__(self) -> ReplyCuttingProxy:
@@ -116,7 +120,7 @@ class ReplyCuttingProxy:
                 head = await reader.readexactly(9)
                 payload = await reader.readexactly(int.from_bytes(head[:3], "big"))
                 stream_id = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
-                if head[3] == _HTTP2_HEADERS and stream_id != 0 and self._mode != "pass":
+                if head[3] == self._frame_type and stream_id != 0 and self._mode != "pass":
                     mode, self._mode = self._mode, "pass"
                     self.intercepted.set()
                     if mode == "drop":
@@ -175,12 +179,16 @@ async def test_raw_retry_after_lost_reply_is_duplicate(lost: str) -> None:
         assert (st.applied_updates, st.duplicate_pushes, st.rejected_pushes) == (1, 1, 0)
 
 
+@pytest.mark.parametrize("session", [True, False], ids=["session-stream", "push-stream"])
 @pytest.mark.parametrize("lost", ["drop", "hold"])
-async def test_worker_client_retries_lost_reply_with_same_request_id(lost: str) -> None:
+async def test_worker_client_retries_lost_reply_with_same_request_id(
+    lost: str, session: bool
+) -> None:
     """Case retried-push.md with the product client: its push (200 ms per-attempt deadline)
     loses the reply after commit (connection dropped, or held past the deadline); the client
     retries with the same request id on its own and gets an OK marked duplicate; w == -1 and
-    exactly one update is applied."""
+    exactly one update is applied. Over the persistent Session stream (the reply is the next
+    DATA frame of the open stream) and over a Push stream per call (its reply HEADERS)."""
     async with (
         running_server(consistency="asp") as srv,
         ReplyCuttingProxy(srv.port) as proxy,
@@ -188,9 +196,11 @@ async def test_worker_client_retries_lost_reply_with_same_request_id(lost: str) 
     ):
         direct = pb_grpc.ParameterServerStub(direct_ch)
         retry = RetryPolicy(initial_backoff_s=0.02, max_backoff_s=0.2, deadline_s=20.0)
-        async with connect(proxy.address, "worker", heartbeat=False, retry=retry) as ps:
+        async with connect(
+            proxy.address, "worker", heartbeat=False, retry=retry, session=session
+        ) as ps:
             await ps.init({"w": np.zeros(4, np.float32)}, rule=SGD1)
-            proxy.arm(lost, hold_s=1.0)
+            proxy.arm(lost, hold_s=1.0, frame_type=_HTTP2_DATA if session else _HTTP2_HEADERS)
             ack = await ps.push({"w": ONES}, timeout_s=0.2)
             assert proxy.intercepted.is_set()
             assert ack.duplicate

@@ -1,0 +1,296 @@
+"""Server side of the ``Session`` RPC: one persistent bidirectional stream per worker client.
+
+The stream opens with ``SessionOpen`` (answered by ``SessionOpened``); then every request —
+push, pull, push_pull, or a shared-memory offer that attaches or grows the segment — is answered
+by one response carrying the request's ``seq``, in order. Requests are decoded here and handed to
+the seams every push and pull path shares (:meth:`ParameterServerServicer.apply_push`,
+:meth:`~ParameterServerServicer.admit_pull`, :meth:`~ParameterServerServicer.pull_snapshot`,
+:meth:`~ParameterServerServicer.pull_snapshot_into`), inside the same back-pressure ticket as the
+Push stream, so dedup, the WAL commit and every error code are those of the ordinary path. A
+refused request is answered with a ``SessionError`` (status code, message, exact error class)
+and the stream keeps serving; only a protocol violation (no open first, a second open) ends it.
+
+Tensor bytes travel inline (small tensors) or through the client's shared-memory segment
+(:mod:`paramserver.shm`): gradients are read from the push region in place, pulled values are
+copied once into the pull region.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from paramserver import shm, tensor
+from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
+
+if TYPE_CHECKING:
+    from paramserver.server.servicer import ParameterServerServicer
+
+logger = logging.getLogger(__name__)
+
+#: Pulled values up to this many bytes in total go inline even when a segment is mapped.
+SMALL_INLINE_BYTES = 64 << 10
+_SHUTDOWN = "paramserver: server shutting down"
+#: Largest inline payload (bytes) of one message: well under a 4 MiB receive limit and under
+#: the ~1 MiB frame size of the streams (DESIGN §3).
+MAX_INLINE_BYTES = (1 << 20) - (32 << 10)
+
+
+def _error(seq: int, exc: ParamServerError) -> pb.SessionResponse:
+    return pb.SessionResponse(
+        seq=seq,
+        error=pb.SessionError(
+            code=exc.code.value[0], message=exc.message, error_class=type(exc).__name__
+        ),
+    )
+
+
+class _Session:
+    """State of one stream: its worker and its mapped segment (if any)."""
+
+    def __init__(self) -> None:
+        self.worker_id = ""
+        self.mapping: shm.ServerMapping | None = None
+
+    def close(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+
+
+class SessionService:
+    """Serves ``ParameterServer.Session`` streams for one servicer.
+
+    Args:
+        servicer: The servicer whose seams every request goes through.
+        shared_memory: Accept shared-memory offers (False: network only, ``--no-shared-memory``).
+        max_inline_bytes: Largest inline payload (bytes) of one message.
+    """
+
+    def __init__(
+        self,
+        servicer: ParameterServerServicer,
+        *,
+        shared_memory: bool = True,
+        max_inline_bytes: int = MAX_INLINE_BYTES,
+    ) -> None:
+        self.servicer = servicer
+        self.shared_memory = shared_memory
+        self.max_inline_bytes = max_inline_bytes
+        #: Streams open now, and shared-memory segments mapped now (for tests and status).
+        self.open_sessions = 0
+        self.mapped_segments = 0
+        self._closing = False
+        #: Tasks of the streams waiting for their next request (ended by begin_shutdown).
+        self._idle: set[asyncio.Task[Any]] = set()
+
+    def begin_shutdown(self) -> None:
+        """End every stream once it has no request in hand (idle ones at once), so a graceful
+        stop does not wait its whole grace for them; their clients reconnect (to a successor)
+        and retry."""
+        self._closing = True
+        for task in list(self._idle):
+            task.cancel(msg=_SHUTDOWN)
+
+    async def serve(
+        self, requests: AsyncIterator[pb.SessionRequest]
+    ) -> AsyncIterator[pb.SessionResponse]:
+        """Answer the requests of one stream, in order.
+
+        Raises:
+            MalformedStream: the stream does not start with ``open`` or opens twice
+                (INVALID_ARGUMENT; ends the stream).
+        """
+        session = _Session()
+        self.open_sessions += 1
+        task = asyncio.current_task()
+        it = aiter(requests)
+        try:
+            first = True
+            while not self._closing:
+                if task is not None:
+                    self._idle.add(task)
+                try:
+                    req = await anext(it)
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if not self._closing or task is None:
+                        raise
+                    task.uncancel()  # our own shutdown request: end the stream with OK
+                    return
+                finally:
+                    if task is not None:
+                        self._idle.discard(task)
+                which = req.WhichOneof("body")
+                if first:
+                    if which != "open":
+                        raise MalformedStream("a Session stream must start with an open message")
+                    first = False
+                    yield self._open(session, req)
+                    continue
+                if which == "open":
+                    raise MalformedStream("second open message in one Session stream")
+                yield await self._answer(session, req, which)
+        finally:
+            self._unmap(session)
+            self.open_sessions -= 1
+
+    # ------------------------------------------------------------------ negotiation
+    def _open(self, session: _Session, req: pb.SessionRequest) -> pb.SessionResponse:
+        session.worker_id = req.open.worker_id
+        opened = pb.SessionOpened(max_inline_bytes=self.max_inline_bytes)
+        if req.open.HasField("shm"):
+            opened.shm.CopyFrom(self._attach(session, req.open.shm))
+        return pb.SessionResponse(seq=req.seq, opened=opened)
+
+    def _attach(self, session: _Session, offer: pb.ShmOffer) -> pb.ShmAnswer:
+        if not self.shared_memory:
+            return pb.ShmAnswer(accepted=False, reason="shared memory is off on this server")
+        try:
+            mapping = shm.ServerMapping.attach(offer, shm.SHM_DIR)
+        except shm.ShmDeclined as exc:
+            logger.debug("shared-memory offer %s declined: %s", offer.name, exc)
+            return pb.ShmAnswer(accepted=False, reason=str(exc))
+        self._unmap(session)
+        session.mapping = mapping
+        self.mapped_segments += 1
+        logger.debug("mapped shared-memory segment %s (%d bytes)", offer.name, offer.size_bytes)
+        return pb.ShmAnswer(accepted=True)
+
+    def _unmap(self, session: _Session) -> None:
+        if session.mapping is not None:
+            session.close()
+            self.mapped_segments -= 1
+
+    # ------------------------------------------------------------------ requests
+    async def _answer(
+        self, session: _Session, req: pb.SessionRequest, which: str | None
+    ) -> pb.SessionResponse:
+        try:
+            if which == "push":
+                return pb.SessionResponse(seq=req.seq, push=await self._push(session, req.push))
+            if which == "pull":
+                return pb.SessionResponse(seq=req.seq, pull=await self._pull(session, req.pull))
+            if which == "push_pull":
+                pushed = await self._push(session, req.push_pull.push)
+                pulled = await self._pull(session, req.push_pull.pull)
+                return pb.SessionResponse(
+                    seq=req.seq, push_pull=pb.SessionPushPulled(push=pushed, pull=pulled)
+                )
+            if which == "shm_offer":
+                return pb.SessionResponse(seq=req.seq, shm=self._attach(session, req.shm_offer))
+            raise MalformedStream(f"Session request {req.seq} has no body")
+        except ParamServerError as exc:
+            logger.debug("Session request %d refused: %s", req.seq, exc)
+            return _error(req.seq, exc)
+        except Exception as exc:  # never kill the stream for one request
+            logger.error("Session request %d failed unexpectedly", req.seq, exc_info=exc)
+            err = ParamServerError(f"internal error in Session: {exc!r}")
+            return _error(req.seq, err)
+
+    def _decode(
+        self, session: _Session, tensors: Sequence[pb.SessionTensor], ticket: Any
+    ) -> dict[str, np.ndarray]:
+        """Gradients of a push: inline bytes copied into writeable arrays, shared-memory slots
+        as views of the push region (checked against it first)."""
+        out: dict[str, np.ndarray] = {}
+        limit = self.servicer.engine.config.max_tensor_bytes
+        keep_copies = self.servicer.core.aggregator is not None  # BSP queues the arrays
+        for t in tensors:
+            key = t.key
+            if not key:
+                raise MalformedStream("Session tensor with an empty key")
+            if key in out:
+                raise MalformedStream(f"key {key!r} appears twice in one push")
+            dtype = tensor.dtype_from_wire(t.dtype, key)
+            shape = tuple(int(d) for d in t.shape)
+            nbytes = tensor.tensor_nbytes(shape, dtype)
+            if limit is not None and nbytes > limit:
+                raise InvalidArgument(
+                    f"tensor {key!r}: size_bytes {nbytes} exceeds max_tensor_bytes {limit}"
+                )
+            ticket.reserve(nbytes)
+            which = t.WhichOneof("payload")
+            if which == "slot":
+                if session.mapping is None:
+                    raise InvalidArgument(
+                        f"tensor {key!r}: shared-memory slot but no segment is mapped"
+                    )
+                try:
+                    view = session.mapping.push.view(
+                        t.slot.offset_bytes, t.slot.size_bytes, dtype, shape
+                    )
+                except InvalidArgument as exc:
+                    raise InvalidArgument(f"tensor {key!r}: {exc.message}") from None
+                out[key] = view.copy() if keep_copies else view
+                continue
+            data = t.data
+            if len(data) != nbytes:
+                raise MalformedStream(
+                    f"tensor {key!r}: {len(data)} inline bytes != prod(shape {shape}) * "
+                    f"itemsize {dtype.itemsize} = {nbytes}"
+                )
+            out[key] = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+        return out
+
+    async def _push(self, session: _Session, push: pb.SessionPush) -> pb.PushResponse:
+        header = push.header
+        with self.servicer.engine.backpressure.ticket() as ticket:
+            ticket.enter(header.worker_id)
+            grads = self._decode(session, push.tensors, ticket)
+            return await self.servicer.apply_push(
+                worker_id=header.worker_id,
+                request_id=header.request_id,
+                clock=header.clock,
+                num_samples=header.num_samples,
+                base_version=header.base_version if header.HasField("base_version") else None,
+                grads=grads,
+            )
+
+    async def _pull(self, session: _Session, req: pb.PullRequest) -> pb.SessionPulled:
+        servicer = self.servicer
+        keys = await servicer.admit_pull(req.worker_id, req.keys, req.timeout_ms)
+        out = pb.SessionPulled(
+            info=pb.PullInfo(view=servicer._view(), version=servicer.core.version)
+        )
+        store = servicer.core.store
+        values = [store.get(key).value for key in keys]
+        total = sum(v.nbytes for v in values)
+        mapping = session.mapping
+        if total <= SMALL_INLINE_BYTES or (mapping is None and total <= self.max_inline_bytes):
+            for key in keys:
+                value = await servicer.pull_snapshot(key)
+                out.tensors.append(
+                    pb.SessionTensor(
+                        key=key,
+                        dtype=tensor.dtype_to_wire(value.dtype),
+                        shape=value.shape,
+                        data=value.tobytes(),
+                    )
+                )
+            return out
+        needed = sum(shm.align_up(v.nbytes) for v in values)
+        if mapping is None or needed > mapping.pull.size_bytes:
+            out.needed_bytes = needed
+            return out
+        offset = 0
+        for key, value in zip(keys, values, strict=True):
+            size = value.nbytes
+            dst = mapping.pull.view(offset, size, value.dtype, value.shape)
+            await servicer.pull_snapshot_into(key, dst)
+            out.tensors.append(
+                pb.SessionTensor(
+                    key=key,
+                    dtype=tensor.dtype_to_wire(value.dtype),
+                    shape=value.shape,
+                    slot=pb.ShmSlot(offset_bytes=offset, size_bytes=size),
+                )
+            )
+            offset = shm.align_up(offset + size)
+        return out

@@ -1,0 +1,399 @@
+"""Client side of the ``Session`` RPC: one persistent stream per worker client.
+
+:class:`FastPath` opens the stream lazily (first push or pull), sends one request at a time and
+reads its response; a broken stream is dropped (with its shared-memory segment) and the next
+attempt opens a new one, so the retry funnel of :mod:`paramserver.worker_client.retry` reopens
+it and retries with the same request id (dedup makes a push exactly-once). A refusal arrives as
+a ``SessionError`` and is raised as the :class:`grpc.aio.AioRpcError` the ordinary path would
+have raised (same status code, same error-class trailer), so the funnel maps it to the same
+:mod:`paramserver.errors` class and retries exactly what it retries there.
+
+Where tensor bytes go:
+
+- pushes of at most :data:`SMALL_INLINE_BYTES` in total: inline;
+- larger ones, same host: the segment's push region (offered on first need, grown on the same
+  stream when a tensor does not fit);
+- larger ones, no shared memory (another host, declined, or switched off): inline up to the
+  server's ``max_inline_bytes`` (~1 MiB), else :class:`Fallback` — the caller uses the chunked
+  Push/Pull streams.
+
+Pulls are answered inline, in the pull region, or with ``needed_bytes`` (the client grows the
+segment and asks again, or falls back to the Pull stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from paramserver import shm, tensor
+from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.errors import ERROR_CLASS_METADATA_KEY, MalformedStream
+from paramserver.server.session_service import MAX_INLINE_BYTES, SMALL_INLINE_BYTES
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SMALL_INLINE_BYTES", "Fallback", "FastPath"]
+
+_STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+#: Regions grow in steps of this many bytes (fewer renegotiations for slowly growing sizes).
+_REGION_STEP_BYTES = 1 << 20
+
+
+class Fallback(Exception):
+    """This request cannot go over the Session stream (too large without shared memory, or the
+    server has no Session RPC); the caller uses the Push/Pull streams instead."""
+
+
+def _rpc_error(code: grpc.StatusCode, details: str, error_class: str = "") -> grpc.aio.AioRpcError:
+    trailing = grpc.aio.Metadata()
+    if error_class:
+        trailing.add(ERROR_CLASS_METADATA_KEY, error_class)
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+
+
+def _round_region(n: int) -> int:
+    return (n + _REGION_STEP_BYTES - 1) // _REGION_STEP_BYTES * _REGION_STEP_BYTES
+
+
+def _need(sizes: Mapping[str, int] | list[int]) -> int:
+    values = sizes.values() if isinstance(sizes, Mapping) else sizes
+    return sum(shm.align_up(n) for n in values)
+
+
+class FastPath:
+    """One worker client's Session stream and shared-memory segment.
+
+    Args:
+        stub: Returns the client's ``ParameterServerStub`` (the channel may be reopened).
+        shared_memory: Offer shared memory when a request is large enough.
+        shm_dir: Directory of segments (``/dev/shm``; the server must see the same one).
+    """
+
+    def __init__(
+        self, stub: Callable[[], Any], *, shared_memory: bool = True, shm_dir: Path | None = None
+    ) -> None:
+        self._stub = stub
+        self.shm_dir = shm_dir or shm.SHM_DIR
+        self.shared_memory = shared_memory and shm.available(self.shm_dir)
+        #: Why shared memory is not used (None while it may be); set by a declined offer.
+        self.shm_declined: str | None = None if self.shared_memory else "off or unavailable"
+        #: The server has no Session RPC (an older server): every call uses the streams.
+        self.disabled = False
+        self.max_inline_bytes = MAX_INLINE_BYTES
+        self.sessions_opened = 0
+        self.offers_accepted = 0
+        self._lock = asyncio.Lock()
+        self._call: Any = None
+        self._seq = 0
+        self._segment: shm.ClientSegment | None = None
+        #: Payload bytes of every key seen (pushed or pulled), to place pulls up front.
+        self.known_nbytes: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ state
+    @property
+    def busy(self) -> bool:
+        """A request is in flight (a concurrent call then uses the streams)."""
+        return self._lock.locked()
+
+    @property
+    def usable(self) -> bool:
+        """The next request can take the session now."""
+        return not self.disabled and not self._lock.locked()
+
+    @property
+    def shm_active(self) -> bool:
+        """The server mapped this client's current segment."""
+        return self._segment is not None
+
+    @property
+    def _shm_possible(self) -> bool:
+        return self.shm_declined is None
+
+    def close(self) -> None:
+        """Drop the stream and the segment (no I/O; the server sees the stream cancelled)."""
+        self._drop()
+
+    def _drop(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+        seg, self._segment = self._segment, None
+        if seg is not None:
+            seg.close()
+
+    # ------------------------------------------------------------------ wire
+    async def _roundtrip(self, req: pb.SessionRequest) -> pb.SessionResponse:
+        """Send one request and read its response; a transport failure drops the stream."""
+        call = self._call
+        if call is None:
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "session stream is closed")
+        self._seq += 1
+        req.seq = self._seq
+        try:
+            await call.write(req)
+            resp = await call.read()
+        except grpc.aio.AioRpcError:
+            self._drop()
+            raise
+        except asyncio.CancelledError:
+            self._drop()
+            raise
+        except Exception as exc:  # e.g. writing to a stream the server already ended
+            self._drop()
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"session stream broke: {exc!r}") from exc
+        if resp is grpc.aio.EOF:
+            self._drop()
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "session stream ended by the server")
+        if resp.seq != req.seq:
+            self._drop()
+            raise MalformedStream(f"session response {resp.seq} to request {req.seq}")
+        if resp.WhichOneof("body") == "error":
+            err = resp.error
+            code = _STATUS_BY_VALUE.get(err.code, grpc.StatusCode.UNKNOWN)
+            raise _rpc_error(code, err.message, err.error_class)
+        return resp
+
+    async def _ensure_open(self, worker_id: str) -> None:
+        if self._call is not None:
+            return
+        self._call = self._stub().Session()
+        try:
+            resp = await self._roundtrip(
+                pb.SessionRequest(open=pb.SessionOpen(worker_id=worker_id))
+            )
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                logger.info("server has no Session RPC: using the Push/Pull streams")
+                self.disabled = True
+                raise Fallback("server has no Session RPC") from err
+            raise
+        if resp.WhichOneof("body") != "opened":
+            self._drop()
+            raise MalformedStream("session stream did not answer open with opened")
+        self.max_inline_bytes = resp.opened.max_inline_bytes or MAX_INLINE_BYTES
+        self.sessions_opened += 1
+
+    async def _ensure_segment(self, push_bytes: int, pull_bytes: int) -> bool:
+        """Make the mapped segment's regions at least this big (bytes); False: no shared
+        memory (declined now or before)."""
+        if not self._shm_possible:
+            return False
+        seg = self._segment
+        fits = seg is not None and push_bytes <= seg.push.size_bytes
+        if fits and seg is not None and pull_bytes <= seg.pull.size_bytes:
+            return True
+        want_push = _round_region(max(push_bytes, seg.push.size_bytes if seg else 0))
+        want_pull = _round_region(max(pull_bytes, seg.pull.size_bytes if seg else 0))
+        try:
+            new = shm.ClientSegment.create(want_push, want_pull, self.shm_dir)
+        except OSError as err:
+            self.shm_declined = f"cannot create a segment in {self.shm_dir}: {err}"
+            logger.info("shared memory off: %s", self.shm_declined)
+            return False
+        try:
+            resp = await self._roundtrip(pb.SessionRequest(shm_offer=new.offer()))
+        except BaseException:
+            new.close()
+            raise
+        finally:
+            new.unlink()  # accepted or not, no file outlives the answer
+        if not resp.shm.accepted:
+            new.close()
+            self.shm_declined = resp.shm.reason or "declined"
+            logger.info("server declined shared memory: %s", self.shm_declined)
+            if seg is not None:  # the server keeps the old mapping; stop using it anyway
+                self._segment = None
+                seg.close()
+            return False
+        if seg is not None:
+            seg.close()
+        self._segment = new
+        self.offers_accepted += 1
+        return True
+
+    # ------------------------------------------------------------------ encoding
+    async def _push_message(
+        self, header: pb.PushHeader, arrays: Mapping[str, np.ndarray], pull_bytes: int
+    ) -> pb.SessionPush:
+        sizes = {k: a.nbytes for k, a in arrays.items()}
+        total = sum(sizes.values())
+        msg = pb.SessionPush(header=header)
+        if total > SMALL_INLINE_BYTES and await self._ensure_segment(_need(sizes), pull_bytes):
+            seg = self._segment
+            assert seg is not None
+            offset = 0
+            for key, arr in arrays.items():
+                np.copyto(seg.push.view(offset, arr.nbytes, arr.dtype, arr.shape), arr)
+                msg.tensors.append(
+                    pb.SessionTensor(
+                        key=key,
+                        dtype=tensor.dtype_to_wire(arr.dtype),
+                        shape=arr.shape,
+                        slot=pb.ShmSlot(offset_bytes=offset, size_bytes=arr.nbytes),
+                    )
+                )
+                offset = shm.align_up(offset + arr.nbytes)
+        elif total <= self.max_inline_bytes:
+            for key, arr in arrays.items():
+                msg.tensors.append(
+                    pb.SessionTensor(
+                        key=key,
+                        dtype=tensor.dtype_to_wire(arr.dtype),
+                        shape=arr.shape,
+                        data=arr.tobytes(),
+                    )
+                )
+        else:
+            raise Fallback(f"push of {total} bytes without shared memory")
+        self.known_nbytes.update(sizes)
+        return msg
+
+    def _decode(self, pulled: pb.SessionPulled, copy: bool) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for t in pulled.tensors:
+            key = t.key
+            dtype = tensor.dtype_from_wire(t.dtype, key)
+            shape = tuple(int(d) for d in t.shape)
+            if t.WhichOneof("payload") == "slot":
+                if self._segment is None:
+                    raise MalformedStream(f"tensor {key!r} in shared memory, but none is mapped")
+                view = self._segment.pull.view(t.slot.offset_bytes, t.slot.size_bytes, dtype, shape)
+                arr = view.copy() if copy else view
+            else:
+                nbytes = tensor.tensor_nbytes(shape, dtype)
+                if len(t.data) != nbytes:
+                    raise MalformedStream(
+                        f"tensor {key!r}: {len(t.data)} inline bytes, expected {nbytes}"
+                    )
+                arr = np.frombuffer(t.data, dtype=dtype).reshape(shape).copy()
+            out[key] = arr
+            self.known_nbytes[key] = arr.nbytes
+        return out
+
+    def _pull_bytes(self, keys: list[str]) -> int | None:
+        """Bytes the pull of ``keys`` needs in the pull region, when every size is known."""
+        if not keys or any(k not in self.known_nbytes for k in keys):
+            return None
+        return _need([self.known_nbytes[k] for k in keys])
+
+    async def _prepare_pull(self, keys: list[str]) -> int:
+        """Grow the pull region up front when the sizes are known; :class:`Fallback` when the
+        values cannot come over the session. Returns the known pull bytes (0: unknown)."""
+        need = self._pull_bytes(keys)
+        if need is None:
+            return 0
+        if need > SMALL_INLINE_BYTES and not await self._ensure_segment(0, need):
+            if need > self.max_inline_bytes:
+                raise Fallback(f"pull of {need} bytes without shared memory")
+        return need
+
+    async def _finish_pull(
+        self, req: pb.PullRequest, pulled: pb.SessionPulled, copy: bool
+    ) -> tuple[pb.PullInfo, dict[str, np.ndarray]]:
+        if pulled.needed_bytes:
+            if not await self._ensure_segment(0, pulled.needed_bytes):
+                raise Fallback(f"pull of {pulled.needed_bytes} bytes without shared memory")
+            pulled = (await self._roundtrip(pb.SessionRequest(pull=req))).pull
+            if pulled.needed_bytes:
+                raise Fallback(f"pull of {pulled.needed_bytes} bytes still does not fit")
+        return pulled.info, self._decode(pulled, copy)
+
+    # ------------------------------------------------------------------ requests
+    async def push(
+        self, header: pb.PushHeader, arrays: Mapping[str, np.ndarray], deadline_s: float
+    ) -> pb.PushResponse:
+        """One push over the session.
+
+        Raises:
+            Fallback: not sendable over the session (nothing was sent).
+            grpc.aio.AioRpcError: a refusal (its status code) or a broken stream.
+        """
+        async with self._lock, self._deadline(deadline_s):
+            await self._ensure_open(header.worker_id)
+            msg = await self._push_message(header, arrays, 0)
+            return (await self._roundtrip(pb.SessionRequest(push=msg))).push
+
+    async def pull(
+        self, req: pb.PullRequest, deadline_s: float, *, copy: bool = True
+    ) -> tuple[pb.PullInfo, dict[str, np.ndarray]]:
+        """One pull over the session; values are fresh arrays unless ``copy`` is False (then
+        shared-memory values are views of the pull region, valid until the next request).
+
+        Raises:
+            Fallback, grpc.aio.AioRpcError: as :meth:`push`.
+        """
+        async with self._lock, self._deadline(deadline_s):
+            await self._ensure_open(req.worker_id)
+            await self._prepare_pull(list(req.keys))
+            pulled = (await self._roundtrip(pb.SessionRequest(pull=req))).pull
+            return await self._finish_pull(req, pulled, copy)
+
+    async def push_pull(
+        self,
+        header: pb.PushHeader,
+        arrays: Mapping[str, np.ndarray],
+        req: pb.PullRequest,
+        deadline_s: float,
+        *,
+        copy: bool = True,
+    ) -> tuple[pb.PushResponse, tuple[pb.PullInfo, dict[str, np.ndarray]] | None]:
+        """Push, then pull, in one round trip.
+
+        Returns:
+            The push's response, and the pull's info and values — None when the values could
+            not come over the session (the push was applied; pull them over the stream).
+
+        Raises:
+            Fallback: the push cannot go over the session (nothing was sent).
+            grpc.aio.AioRpcError: as :meth:`push`.
+        """
+        async with self._lock, self._deadline(deadline_s):
+            await self._ensure_open(header.worker_id)
+            keys = list(req.keys)
+            pull_bytes = self._pull_bytes(keys)
+            if pull_bytes is None:
+                pull_bytes = _need({k: a.nbytes for k, a in arrays.items() if k in keys})
+            msg = await self._push_message(header, arrays, pull_bytes)
+            resp = await self._roundtrip(
+                pb.SessionRequest(push_pull=pb.SessionPushPull(push=msg, pull=req))
+            )
+            pushed = resp.push_pull.push
+            try:
+                return pushed, await self._finish_pull(req, resp.push_pull.pull, copy)
+            except Fallback:
+                return pushed, None
+
+    def _deadline(self, deadline_s: float) -> _Deadline:
+        return _Deadline(self, deadline_s)
+
+
+class _Deadline:
+    """``async with``: the request's deadline; past it the stream is dropped (its response
+    may still arrive: it must never be read as the next request's) and DEADLINE_EXCEEDED is
+    raised as the ordinary path's call would raise it."""
+
+    __slots__ = ("_fp", "_s", "_timeout")
+
+    def __init__(self, fp: FastPath, deadline_s: float) -> None:
+        self._fp = fp
+        self._s = deadline_s
+        self._timeout = asyncio.timeout(deadline_s)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            await self._timeout.__aexit__(exc_type, exc, tb)
+        except TimeoutError:
+            self._fp._drop()
+            raise _rpc_error(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no session response within {self._s:.3f} s"
+            ) from None
