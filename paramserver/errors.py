@@ -15,7 +15,9 @@
     ├── Aborted                           (ABORTED) BSP step aborted by the fail_fast policy
     ├── WaitTimeout                       (DEADLINE_EXCEEDED) a consistency wait ran out
     ├── ResourceExhausted                 (RESOURCE_EXHAUSTED) retryable back-pressure
-    └── Unavailable                       (UNAVAILABLE) server unreachable or shutting down
+    ├── Unavailable                       (UNAVAILABLE) server unreachable or shutting down
+    ├── Unauthenticated                   (UNAUTHENTICATED) missing or unknown bearer token
+    └── PermissionDenied                  (PERMISSION_DENIED) the token's role may not call it
 
 Only codes the gRPC library never produces by itself are used for refusals (DESIGN §3), so a
 client can tell a refusal from a broken link. The server turns these into ``context.abort``
@@ -109,6 +111,19 @@ class Unavailable(ParamServerError):
     retryable = True
 
 
+class Unauthenticated(ParamServerError):
+    """No bearer token, or one the server does not know. UNAUTHENTICATED."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ParamServerError):
+    """A valid token whose role may not call this RPC (a worker token on an admin RPC).
+    PERMISSION_DENIED."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: KeyNotFound,
@@ -118,6 +133,8 @@ _BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: WaitTimeout,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 

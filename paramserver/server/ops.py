@@ -10,22 +10,37 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from paramserver.security import (
+    ClientSecurity,
+    add_client_security_flags,
+    client_security_from_args,
+    open_channel,
+)
 from paramserver.server import reshard
 
 
-async def check_health(address: str, service: str = "", timeout_s: float = 3.0) -> str:
+async def check_health(
+    address: str,
+    service: str = "",
+    timeout_s: float = 3.0,
+    security: ClientSecurity | None = None,
+) -> str:
     """The health status name of ``service`` at ``address`` (``SERVING``, ``NOT_SERVING``...).
+
+    The health service needs no token; against a TLS server ``security`` gives the CA (and the
+    client certificate under mutual TLS).
 
     Raises:
         grpc.aio.AioRpcError: unreachable, or the service is unknown (NOT_FOUND).
     """
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
@@ -33,7 +48,8 @@ async def check_health(address: str, service: str = "", timeout_s: float = 3.0) 
 
 def _cmd_health(args: argparse.Namespace) -> int:
     try:
-        status = asyncio.run(check_health(args.server, args.service, args.timeout_s))
+        security = client_security_from_args(args, os.environ)
+        status = asyncio.run(check_health(args.server, args.service, args.timeout_s, security))
     except grpc.aio.AioRpcError as err:
         if args.allow_unimplemented and err.code() == grpc.StatusCode.UNIMPLEMENTED:
             print(f"{args.server}: serving gRPC (no health service)")
@@ -55,5 +71,6 @@ def add_subcommands(sub: Any) -> None:
         action="store_true",
         help="count a gRPC server without the health service (UNIMPLEMENTED) as up",
     )
+    add_client_security_flags(h)
     h.set_defaults(func=_cmd_health)
     reshard.add_subcommands(sub)

@@ -14,6 +14,7 @@ flag                            environment variable
 ``--object-dir``                ``PARAMSERVER_SPMD_OBJECT_DIR``
 ``--layout``                    ``PARAMSERVER_SPMD_LAYOUT``
 ``--timeout-s``                 ``PARAMSERVER_SPMD_TIMEOUT_S``
+``--metrics-port``              ``PARAMSERVER_SPMD_METRICS_PORT``
 (test only)                     ``PARAMSERVER_SPMD_FAULTS``
 ==============================  =========================================
 
@@ -27,6 +28,14 @@ flag                            environment variable
 ``--instance-b``                ``PARAMSERVER_SPMD_INSTANCE_B``
 ``--wait-s``                    ``PARAMSERVER_SPMD_WAIT_S``
 ==============================  =========================================
+
+Security (both commands; see :mod:`paramserver.security`): ``--tls-cert``, ``--tls-key``,
+``--tls-ca`` (``PARAMSERVER_TLS_*``). A rank server serves TLS with its certificate, requires
+client certificates signed by ``--tls-ca`` (mutual TLS), checks bearer tokens from
+``--auth-tokens`` (``PARAMSERVER_AUTH_TOKENS``), and reaches its peers with the same certificate
+and CA and the token of ``--token-file`` (``PARAMSERVER_TOKEN_FILE`` / ``PARAMSERVER_TOKEN``).
+``spmd-demo --instance-a/--instance-b`` connects with ``--tls-ca``, ``--tls-cert``/``--tls-key``
+and ``--token-file`` (an admin token: ``connect_remote`` imports peer metadata, an admin RPC).
 """
 
 from __future__ import annotations
@@ -42,6 +51,15 @@ from pathlib import Path
 from typing import Any
 
 from paramserver.errors import InvalidArgument, ParamServerError
+from paramserver.logs import LOG_FORMATS, configure_logging
+from paramserver.security import (
+    add_client_security_flags,
+    add_server_security_flags,
+    client_security_from_args,
+    peer_security,
+    server_security_from_args,
+    token_from_sources,
+)
 from paramserver.spmd.faults import Faults
 from paramserver.spmd.layout import parse_layout_spec
 from paramserver.spmd.rank_server import RankServerConfig, serve
@@ -92,11 +110,19 @@ def add_subcommands(sub: Any) -> None:
     )
     rs.add_argument("--timeout-s", type=float, default=None, help="default command deadline")
     rs.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port of --host (0 = ephemeral)",
+    )
+    rs.add_argument(
         "--no-fsync", action="store_true", help="do not fsync objects (faster, not durable)"
     )
     rs.add_argument(
         "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (uvloop)"
     )
+    add_server_security_flags(rs)
+    add_client_security_flags(rs, tls=False)  # the token (and name) it presents to its peers
     rs.set_defaults(func=_run_rank_server)
 
     demo = sub.add_parser(
@@ -139,6 +165,7 @@ def add_subcommands(sub: Any) -> None:
     demo.add_argument(
         "--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop (uvloop)"
     )
+    add_client_security_flags(demo)  # towards --instance-a / --instance-b
     demo.set_defaults(func=_run_demo)
 
 
@@ -265,6 +292,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankSe
         ("disk_dir", args.disk_dir, "DISK_DIR", Path),
         ("object_dir", args.object_dir, "OBJECT_DIR", Path),
         ("default_timeout_s", args.timeout_s, "TIMEOUT_S", float),
+        ("metrics_port", args.metrics_port, "METRICS_PORT", int),
     ):
         value = pick(flag, name, convert)
         if value is not None:
@@ -277,6 +305,10 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankSe
     kwargs["port_file"] = args.port_file
     kwargs["object_durable"] = not args.no_fsync
     kwargs["faults"] = Faults.from_env(env)
+    security = server_security_from_args(args, env)
+    token = token_from_sources(getattr(args, "token_file", None), env)
+    kwargs["security"] = security
+    kwargs["peer_security"] = peer_security(security, token, getattr(args, "tls_server_name", None))
     return RankServerConfig(**kwargs)
 
 
@@ -309,6 +341,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     try:
         targets, wait_s = demo_targets_from_args(args, os.environ)
+        security = client_security_from_args(args, os.environ) if targets is not None else None
         if args.blocks < 1:
             raise InvalidArgument(f"--blocks must be >= 1, got {args.blocks}")
         if args.layout is not None:
@@ -326,6 +359,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         instance_a=targets.instance_a if targets is not None else None,
         instance_b=targets.instance_b if targets is not None else None,
         wait_s=wait_s,
+        security=security,
     )
 
 
@@ -334,12 +368,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``paramserver`` CLI; the launcher uses it)."""
     parser = argparse.ArgumentParser(prog="python -m paramserver.spmd")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=None, help="text or json")
     sub = parser.add_subparsers(dest="command", required=True)
     add_subcommands(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    try:
+        configure_logging(args.log_level, args.log_format)
+    except InvalidArgument as exc:
+        print(f"python -m paramserver.spmd: {exc}", file=sys.stderr)
+        return 2
     return int(args.func(args) or 0)

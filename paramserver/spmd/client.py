@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from paramserver.api.v1 import spmd_pb2, spmd_pb2_grpc
 from paramserver.errors import FailedPrecondition, MalformedStream, ParamServerError, from_rpc_error
+from paramserver.security import ClientSecurity, open_channel
 from paramserver.spmd.layout import Tier
 from paramserver.spmd.planning import MAX_CHUNK_BYTES
 from paramserver.spmd.rank_server import CHANNEL_OPTIONS
@@ -57,11 +58,14 @@ class RankClient:
         address: ``host:port`` of the rank server.
         rank: the rank index this address should serve (checked against its metadata by the
             group).
+        security: TLS / mutual TLS and bearer token of the channel
+            (:class:`paramserver.security.ClientSecurity`); None: plain text, no token.
     """
 
-    def __init__(self, address: str, rank: int) -> None:
+    def __init__(self, address: str, rank: int, security: ClientSecurity | None = None) -> None:
         self.address = address
         self.rank = rank
+        self.security = security
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -72,7 +76,7 @@ class RankClient:
         if self._channel is not None:
             self._check_loop()
             return self
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(self.address, self.security, CHANNEL_OPTIONS)
         self._stub = spmd_pb2_grpc.RankServerStub(self._channel)
         self._loop = loop
         return self
@@ -265,27 +269,35 @@ class RankClient:
             KeyNotFound: absent (NOT_FOUND), naming the rank.
             MalformedStream: the stream disagrees with its announced size (INVALID_ARGUMENT).
         """
-        out: bytearray | None = None
-        pos = 0
+        # The announced size is the server's claim, not trusted for allocation: the buffer
+        # grows with the bytes that actually arrive, and may never pass the claim.
+        out = bytearray()
+        size: int | None = None
         try:
             call = self.stub.GetObject(
                 spmd_pb2.GetObjectRequest(sequence_hash=sequence_hash), timeout=timeout_s
             )
             async for message in call:
                 if message.WhichOneof("body") == "info":
-                    out = bytearray(message.info.size_bytes)
+                    if size is not None:
+                        raise MalformedStream(f"rank {self.rank}: second object info")
+                    size = int(message.info.size_bytes)
                     continue
-                if out is None:
+                if size is None:
                     raise MalformedStream(f"rank {self.rank}: object chunk before its info")
                 data = message.chunk.data
-                if message.chunk.offset_bytes != pos or pos + len(data) > len(out):
-                    raise MalformedStream(f"rank {self.rank}: object chunk out of order")
-                out[pos : pos + len(data)] = data
-                pos += len(data)
+                if message.chunk.offset_bytes != len(out) or len(out) + len(data) > size:
+                    raise MalformedStream(
+                        f"rank {self.rank}: object chunk at {message.chunk.offset_bytes}+"
+                        f"{len(data)} out of order or past the announced {size} bytes"
+                    )
+                out += data
         except grpc.aio.AioRpcError as exc:
             raise rank_error(self.rank, self.address, exc) from exc
-        if out is None or pos != len(out):
-            raise MalformedStream(f"rank {self.rank}: object stream ended early")
+        if size is None or len(out) != size:
+            raise MalformedStream(
+                f"rank {self.rank}: object stream ended after {len(out)} of {size} bytes"
+            )
         return bytes(out)
 
     async def has_objects(

@@ -46,6 +46,7 @@ import numpy as np
 
 from paramserver.api.v1 import spmd_pb2
 from paramserver.errors import ParamServerError
+from paramserver.security import ClientSecurity
 from paramserver.spmd.cli import run_event_loop
 from paramserver.spmd.hashing import sequence_hashes
 from paramserver.spmd.launcher import RankServerCluster, wait_serving
@@ -150,8 +151,9 @@ async def _demo(
     expected_layout: Layout | None,
     wait_s: float,
     seed: int,
+    security: ClientSecurity | None = None,
 ) -> int:
-    await wait_serving([*a_addr, *b_addr], timeout_s=wait_s)
+    await wait_serving([*a_addr, *b_addr], timeout_s=wait_s, security=security)
     # (path name, bytes, seconds, transports actually used)
     rows: list[tuple[str, int, float, list[str]]] = []
 
@@ -171,8 +173,8 @@ async def _demo(
         return ", ".join(_PATH_LABELS.get(p, p) for p in paths)
 
     async with (
-        SpmdParallelWorkers(a_addr, default_timeout_s=60) as a,
-        SpmdParallelWorkers(b_addr, default_timeout_s=60) as b,
+        SpmdParallelWorkers(a_addr, default_timeout_s=60, security=security) as a,
+        SpmdParallelWorkers(b_addr, default_timeout_s=60, security=security) as b,
     ):
         a_md, b_md = await a.export_metadata(), await b.export_metadata()
         problems = capacity_problems(a_md, b_md, n, expected_layout)
@@ -316,6 +318,7 @@ def run_demo(
     instance_a: Sequence[str] | None = None,
     instance_b: Sequence[str] | None = None,
     wait_s: float = 60.0,
+    security: ClientSecurity | None = None,
 ) -> int:
     """Run the demo; returns the process exit status (0 = every byte verified).
 
@@ -331,6 +334,8 @@ def run_demo(
             ``instance_b``); ``None`` starts rank servers here.
         instance_b: the same for B.
         wait_s: how long to poll existing rank servers until they answer SERVING, seconds.
+        security: TLS / token towards existing rank servers (an admin token when they check
+            tokens: connecting the instances imports metadata).
     """
     if (instance_a is None) != (instance_b is None):
         raise ValueError("give both instance_a and instance_b, or neither")
@@ -338,7 +343,14 @@ def run_demo(
 
     def drive(a_addr: Sequence[str], b_addr: Sequence[str], layout: Layout | None) -> int:
         coro = _demo(
-            a_addr, b_addr, blocks, json_lines, expected_layout=layout, wait_s=wait_s, seed=seed
+            a_addr,
+            b_addr,
+            blocks,
+            json_lines,
+            expected_layout=layout,
+            wait_s=wait_s,
+            seed=seed,
+            security=security,
         )
         try:
             return int(run_event_loop(coro, loop))

@@ -26,6 +26,7 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from paramserver.security import ClientSecurity, open_channel
 from paramserver.spmd.layout import Layout
 
 __all__ = [
@@ -79,11 +80,13 @@ async def async_wait_for(
         await asyncio.sleep(interval_s)
 
 
-async def _health_status(address: str, service: str, timeout_s: float) -> str:
+async def _health_status(
+    address: str, service: str, timeout_s: float, security: ClientSecurity | None = None
+) -> str:
     """One ``grpc.health.v1.Health/Check``: the status name, or the RPC's status code name."""
     # A fresh channel per probe: a channel that failed to connect backs off before retrying
     # (up to minutes), which would hide a server that has come up since.
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             response = await stub.Check(
@@ -100,6 +103,7 @@ async def wait_serving(
     timeout_s: float,
     interval_s: float = 0.1,
     service: str = "",
+    security: ClientSecurity | None = None,
 ) -> None:
     """Poll the gRPC health service of every address until each answers SERVING.
 
@@ -112,6 +116,8 @@ async def wait_serving(
         timeout_s: total budget, seconds.
         interval_s: pause between rounds, seconds.
         service: health service name (``""``: the whole server).
+        security: TLS settings of the probes (health needs no token, but a TLS server needs
+            the handshake).
 
     Raises:
         TimeoutError: an address did not answer SERVING in time (each such address named with
@@ -123,7 +129,9 @@ async def wait_serving(
 
     async def round_done() -> bool:
         probe_s = max(0.05, min(2.0, deadline - time.monotonic()))
-        answers = await asyncio.gather(*(_health_status(a, service, probe_s) for a in pending))
+        answers = await asyncio.gather(
+            *(_health_status(a, service, probe_s, security) for a in pending)
+        )
         for address, answer in zip(list(pending), answers, strict=True):
             last[address] = answer
             if answer == "SERVING":

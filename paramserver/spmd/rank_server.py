@@ -60,6 +60,8 @@ from paramserver.errors import (
     ParamServerError,
     from_rpc_error,
 )
+from paramserver.security import ClientSecurity, ServerSecurity, bind, open_channel
+from paramserver.server.metrics import MetricsServer, enable_reflection
 from paramserver.spmd.errors import (
     BlockNotValid,
     CommandTimeout,
@@ -71,6 +73,7 @@ from paramserver.spmd.errors import (
 from paramserver.spmd.faults import Faults
 from paramserver.spmd.hashing import object_key
 from paramserver.spmd.layout import Layout, Tier
+from paramserver.spmd.metrics import RankMetrics
 from paramserver.spmd.objects import FilesystemObjectStore, ObjectStore
 from paramserver.spmd.planning import (
     MAX_CHUNK_BYTES,
@@ -145,6 +148,12 @@ class RankServerConfig:
         port_file: file to write the bound port to (atomically), or ``None``.
         default_timeout_s: deadline of commands that carry none, seconds.
         faults: TEST-ONLY fault injection (see :mod:`paramserver.spmd.faults`).
+        security: TLS / mutual TLS and bearer tokens of this server
+            (:class:`paramserver.security.ServerSecurity`); None: plain text, no tokens.
+        peer_security: How this rank reaches its peers' rank servers (TLS and the token it
+            presents; :func:`paramserver.security.peer_security`); None: plain text, no token.
+        metrics_port: serve Prometheus metrics (:mod:`paramserver.spmd.metrics`) on this TCP
+            port of ``host`` (0: ephemeral); ``None``: no metrics endpoint.
     """
 
     instance_id: str
@@ -161,6 +170,9 @@ class RankServerConfig:
     port_file: Path | None = None
     default_timeout_s: float = 30.0
     faults: Faults = dataclasses.field(default_factory=Faults)
+    security: ServerSecurity | None = None
+    peer_security: ClientSecurity | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.instance_id or "/" in self.instance_id:
@@ -171,6 +183,8 @@ class RankServerConfig:
             raise InvalidArgument(f"rank must be >= 0, got {self.rank}")
         if not 0 <= self.port < 65536:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise InvalidArgument(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         for name in ("host_blocks", "disk_blocks", "device_blocks"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0")
@@ -320,6 +334,8 @@ class RankServicer:
         self._completed = 0
         self._failed = 0
         self._bytes_moved = 0
+        #: Transfer series (set by :func:`start_rank_server` when metrics are on).
+        self.metrics: RankMetrics | None = None
 
     @classmethod
     def create(cls, config: RankServerConfig) -> RankServicer:
@@ -398,7 +414,7 @@ class RankServicer:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = open_channel(address, self.config.peer_security, CHANNEL_OPTIONS)
             self._channels[address] = channel
         return channel
 
@@ -481,6 +497,16 @@ class RankServicer:
         elapsed = time.perf_counter() - started
         self._completed += 1
         self._bytes_moved += moved
+        if self.metrics is not None:
+            other = "G4" if path == "object" else "remote"
+            self.metrics.transfer(
+                name,
+                next((t.name for t in reads), other),
+                next((t.name for t in writes), other),
+                path,
+                moved,
+                elapsed,
+            )
         logger.debug(
             "%s %s moved %d bytes in %.3f s via %s", name, command_id, moved, elapsed, path
         )
@@ -1392,6 +1418,7 @@ class RankServerHandle:
     servicer: RankServicer
     port: int
     health: health.aio.HealthServicer
+    metrics: MetricsServer | None = None
 
     @property
     def address(self) -> str:
@@ -1406,6 +1433,8 @@ class RankServerHandle:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await self.servicer.close()
+        if self.metrics is not None:
+            await self.metrics.stop()
 
 
 async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
@@ -1420,13 +1449,19 @@ async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
     """
     servicer = RankServicer.create(config)
     try:
-        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        sec = config.security
+        server = grpc.aio.server(
+            interceptors=sec.interceptors() if sec is not None else None,
+            options=CHANNEL_OPTIONS,
+        )
         spmd_pb2_grpc.add_RankServerServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
-        if port == 0:
-            raise OSError(f"cannot bind {config.host}:{config.port}")
+        enable_reflection(server, SERVICE_NAME)
+        try:
+            port = bind(server, f"{config.host}:{config.port}", sec)
+        except ParamServerError as exc:
+            raise OSError(f"cannot bind {config.host}:{config.port}: {exc.message}") from exc
         host = config.host if config.host not in ("0.0.0.0", "::", "") else socket.gethostname()
         servicer.address = f"{host}:{port}"
         await server.start()
@@ -1437,9 +1472,20 @@ async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
         removed = await asyncio.to_thread(servicer.store.sweep_temp, 3600.0)
         if removed:
             logger.info("removed %d stale object temp files", removed)
+    metrics: MetricsServer | None = None
+    if config.metrics_port is not None:
+        svc = servicer
+        servicer.metrics = RankMetrics(lambda: (svc._failed, svc._inflight))
+        metrics = MetricsServer(servicer.metrics.registry, config.host, config.metrics_port)
+        try:
+            await metrics.start()
+        except OSError:
+            await server.stop(0)
+            await servicer.close()
+            raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RankServerHandle(server, servicer, port, health_servicer)
+    return RankServerHandle(server, servicer, port, health_servicer, metrics)
 
 
 def _write_port_file(path: Path, port: int) -> None:

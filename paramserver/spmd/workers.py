@@ -47,6 +47,7 @@ import numpy.typing as npt
 
 from paramserver.api.v1 import spmd_pb2
 from paramserver.errors import InvalidArgument, ParamServerError
+from paramserver.security import ClientSecurity
 from paramserver.spmd.client import RankClient, rank_error
 from paramserver.spmd.errors import RankFailures, RemoteNotConnected, TierNotRegistered
 from paramserver.spmd.layout import Layout, Tier
@@ -156,19 +157,28 @@ class SpmdParallelWorkers:
         rank_addresses: ``host:port`` of rank 0, 1, ... of one instance; position i must be
             the rank server whose rank is i (checked on open).
         default_timeout_s: deadline of commands called without ``timeout_s``, seconds.
+        security: TLS / mutual TLS and bearer token towards every rank server
+            (:class:`paramserver.security.ClientSecurity`; ``connect_remote`` needs an admin
+            token when the rank servers check tokens); None: plain text, no token.
 
     Raises:
         InvalidArgument: no addresses (INVALID_ARGUMENT).
     """
 
-    def __init__(self, rank_addresses: Sequence[str], *, default_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        rank_addresses: Sequence[str],
+        *,
+        default_timeout_s: float = 30.0,
+        security: ClientSecurity | None = None,
+    ) -> None:
         if not rank_addresses:
             raise InvalidArgument("SpmdParallelWorkers needs at least one rank address")
         if default_timeout_s <= 0:
             raise InvalidArgument("default_timeout_s must be > 0")
         self.rank_addresses = list(rank_addresses)
         self.default_timeout_s = default_timeout_s
-        self._clients = [RankClient(a, r) for r, a in enumerate(self.rank_addresses)]
+        self._clients = [RankClient(a, r, security) for r, a in enumerate(self.rank_addresses)]
         self._metadata: list[spmd_pb2.RankMetadata] = []
         self._layouts: list[dict[Tier, Layout]] = []
         self._remotes: dict[str, _Connected] = {}
@@ -178,10 +188,14 @@ class SpmdParallelWorkers:
 
     @classmethod
     async def create(
-        cls, rank_addresses: Sequence[str], *, default_timeout_s: float = 30.0
+        cls,
+        rank_addresses: Sequence[str],
+        *,
+        default_timeout_s: float = 30.0,
+        security: ClientSecurity | None = None,
     ) -> SpmdParallelWorkers:
         """Construct and open a group (``await group.close()`` when done)."""
-        group = cls(rank_addresses, default_timeout_s=default_timeout_s)
+        group = cls(rank_addresses, default_timeout_s=default_timeout_s, security=security)
         await group.open()
         return group
 

@@ -16,18 +16,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from paramserver.errors import ParamServerError
+from paramserver.security import (
+    ClientSecurity,
+    add_client_security_flags,
+    client_security_from_args,
+)
 from paramserver.worker_client.client import connect
 from paramserver.worker_client.training import accuracy, load_digits_split
 
 
-async def evaluate(server: str, seed: int = 0) -> dict[str, Any]:
+async def evaluate(
+    server: str, seed: int = 0, security: ClientSecurity | None = None
+) -> dict[str, Any]:
     """Test accuracy of the cluster's current digits model (an observer read)."""
-    async with connect(server, worker_name="cluster-check", heartbeat=False) as ps:
+    async with connect(
+        server, worker_name="cluster-check", heartbeat=False, security=security
+    ) as ps:
         params = await ps.pull(observer=True)
         shard_map = getattr(ps, "shard_map", None)
         shards = shard_map.num_shards if shard_map is not None else 1
@@ -73,7 +83,8 @@ def _cmd_cluster_check(args: argparse.Namespace) -> int:
     summary: dict[str, Any] = {"event": "cluster-check", "jobs": statuses}
     ok = all(v == 0 for v in statuses.values())
     try:
-        summary.update(asyncio.run(evaluate(args.server, args.seed)))
+        security = client_security_from_args(args, os.environ)
+        summary.update(asyncio.run(evaluate(args.server, args.seed, security)))
         ok = ok and summary["test_accuracy"] >= args.min_accuracy
     except (ParamServerError, OSError) as exc:
         summary["error"] = f"{type(exc).__name__}: {exc}"
@@ -97,4 +108,5 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--min-accuracy", type=float, default=0.93)
     p.add_argument("--seed", type=int, default=0, help="the workers' data split seed")
     p.add_argument("--timeout-s", type=float, default=900.0)
+    add_client_security_flags(p)
     p.set_defaults(func=_cmd_cluster_check)

@@ -54,6 +54,13 @@ from paramserver.errors import (
     ParamServerError,
     WorkerNotFound,
 )
+from paramserver.security import (
+    ClientSecurity,
+    ServerSecurity,
+    bind,
+    endpoint_security,
+    open_channel,
+)
 from paramserver.server.gossip import PushSumMessage, PushSumNode
 from paramserver.server.servicer import grpc_errors
 from paramserver.worker_client.reduction import ReductionClient
@@ -74,6 +81,9 @@ _RETRYABLE: Final[frozenset[grpc.StatusCode]] = frozenset(
 )
 
 
+_endpoint_of = endpoint_security  # the parameter of GossipWorker shadows the function
+
+
 class _PushSumEndpoint(pb_grpc.PushSumPeerServicer):  # type: ignore[misc]
     """The worker's ``PushSumPeer`` service: decode a share, absorb it once."""
 
@@ -86,7 +96,10 @@ class _PushSumEndpoint(pb_grpc.PushSumPeerServicer):  # type: ignore[misc]
     ) -> pb.PushShareResponse:
         header: pb.PushShareHeader | None = None
         tensors: dict[str, npt.NDArray[Any]] = {}
-        assembler = tensor.TensorAssembler()
+        # A share is "s" (this node's value shape, float64) and "w" (a float64 scalar): a frame
+        # header claiming more is refused before anything is allocated for it.
+        limit = max(self.worker.value_nbytes, np.dtype(np.float64).itemsize)
+        assembler = tensor.TensorAssembler(max_tensor_bytes=limit)
         async for msg in request_iterator:
             which = msg.WhichOneof("body")
             if which == "header":
@@ -134,9 +147,15 @@ class GossipWorker:
         share_attempts: Tries per share on UNAVAILABLE / DEADLINE_EXCEEDED before it is
             taken back.
         heartbeat: Renew the lease in the background (rounds renew it too).
+        security: TLS / mutual TLS and bearer token towards the directory and the peers
+            (:class:`paramserver.security.ClientSecurity`); None: plain text, no token.
+        endpoint_security: TLS and tokens of this worker's push-sum endpoint; default
+            :func:`paramserver.security.endpoint_security` of ``security`` (the worker's
+            certificate and CA, its own token accepted as a worker token).
 
     Raises:
-        InvalidArgument: (INVALID_ARGUMENT) a non-finite value or ``share_attempts < 1``.
+        InvalidArgument: (INVALID_ARGUMENT) a non-finite value or ``share_attempts < 1``; TLS
+            without a certificate of the worker's own and no ``endpoint_security``.
 
     Attributes:
         node: The push-sum state (None before :meth:`open`).
@@ -157,9 +176,15 @@ class GossipWorker:
         rpc_timeout_s: float = 5.0,
         share_attempts: int = 3,
         heartbeat: bool = True,
+        security: ClientSecurity | None = None,
+        endpoint_security: ServerSecurity | None = None,
     ) -> None:
         if share_attempts < 1:
             raise InvalidArgument(f"share_attempts must be >= 1, got {share_attempts}")
+        self.security = security
+        self.endpoint_security = (
+            endpoint_security if endpoint_security is not None else _endpoint_of(security)
+        )
         self.address = address
         self.worker_name = worker_name
         self.host = host
@@ -202,6 +227,11 @@ class GossipWorker:
         return self.client.worker_id if self.client is not None else ""
 
     @property
+    def value_nbytes(self) -> int:
+        """Bytes of this node's value as float64 (the size of the "s" of every share)."""
+        return int(self._value.nbytes)
+
+    @property
     def endpoint(self) -> str:
         """``host:port`` of this worker's push-sum endpoint (empty before open)."""
         return self.client.gossip_address if self.client is not None else ""
@@ -214,11 +244,18 @@ class GossipWorker:
             FailedPrecondition: (FAILED_PRECONDITION) the server is not in gossip mode.
             AlreadyExists: (ALREADY_EXISTS) the name is live.
         """
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        sec = self.endpoint_security
+        server = grpc.aio.server(
+            interceptors=sec.interceptors() if sec is not None else None,
+            options=[("grpc.so_reuseport", 0)],
+        )
         pb_grpc.add_PushSumPeerServicer_to_server(_PushSumEndpoint(self), server)
-        port = server.add_insecure_port(f"{self.host}:0")
-        if port == 0:
-            raise ParamServerError(f"could not bind a push-sum endpoint on {self.host}:0")
+        try:
+            port = bind(server, f"{self.host}:0", sec)
+        except ParamServerError as exc:
+            raise ParamServerError(
+                f"could not bind a push-sum endpoint on {self.host}:0: {exc.message}"
+            ) from exc
         await server.start()
         self._server = server
         client = ReductionClient(
@@ -227,6 +264,7 @@ class GossipWorker:
             rpc_timeout_s=self.rpc_timeout_s,
             heartbeat=self._heartbeat,
             gossip_address=f"{self.host}:{port}",
+            security=self.security,
         )
         try:
             await client.open()
@@ -366,7 +404,7 @@ class GossipWorker:
     def _stub(self, address: str) -> pb_grpc.PushSumPeerStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = open_channel(address, self.security)
             self._channels[address] = channel
         return pb_grpc.PushSumPeerStub(channel)
 

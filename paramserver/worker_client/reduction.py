@@ -37,6 +37,7 @@ from paramserver.errors import (
     MalformedStream,
     WaitTimeout,
 )
+from paramserver.security import ClientSecurity
 from paramserver.worker_client.client import normalized_tensors
 from paramserver.worker_client.retry import RetryPolicy
 from paramserver.worker_client.session import ServiceSession
@@ -99,6 +100,8 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
         heartbeat: Renew the lease in the background.
         gossip_address: ``host:port`` of this worker's push-sum endpoint (gossip strategy).
         channel_options: Extra grpc channel options.
+        security: TLS / mutual TLS and bearer token (:class:`paramserver.security.ClientSecurity`);
+            None: plain text, no token.
     """
 
     _heartbeat_task_prefix = "paramserver-reduce-heartbeat-"
@@ -116,6 +119,7 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
         heartbeat: bool = True,
         gossip_address: str = "",
         channel_options: Sequence[tuple[str, Any]] = (),
+        security: ClientSecurity | None = None,
     ) -> None:
         super().__init__(
             address,
@@ -127,6 +131,7 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
             heartbeat=heartbeat,
             close_timeout_s=None,
             channel_options=channel_options,
+            security=security,
         )
         self.gossip_address = gossip_address
         #: The open step as last seen: the step the next reduce should carry.

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Generic, Self, TypeVar
 import grpc
 
 from paramserver.errors import ParamServerError, WorkerNotFound
+from paramserver.security import ClientSecurity, open_channel
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy, call_with_retry
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class ServiceSession(ABC, Generic[StubT]):
         close_timeout_s: Deadline (seconds) of the clean Leave sent by :meth:`close`; None: no
             bound beyond the retry policy's.
         channel_options: Extra grpc channel options.
+        security: TLS / mutual TLS and bearer token of the channel (see
+            :mod:`paramserver.security`); None: plain text, no token.
     """
 
     #: Prefix of the heartbeat task's name (the worker name follows).
@@ -66,8 +69,10 @@ class ServiceSession(ABC, Generic[StubT]):
         heartbeat: bool,
         close_timeout_s: float | None,
         channel_options: Sequence[tuple[str, Any]],
+        security: ClientSecurity | None = None,
     ) -> None:
         self.address = address
+        self.security = security
         self.worker_name = worker_name
         self.replace = replace
         self.rpc_timeout_s = rpc_timeout_s
@@ -127,7 +132,7 @@ class ServiceSession(ABC, Generic[StubT]):
 
     async def open(self) -> None:
         """Open the channel, register, and start heartbeats."""
-        self._channel = grpc.aio.insecure_channel(self.address, options=self._open_options())
+        self._channel = open_channel(self.address, self.security, self._open_options())
         self._stub = self._new_stub(self._channel)
         try:
             await self.register()
