@@ -1,7 +1,9 @@
 """The server shard daemon: ``paramserver serve``, plus an in-process server for tests and demos.
 
-``ParameterServerDaemon`` binds a grpc.aio server with the parameter-server servicer and the
-standard gRPC health service (``grpc.health.v1``); :func:`run_daemon` adds signal handling:
+``ParameterServerDaemon`` binds a grpc.aio server with the parameter-server servicer, the
+standard gRPC health service (``grpc.health.v1``: SERVING while up, NOT_SERVING from the start of
+a graceful shutdown, before the server stops) and server reflection
+(``grpc.reflection.v1alpha``); :func:`run_daemon` adds signal handling:
 SIGTERM/SIGINT stop accepting calls at once, finish what is in flight within ``grace_s``, write
 a final checkpoint when a checkpoint directory is configured, and exit.
 """
@@ -26,11 +28,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import InvalidArgument, ParamServerError, Unavailable
+from paramserver.security import (
+    ServerSecurity,
+    add_client_security_flags,
+    add_server_security_flags,
+    bind,
+    client_security_from_args,
+    open_channel,
+)
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
 from paramserver.server.cut import shard_map_of
 from paramserver.server.engine import ServerEngine
-from paramserver.server.metrics import MetricsServer, metrics_for
+from paramserver.server.metrics import MetricsServer, enable_reflection, metrics_for
 from paramserver.server.reduction import SERVICE_NAME as REDUCTION_SERVICE_NAME
 from paramserver.server.reduction import ReductionEngine, add_reduction_service
 from paramserver.server.reshard import prepare_checkpoint_dir
@@ -66,6 +76,10 @@ class ParameterServerDaemon:
         #: The shard map served by GetShardMap (set on start; tests may replace it).
         self.shard_map: ShardMap | None = None
         self.metrics: MetricsServer | None = None
+        #: The parameter-server servicer once started (mode "ps").
+        self.servicer: ParameterServerServicer | None = None
+        #: TLS / token settings from the config (None: plain text, no tokens; validated here).
+        self.security: ServerSecurity | None = ServerSecurity.of_config(config)
 
     @property
     def address(self) -> str:
@@ -82,6 +96,8 @@ class ParameterServerDaemon:
         prepare_checkpoint_dir(self.config)  # restore-time resharding; refuse foreign shards
         self._recover(engine)
         interceptors, self.metrics = metrics_for(engine)
+        if self.security is not None:  # authentication first: a refused call reaches nothing
+            interceptors = [*self.security.interceptors(), *interceptors]
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -89,10 +105,12 @@ class ParameterServerDaemon:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(engine, self), server)
+        self.servicer = ParameterServerServicer(engine, self)
+        pb_grpc.add_ParameterServerServicer_to_server(self.servicer, server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = _bind(server, self.config.host, self.config.port)
+        enable_reflection(server, SERVICE_NAME)
+        self.port = _bind(server, self.config.host, self.config.port, self.security)
         await server.start()
         self._server = server
         self.shard_map = shard_map_of(self.config, self.address)
@@ -119,15 +137,17 @@ class ParameterServerDaemon:
     async def _start_reduction(self) -> None:
         """Mode ``reduce``: the reduction service (no parameters, no checkpoints) and health."""
         server = grpc.aio.server(
+            interceptors=self.security.interceptors() if self.security is not None else None,
             options=[
                 ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         reduction = add_reduction_service(server, self.config)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.port = _bind(server, self.config.host, self.config.port)
+        enable_reflection(server, REDUCTION_SERVICE_NAME)
+        self.port = _bind(server, self.config.host, self.config.port, self.security)
         await server.start()
         self._server = server
         self.reduction = reduction
@@ -206,13 +226,18 @@ class ParameterServerDaemon:
             return None
         async with self._checkpoint_lock:
             engine = self.engine
-            wal_sequence = engine.wal.rotate() if engine.wal is not None else 0
-            snap = self.checkpoints.snapshot(engine.core, wal_sequence=wal_sequence)
+            t0 = time.monotonic()
+            # Pushes applied in worker threads: wait for them and hold new ones back while the
+            # snapshot is taken (no await inside), so values match counters and dedup state.
+            async with engine.offload.quiesced():
+                wal_sequence = engine.wal.rotate() if engine.wal is not None else 0
+                snap = self.checkpoints.snapshot(engine.core, wal_sequence=wal_sequence)
             path = await asyncio.get_running_loop().run_in_executor(
                 None, self.checkpoints.write, snap
             )
             if engine.wal is not None:
                 engine.wal.truncate_through(wal_sequence)
+            engine.obs.checkpoint_written(time.monotonic() - t0)
             return path
 
     async def _checkpoint_timer(self) -> None:
@@ -234,6 +259,8 @@ class ParameterServerDaemon:
             self._timer = None
         if self.engine is not None:
             self.engine.begin_shutdown()
+        if self.servicer is not None:  # idle Session streams end now, not after the grace
+            self.servicer.sessions.begin_shutdown()
         if self.reduction is not None:
             self.reduction.begin_shutdown()
         if self._health is not None:
@@ -301,8 +328,13 @@ async def run_daemon(config: ServerConfig, *, port_file: str | None = None) -> N
     logger.info("stopped (%d tasks pending)", len(pending))
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind ``host:port``; a port in use or a host not on this machine is a clear error."""
+def _bind(
+    server: grpc.aio.Server, host: str, port: int, security: ServerSecurity | None = None
+) -> int:
+    """Bind ``host:port`` (TLS when ``security`` says so); a port in use or a host not on this
+    machine is a clear error."""
+    if security is not None and security.tls:
+        return bind(server, f"{host}:{port}", security)
     try:
         bound = int(server.add_insecure_port(f"{host}:{port}"))
     except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind to address ...")
@@ -371,9 +403,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "shard_map_epoch": args.shard_map_epoch,
         "restore_from": args.restore_from,
         "metrics_port": args.metrics_port,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_ca": args.tls_ca,
+        "auth_tokens": args.auth_tokens,
+        "shared_memory": False if args.no_shared_memory else None,
     }
     try:
         config = ServerConfig.from_sources(cli, os.environ)
+        ServerSecurity.of_config(config)  # unreadable certificates or token file: fail here
     except ParamServerError as exc:
         print(f"paramserver serve: {exc}", file=sys.stderr)
         return 2
@@ -382,30 +420,41 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from google.protobuf.json_format import MessageToDict
-
     from paramserver.api.v1 import parameter_server_pb2 as pb
+    from paramserver.server.status_view import render_status, status_to_dict
 
-    async def fetch() -> dict[str, Any]:
-        async with grpc.aio.insecure_channel(args.server) as channel:
+    address = args.server or args.address
+    if not address:
+        print(
+            "paramserver status: give the server as ADDRESS or --server HOST:PORT", file=sys.stderr
+        )
+        return 2
+    security = client_security_from_args(args, os.environ)
+
+    async def fetch() -> Any:
+        async with open_channel(address, security) as channel:
             stub = pb_grpc.ParameterServerStub(channel)
-            resp = await stub.Status(pb.StatusRequest(), timeout=args.timeout_s)
-        return dict(MessageToDict(resp, preserving_proto_field_name=True))
+            return await stub.Status(pb.StatusRequest(), timeout=args.timeout_s)
 
     try:
-        status = run_loop(fetch(), use_uvloop=False)
+        resp = run_loop(fetch(), use_uvloop=False)
     except grpc.aio.AioRpcError as err:
         print(f"paramserver status: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
-    print(json.dumps(status, indent=2, sort_keys=True))
+    if args.json:
+        print(json.dumps(status_to_dict(resp), indent=2, sort_keys=True))
+    else:
+        print(render_status(resp, address), end="")
     return 0
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
     from paramserver.api.v1 import parameter_server_pb2 as pb
 
+    security = client_security_from_args(args, os.environ)
+
     async def ask() -> Any:
-        async with grpc.aio.insecure_channel(args.server) as channel:
+        async with open_channel(args.server, security) as channel:
             stub = pb_grpc.ParameterServerStub(channel)
             return await stub.Checkpoint(pb.CheckpointRequest(), timeout=args.timeout_s)
 
@@ -424,13 +473,19 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 
 def add_subcommands(sub: Any) -> None:
     """Register ``serve`` and ``status`` on the ``paramserver`` command line."""
-    st = sub.add_parser("status", help="print a server's status as JSON")
-    st.add_argument("--server", required=True, help="HOST:PORT")
+    st = sub.add_parser(
+        "status", help="print a server's workers, clocks, stragglers and keys (table or JSON)"
+    )
+    st.add_argument("address", nargs="?", help="HOST:PORT of the server (or use --server)")
+    st.add_argument("--server", help="HOST:PORT (same as ADDRESS)")
+    st.add_argument("--json", action="store_true", help="machine-readable JSON instead of tables")
     st.add_argument("--timeout-s", type=float, default=10.0)
+    add_client_security_flags(st)
     st.set_defaults(func=_cmd_status)
     ck = sub.add_parser("checkpoint", help="ask a server to write a checkpoint now")
     ck.add_argument("--server", required=True, help="HOST:PORT")
     ck.add_argument("--timeout-s", type=float, default=300.0)
+    add_client_security_flags(ck)
     ck.set_defaults(func=_cmd_checkpoint)
 
     p = sub.add_parser(
@@ -464,6 +519,12 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--no-wal-fsync", action="store_true", help="skip fsync (not power-safe)")
     p.add_argument("--grace-s", type=float, help="graceful shutdown period (default 5 s)")
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
+    p.add_argument(
+        "--no-shared-memory",
+        action="store_true",
+        help="decline same-host workers' shared-memory segments: tensor bytes go over the "
+        "network (PARAMSERVER_SHARED_MEMORY=0)",
+    )
     p.add_argument("--port-file", help="write the bound port to this file once serving")
     g = p.add_argument_group("sharded cluster and metrics")
     g.add_argument("--shard-index", type=int, help="this shard's index in --shard-addresses")
@@ -479,6 +540,7 @@ def add_subcommands(sub: Any) -> None:
         "--checkpoint-dir starts from this shard's part of their newest common cut",
     )
     g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    add_server_security_flags(p)
     r = p.add_argument_group("reduction server (--mode reduce)")
     r.add_argument(
         "--mode",

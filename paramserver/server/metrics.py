@@ -8,7 +8,16 @@ Two sources, one private :class:`prometheus_client.CollectorRegistry` per daemon
   Pull, which the server sends once the wait admitted it).
 * :class:`CoreCollector`, read at scrape time from the shard's state: applied / duplicate /
   rejected / dropped pushes, live workers, minimum clock, BSP step, keys, stored bytes, pushes in
-  flight, and the shard's place in the cluster.
+  flight, and the shard's place in the cluster; and from the engine's
+  :class:`~paramserver.server.observe.ShardObservations`: dropped updates by reason, the
+  staleness of applied gradients (histograms in clocks and in versions), BSP barrier wait and
+  lag per worker (the straggler ranking), stored bytes per key, checkpoint duration and age.
+* :class:`PromServingHooks`, installed on the engine: pushes and pulls counted at the
+  servicer's shared seams (so the Session RPC counts too), their bytes and latencies per RPC,
+  and bytes pushed / pulled per key.
+
+Label cardinality: per-key series are bounded by :data:`MAX_KEY_LABELS` (later keys share the
+label ``key="_other"``) and per-worker series by ``ShardObservations.max_workers`` names.
 
 The exposition endpoint is a tiny HTTP/1.0 server on the daemon's own event loop
 (:class:`MetricsServer`), so a scrape reads the state between two events, never half-way through
@@ -22,20 +31,58 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
+from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from paramserver.server.engine import ServerEngine
+from paramserver.server.observe import CURRENT_RPC, BucketCounts, ServingHooks
 
 logger = logging.getLogger(__name__)
 
 _WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+_BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(11))  # 1 KiB .. 1 GiB
+
+#: Keys that get their own ``key`` label; later ones are summed under ``key="_other"``.
+MAX_KEY_LABELS = 256
+
+
+def enable_reflection(server: grpc.aio.Server, *service_names: str) -> None:
+    """Serve the standard gRPC server reflection service (``grpc.reflection.v1alpha``) listing
+    ``service_names``, the health service and itself (``grpcurl``, ``grpc_cli`` use it)."""
+    from grpc_health.v1 import health
+
+    reflection.enable_server_reflection(
+        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+
+
+class _KeyLabels:
+    """Maps keys to bounded label values (first :data:`MAX_KEY_LABELS` keys, then _other)."""
+
+    def __init__(self, limit: int = MAX_KEY_LABELS) -> None:
+        self.limit = limit
+        self.known: set[str] = set()
+
+    def __call__(self, key: str) -> str:
+        if key in self.known:
+            return key
+        if len(self.known) < self.limit:
+            self.known.add(key)
+            return key
+        return "_other"
 
 
 class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -101,6 +148,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         async def call(request: Any, context: Any) -> Any:
             t0 = time.perf_counter()
             outcome = "error"
+            CURRENT_RPC.set(method)
             try:
                 result = await behaviour(request, context)
                 outcome = "ok"
@@ -121,6 +169,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             t0 = time.perf_counter()
             outcome = "error"
             first = True
+            CURRENT_RPC.set(method)
             try:
                 async for item in behaviour(request, context):
                     if first and method == "Pull":
@@ -187,6 +236,179 @@ class CoreCollector(Collector):
             "paramserver_inflight_pushes", "Pushes being received", self.engine.backpressure.total
         )
         yield gauge("paramserver_shards", "Shards in the cluster", cfg.num_shards)
+        yield from self._observations(labels)
+
+    def _observations(self, labels: dict[str, str]) -> Iterator[Metric]:
+        engine = self.engine
+        obs = engine.obs
+        names = list(labels)
+        values = list(labels.values())
+        dropped = CounterMetricFamily(
+            "paramserver_dropped_updates",
+            "Pushes (or queued BSP gradients) not applied, by reason: duplicate, stale "
+            "(ASP max_staleness), stale_step, non_finite, invalid, unknown_key, aborted_step, "
+            "rejected",
+            labels=[*names, "reason"],
+        )
+        for reason, n in obs.dropped_by_reason.items():
+            dropped.add_metric([*values, reason], n)
+        yield dropped
+        yield _histogram(
+            "paramserver_update_staleness_clocks",
+            "Staleness of applied gradients in clocks: highest clock applied before it minus "
+            "the gradient's clock, floored at 0 (Ho et al. 2013; <= s under SSP, 0 under BSP)",
+            labels,
+            obs.staleness_clocks,
+        )
+        yield _histogram(
+            "paramserver_update_staleness_versions",
+            "Staleness of applied gradients in versions: applied updates at application minus "
+            "the pushed base_version (pushes that carry one)",
+            labels,
+            obs.staleness_versions,
+        )
+        wait = CounterMetricFamily(
+            "paramserver_bsp_barrier_wait_seconds",
+            "BSP: seconds from the worker's clock() to each step's close, summed (fast workers "
+            "wait long)",
+            labels=[*names, "worker"],
+        )
+        lag = CounterMetricFamily(
+            "paramserver_bsp_barrier_lag_seconds",
+            "BSP: seconds after each step's first clock() that the worker clocked, summed (the "
+            "time the fastest worker waited on it; the highest is the worst straggler)",
+            labels=[*names, "worker"],
+        )
+        steps = CounterMetricFamily(
+            "paramserver_bsp_barrier_steps",
+            "BSP steps counted in the barrier wait and lag of the worker",
+            labels=[*names, "worker"],
+        )
+        for name, totals in obs.barrier.items():
+            wait.add_metric([*values, name], totals.wait_s)
+            lag.add_metric([*values, name], totals.lag_s)
+            steps.add_metric([*values, name], totals.steps)
+        yield wait
+        yield lag
+        yield steps
+        per_key = GaugeMetricFamily(
+            "paramserver_key_stored_bytes",
+            f"Bytes of each stored tensor (first {MAX_KEY_LABELS} keys; the rest as _other)",
+            labels=[*names, "key"],
+        )
+        sizes: dict[str, int] = {}
+        key_label = _KeyLabels()
+        for key in list(engine.core.store.keys()):
+            label = key_label(key)
+            sizes[label] = sizes.get(label, 0) + int(engine.core.store.get(key).value.nbytes)
+        for label, nbytes in sizes.items():
+            per_key.add_metric([*values, label], nbytes)
+        yield per_key
+        yield _histogram(
+            "paramserver_checkpoint_duration_seconds",
+            "Checkpoint time in seconds (snapshot + write + commit)",
+            labels,
+            obs.checkpoint_seconds,
+        )
+        if obs.last_checkpoint_unix_s is not None:
+            age = GaugeMetricFamily(
+                "paramserver_checkpoint_age_seconds",
+                "Seconds since the newest checkpoint committed",
+                labels=names,
+            )
+            age.add_metric(values, max(0.0, time.time() - obs.last_checkpoint_unix_s))
+            yield age
+            stamp = GaugeMetricFamily(
+                "paramserver_last_checkpoint_timestamp_seconds",
+                "Unix time the newest checkpoint committed",
+                labels=names,
+            )
+            stamp.add_metric(values, obs.last_checkpoint_unix_s)
+            yield stamp
+
+
+def _histogram(
+    name: str, doc: str, labels: dict[str, str], buckets: BucketCounts
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), buckets.cumulative(), sum_value=buckets.total)
+    return family
+
+
+class PromServingHooks(ServingHooks):
+    """Prometheus series for the servicer's push/pull seams (every transport shares them).
+
+    ``rpc`` is the gRPC method that carried the call (``Push``, ``Pull``, ``Session``...).
+    """
+
+    enabled = True
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.push_bytes = Histogram(
+            "paramserver_push_bytes",
+            "Tensor bytes per push (count: pushes, sum: bytes), by RPC and outcome",
+            ["rpc", "outcome"],
+            registry=registry,
+            buckets=_BYTES_BUCKETS,
+        )
+        self.push_seconds = Histogram(
+            "paramserver_push_apply_seconds",
+            "Seconds to apply (or queue) a decoded push, WAL commit included, by RPC",
+            ["rpc", "outcome"],
+            registry=registry,
+            buckets=_WAIT_BUCKETS,
+        )
+        self.pulls = Counter(
+            "paramserver_pulls",
+            "Pulls admitted by the consistency model (or refused), by RPC and outcome",
+            ["rpc", "outcome"],
+            registry=registry,
+        )
+        self.pull_admit = Histogram(
+            "paramserver_pull_admit_seconds",
+            "Seconds a pull waited for the consistency model, by RPC",
+            ["rpc"],
+            registry=registry,
+            buckets=_WAIT_BUCKETS,
+        )
+        self.pull_bytes = Counter(
+            "paramserver_pull_bytes",
+            "Tensor bytes snapshotted for pulls, by RPC",
+            ["rpc"],
+            registry=registry,
+        )
+        self.key_pushed = Counter(
+            "paramserver_key_pushed_bytes",
+            f"Gradient bytes pushed per key (first {MAX_KEY_LABELS} keys; the rest as _other)",
+            ["key"],
+            registry=registry,
+        )
+        self.key_pulled = Counter(
+            "paramserver_key_pulled_bytes",
+            f"Bytes pulled per key (first {MAX_KEY_LABELS} keys; the rest as _other)",
+            ["key"],
+            registry=registry,
+        )
+        self._key_label = _KeyLabels()
+
+    def pushed(self, rpc: str, grads: Mapping[str, np.ndarray], seconds: float, ok: bool) -> None:
+        outcome = "ok" if ok else "error"
+        total = 0
+        for key, grad in grads.items():
+            nbytes = int(grad.nbytes)
+            total += nbytes
+            if ok:
+                self.key_pushed.labels(self._key_label(key)).inc(nbytes)
+        self.push_bytes.labels(rpc, outcome).observe(total)
+        self.push_seconds.labels(rpc, outcome).observe(seconds)
+
+    def pull_admitted(self, rpc: str, keys: Sequence[str], seconds: float, ok: bool) -> None:
+        self.pulls.labels(rpc, "ok" if ok else "error").inc()
+        self.pull_admit.labels(rpc).observe(seconds)
+
+    def pulled(self, rpc: str, key: str, nbytes: int) -> None:
+        self.pull_bytes.labels(rpc).inc(nbytes)
+        self.key_pulled.labels(self._key_label(key)).inc(nbytes)
 
 
 class MetricsServer:
@@ -251,9 +473,11 @@ class MetricsServer:
 
 
 def new_registry(engine: ServerEngine) -> tuple[CollectorRegistry, RpcMetrics]:
-    """A private registry with the shard's state collector and an RPC interceptor."""
+    """A private registry with the shard's state collector and an RPC interceptor; installs
+    the Prometheus push/pull hooks on ``engine``."""
     registry = CollectorRegistry()
     registry.register(CoreCollector(engine))
+    engine.hooks = PromServingHooks(registry)
     return registry, RpcMetrics(registry)
 
 

@@ -52,7 +52,7 @@ def test_status_cli_prints_json(tmp_path: Path) -> None:
         with connect_sync(server.address, "w0") as ps:
             ps.init({"k": np.zeros(2)}, UpdateRule("add"))
             out = subprocess.run(
-                [sys.executable, "-m", "paramserver", "status", "--server", server.address],
+                [sys.executable, "-m", "paramserver", "status", "--json", server.address],
                 capture_output=True,
                 text=True,
                 timeout=30,
@@ -65,6 +65,12 @@ def test_status_cli_prints_json(tmp_path: Path) -> None:
     assert status["view"]["staleness"] == 3
     assert status["keys"][0]["key"] == "k"
     assert status["workers"][0]["worker_name"] == "w0"
+    # Zero/false fields are printed, and 64-bit integers are JSON numbers (not strings).
+    assert status["applied_updates"] == 0
+    assert status["keys"][0]["shape"] == [2]
+    assert status["keys"][0]["size_bytes"] == 16
+    assert status["workers"][0]["clock"] == 0
+    assert status["dropped_updates"]["duplicate"] == 0
 
 
 def test_bad_configuration_exits_2_with_a_clear_message() -> None:

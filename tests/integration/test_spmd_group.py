@@ -539,6 +539,8 @@ def test_rank_server_cli_ephemeral_port_and_clean_shutdown(tmp_path: Path) -> No
     env = dict(os.environ, PARAMSERVER_SPMD_HOST_BLOCKS="8")
     proc = subprocess.Popen(
         [
+            sys.executable,
+            "-m",
             "paramserver",
             "rank-server",
             "--instance-id",
@@ -596,7 +598,16 @@ def test_rank_server_cli_ephemeral_port_and_clean_shutdown(tmp_path: Path) -> No
 @pytest.mark.timeout(90)
 def test_spmd_demo_command_verifies_every_byte() -> None:
     out = subprocess.run(
-        ["paramserver", "--log-level", "WARNING", "spmd-demo", "--blocks", "16"],
+        [
+            sys.executable,
+            "-m",
+            "paramserver",
+            "--log-level",
+            "WARNING",
+            "spmd-demo",
+            "--blocks",
+            "16",
+        ],
         capture_output=True,
         text=True,
         timeout=90,

@@ -42,7 +42,7 @@ def run(loop: str, body: Callable[[], Awaitable[Any]]) -> Any:
 def demo(*args: str, env: dict[str, str] | None = None, timeout_s: float = 90) -> Any:
     """Run ``paramserver spmd-demo`` as a subprocess; the CompletedProcess."""
     return subprocess.run(
-        ["paramserver", "--log-level", "WARNING", "spmd-demo", *args],
+        [sys.executable, "-m", "paramserver", "--log-level", "WARNING", "spmd-demo", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -147,7 +147,16 @@ def test_demo_waits_for_rank_servers_that_start_later(tmp_path: Path) -> None:
     ports = free_ports(4)
     a = [f"127.0.0.1:{p}" for p in ports[:2]]
     b = [f"127.0.0.1:{p}" for p in ports[2:]]
-    cmd = ["paramserver", "--log-level", "WARNING", "spmd-demo", "--blocks", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "paramserver",
+        "--log-level",
+        "WARNING",
+        "spmd-demo",
+        "--blocks",
+        "4",
+    ]
     cmd += ["--instance-a", ",".join(a), "--instance-b", ",".join(b), "--wait-s", "60"]
     proc = subprocess.Popen(
         cmd,
@@ -206,7 +215,16 @@ def test_health_command_without_allow_unimplemented(cluster: RankServerCluster) 
             assert out.returncode == 0, out.stdout + out.stderr
             assert out.stdout.strip() == f"{address}: SERVING"
     out = subprocess.run(
-        ["paramserver", "health", "--server", cluster.addresses("A")[0], "--service", "nope"],
+        [
+            sys.executable,
+            "-m",
+            "paramserver",
+            "health",
+            "--server",
+            cluster.addresses("A")[0],
+            "--service",
+            "nope",
+        ],
         capture_output=True,
         text=True,
         timeout=30,

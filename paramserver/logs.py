@@ -1,0 +1,104 @@
+"""Logging setup for the command-line entry points (only entry points configure handlers).
+
+``--log-format text`` (the default) prints ``time level logger: message`` lines;
+``--log-format json`` prints one JSON object per line with ``time`` (UTC, ISO 8601 with
+milliseconds), ``level``, ``logger``, ``message``, ``exception`` (when one is logged) and every
+field passed with ``extra={...}``, for log shippers (Loki, Elasticsearch, Cloud Logging).
+
+Precedence: the flag, then ``PARAMSERVER_LOG_FORMAT``, then ``text``. A format given as a flag
+is put back into the process environment so that the processes a command starts (the demo's
+server and workers, the launcher's rank servers) log the same way.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from paramserver.errors import InvalidArgument
+
+__all__ = ["LOG_FORMATS", "LOG_FORMAT_ENV", "JsonFormatter", "configure_logging"]
+
+LOG_FORMAT_ENV = "PARAMSERVER_LOG_FORMAT"
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+#: Attributes every LogRecord has; anything else on a record came from ``extra=``.
+_STANDARD = frozenset(
+    logging.LogRecord("", 0, "", 0, "", (), None).__dict__.keys() | {"message", "asctime"}
+)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, message, exception, extra fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": _dt.datetime.fromtimestamp(record.created, _dt.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        for name, value in record.__dict__.items():
+            if name not in _STANDARD and name not in out:
+                out[name] = value
+        return json.dumps(out, default=repr, ensure_ascii=False)
+
+
+def resolve_log_format(flag: str | None, env: Mapping[str, str]) -> str:
+    """The log format: ``flag``, then ``PARAMSERVER_LOG_FORMAT`` in ``env``, then ``text``.
+
+    Raises:
+        InvalidArgument: not one of ``text`` / ``json`` (INVALID_ARGUMENT).
+    """
+    value = flag if flag is not None else env.get(LOG_FORMAT_ENV) or "text"
+    value = value.strip().lower()
+    if value not in LOG_FORMATS:
+        raise InvalidArgument(
+            f"log format must be one of {', '.join(LOG_FORMATS)}, got {value!r} "
+            f"(--log-format or {LOG_FORMAT_ENV})"
+        )
+    return value
+
+
+def configure_logging(
+    level: str,
+    log_format: str | None = None,
+    *,
+    env: MutableMapping[str, str] | None = None,
+) -> str:
+    """Install one stderr handler on the root logger in the chosen format.
+
+    Args:
+        level: Level name (DEBUG, INFO, ...); an unknown name means INFO.
+        log_format: ``text`` or ``json``; None reads ``PARAMSERVER_LOG_FORMAT``.
+        env: Environment to read and to export the format into (default ``os.environ``).
+
+    Returns:
+        The format used.
+
+    Raises:
+        InvalidArgument: unknown format (INVALID_ARGUMENT).
+    """
+    environ = os.environ if env is None else env
+    fmt = resolve_log_format(log_format, environ)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(
+        level=getattr(logging, str(level).upper(), logging.INFO),
+        handlers=[handler],
+    )
+    if log_format is not None:
+        environ[LOG_FORMAT_ENV] = fmt  # children started by this command log the same way
+    return fmt
