@@ -23,14 +23,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from paramserver.errors import WaitTimeout
+from paramserver.security import (
+    ClientSecurity,
+    add_client_security_flags,
+    client_security_from_args,
+)
 from paramserver.server.optimizers import UpdateRule
 from paramserver.worker_client.client import WorkerClient, connect
 from paramserver.worker_client.compression import Cast, Compression, TopK
@@ -125,6 +130,64 @@ def accuracy(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> flo
     return float((logits.argmax(axis=1) == y).mean())
 
 
+class DigitsModel(Protocol):
+    """What the digits loop needs of a model: parameters by key, gradients, accuracy.
+
+    ``x`` is float64 (n, 64) standardised pixels, ``y`` int64 (n,) labels in [0, 10).
+    """
+
+    def initial_params(self) -> dict[str, np.ndarray]: ...
+
+    def loss_and_grads(
+        self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray
+    ) -> tuple[float, dict[str, np.ndarray]]: ...
+
+    def accuracy(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float: ...
+
+
+@dataclass(frozen=True)
+class NumpyMLP:
+    """The numpy MLP above (keys ``layer{i}/weight`` (in, out) and ``layer{i}/bias``)."""
+
+    hidden: int
+    seed: int = 0
+
+    def initial_params(self) -> dict[str, np.ndarray]:
+        return init_params(self.hidden, self.seed)
+
+    def loss_and_grads(
+        self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray
+    ) -> tuple[float, dict[str, np.ndarray]]:
+        return loss_and_grads(dict(params), x, y)
+
+    def accuracy(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
+        return accuracy(dict(params), x, y)
+
+
+FRAMEWORKS = ("numpy", "torch")
+
+
+def digits_model(framework: str, hidden: int, seed: int = 0) -> DigitsModel:
+    """The digits model of ``framework``: ``numpy`` (:class:`NumpyMLP`) or ``torch``
+    (:class:`~paramserver.worker_client.torch_training.TorchMLP`, one torch thread).
+
+    Raises:
+        ValueError: an unknown framework.
+        SystemExit: ``torch`` without PyTorch installed (``pip install 'paramserver[torch]'``).
+    """
+    if framework == "numpy":
+        return NumpyMLP(hidden, seed)
+    if framework == "torch":
+        try:
+            from paramserver.worker_client.torch_training import TorchMLP
+        except ImportError as exc:
+            raise SystemExit(
+                f"--framework torch needs PyTorch: pip install 'paramserver[torch]' ({exc})"
+            ) from None
+        return TorchMLP(hidden, seed, threads=1)
+    raise ValueError(f"unknown framework {framework!r}; expected one of {', '.join(FRAMEWORKS)}")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One worker's training job (digits)."""
@@ -143,6 +206,9 @@ class TrainConfig:
     start_timeout_s: float = 60.0
     compression: str = "none"
     topk_ratio: float = 0.1
+    framework: str = "numpy"
+    #: TLS / token of the worker's channels (:class:`paramserver.security.ClientSecurity`).
+    security: ClientSecurity | None = None
 
 
 def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[str, Compression]:
@@ -184,25 +250,35 @@ def _emit(event: dict[str, Any]) -> None:
 
 
 async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
-    """Train on slice ``worker_index::num_workers``; emits one JSON line per epoch on stdout.
+    """Train on slice ``worker_index::num_workers``; emits JSON lines on stdout: a ``start``
+    event once every worker is registered (with the initial test accuracy when evaluating), one
+    ``epoch`` event per epoch (``train_elapsed_s``: seconds since ``start``), and ``done``.
 
     Returns:
         The final summary: ``{"event": "done", "worker": i, "test_accuracy": a, ...}``.
     """
     data = load_digits_split(cfg.seed)
+    model = digits_model(cfg.framework, cfg.hidden, cfg.seed)
     mine = np.arange(cfg.worker_index, len(data.y_train), cfg.num_workers)
     steps = max(1, (len(data.y_train) // cfg.num_workers) // cfg.batch_size)
     rule = UpdateRule("sgd", lr=cfg.lr, momentum=cfg.momentum)
     t0 = time.monotonic()
-    schemes = compression_schemes(
-        cfg.compression, sorted(init_params(cfg.hidden, cfg.seed)), cfg.topk_ratio
-    )
+    initial = model.initial_params()
+    schemes = compression_schemes(cfg.compression, sorted(initial), cfg.topk_ratio)
     async with connect(
-        cfg.server, worker_name=f"worker-{cfg.worker_index}", compression=schemes
+        cfg.server,
+        worker_name=f"worker-{cfg.worker_index}",
+        compression=schemes,
+        security=cfg.security,
     ) as ps:
-        params = await ps.init(init_params(cfg.hidden, cfg.seed), rule=rule)
+        params = await ps.init(initial, rule=rule)
         keys = sorted(params)
         await wait_for_workers(ps, cfg.num_workers, cfg.start_timeout_s)
+        t_train = time.monotonic()
+        start: dict[str, Any] = {"event": "start", "worker": cfg.worker_index}
+        if cfg.evaluate:
+            start["test_accuracy"] = model.accuracy(params, data.x_test, data.y_test)
+        _emit(start)
         acc = float("nan")
         for epoch in range(cfg.epochs):
             rng = np.random.default_rng([cfg.seed, epoch, cfg.worker_index])
@@ -212,7 +288,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
                 params = await ps.pull(keys)
                 t_step = time.monotonic()
                 idx = order[(step * cfg.batch_size) % len(order) :][: cfg.batch_size]
-                loss, grads = loss_and_grads(params, data.x_train[idx], data.y_train[idx])
+                loss, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
                 if cfg.slow_factor > 1.0:
                     await asyncio.sleep(
                         (time.monotonic() - t_step) * (cfg.slow_factor - 1.0)
@@ -231,11 +307,12 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
             }
             if cfg.evaluate:
                 params = await ps.pull(keys)
-                acc = accuracy(params, data.x_test, data.y_test)
+                acc = model.accuracy(params, data.x_test, data.y_test)
                 event["test_accuracy"] = acc
+            event["train_elapsed_s"] = round(time.monotonic() - t_train, 4)
             _emit(event)
         params = await ps.pull(keys)  # waits for the last step, so our update is in
-        acc = accuracy(params, data.x_test, data.y_test)
+        acc = model.accuracy(params, data.x_test, data.y_test)
     summary = {
         "event": "done",
         "worker": cfg.worker_index,
@@ -265,6 +342,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         slow_factor=args.slow_factor,
         compression=args.compression,
         topk_ratio=args.topk_ratio,
+        framework=args.framework,
+        security=client_security_from_args(args, os.environ),
     )
     if cfg.num_workers < 1 or not 0 <= cfg.worker_index < cfg.num_workers:
         print(
@@ -316,7 +395,79 @@ def _wait_for_file(path: Path, proc: subprocess.Popen[Any], timeout_s: float) ->
     raise SystemExit(f"server did not report its port within {timeout_s} s")
 
 
+CONSISTENCY_MODELS = ("bsp", "ssp", "asp")
+
+
+def consistency_list(text: str) -> list[str]:
+    """``--consistency`` value: one model or a comma-separated list (``bsp,ssp,asp``).
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown or repeated model.
+    """
+    names = [n.strip().lower() for n in text.split(",")]
+    bad = [n for n in names if n not in CONSISTENCY_MODELS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown consistency model(s) {', '.join(map(repr, bad))} in {text!r}; "
+            f"expected a comma-separated list of {', '.join(CONSISTENCY_MODELS)}"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"consistency model repeated in {text!r}")
+    return names
+
+
+def _model_label(consistency: str, staleness: int) -> str:
+    return f"ssp (s={staleness})" if consistency == "ssp" else consistency
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        from paramserver.worker_client.plot import require_matplotlib
+
+        require_matplotlib()  # before minutes of training, not after
+    curves: dict[str, list[tuple[float, float]]] = {}
+    finals: dict[str, float] = {}
+    rc = 0
+    for consistency in args.consistency:
+        code, curve, final = _demo_run(args, consistency)
+        label = _model_label(consistency, args.staleness)
+        curves[label] = curve
+        finals[label] = final
+        rc = rc or code
+    if len(args.consistency) > 1:
+        print(
+            "summary: "
+            + ", ".join(f"{label} {acc:.4f}" for label, acc in finals.items())
+            + f" (bar {args.min_accuracy:.2f}): {'OK' if rc == 0 else 'FAILED'}",
+            flush=True,
+        )
+    if args.plot is not None:
+        from paramserver.worker_client.plot import plot_accuracy_curves
+
+        for label in [label for label, points in curves.items() if not points]:
+            print(f"plot: no accuracy reports from the {label} run; left out", file=sys.stderr)
+            del curves[label]
+        if not curves:
+            print("plot: nothing to plot, no file written", file=sys.stderr)
+            return rc or 1
+        path = plot_accuracy_curves(
+            curves,
+            args.plot,
+            title=(
+                f"paramserver demo: {args.workers} {args.framework} workers, digits, "
+                f"{args.epochs} epochs"
+            ),
+            bar=args.min_accuracy,
+        )
+        print(f"plot: {path} ({len(curves)} curves: {', '.join(curves)})", flush=True)
+    return rc
+
+
+def _demo_run(
+    args: argparse.Namespace, consistency: str
+) -> tuple[int, list[tuple[float, float]], float]:
+    """One local cluster under ``consistency``; returns (exit code, worker 0's
+    (seconds since start, test accuracy) points, final test accuracy)."""
     py = sys.executable
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -329,7 +480,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             "WARNING",
             "serve",
             "--consistency",
-            args.consistency,
+            consistency,
             "--staleness",
             str(args.staleness),
             "--aggregation",
@@ -347,9 +498,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             address = addresses[0]  # any shard: workers fetch the shard map from it
             where = address if args.shards == 1 else f"{args.shards} shards {','.join(addresses)}"
             print(
-                f"paramserver demo: server on {where} ({args.consistency}"
-                f"{f', staleness {args.staleness}' if args.consistency == 'ssp' else ''}), "
-                f"{args.workers} workers, {args.epochs} epochs on digits",
+                f"paramserver demo: server on {where} ({consistency}"
+                f"{f', staleness {args.staleness}' if consistency == 'ssp' else ''}), "
+                f"{args.workers} {args.framework} workers, {args.epochs} epochs on digits",
                 flush=True,
             )
             t0 = time.monotonic()
@@ -383,13 +534,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     args.compression,
                     "--topk-ratio",
                     str(args.topk_ratio),
+                    "--framework",
+                    args.framework,
                 ]
                 if i != 0:
                     cmd.append("--no-eval")
                 if args.no_uvloop:
                     cmd.append("--no-uvloop")
                 workers.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
-            rc = _follow(workers, args, t0)
+            rc, curve = _follow(workers, args, t0)
             accuracy_final = _final_accuracy(address, args)
             elapsed = time.monotonic() - t0
             ok = rc == 0 and accuracy_final >= args.min_accuracy
@@ -398,7 +551,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 f"{elapsed:.1f} s: {'OK' if ok else 'FAILED'}",
                 flush=True,
             )
-            return 0 if ok else 1
+            return (0 if ok else 1), curve, accuracy_final
         finally:
             for w in workers:
                 if w.poll() is None:
@@ -407,8 +560,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             stop_servers(servers)
 
 
-def _follow(workers: list[subprocess.Popen[str]], args: argparse.Namespace, t0: float) -> int:
-    """Print worker 0's per-epoch report as it arrives, with every worker's loss."""
+def _follow(
+    workers: list[subprocess.Popen[str]], args: argparse.Namespace, t0: float
+) -> tuple[int, list[tuple[float, float]]]:
+    """Print worker 0's per-epoch report as it arrives, with every worker's loss.
+
+    Returns:
+        The exit code (1 when a worker failed or the demo timed out) and worker 0's (seconds
+        since every worker registered, test accuracy) points: its ``start`` and ``epoch``
+        reports.
+    """
     import queue
     import threading
 
@@ -423,6 +584,7 @@ def _follow(workers: list[subprocess.Popen[str]], args: argparse.Namespace, t0: 
     for i, w in enumerate(workers):
         threading.Thread(target=pump, args=(i, w), daemon=True).start()
     losses: dict[int, dict[int, float]] = {}
+    curve: list[tuple[float, float]] = []
     open_streams = len(workers)
     deadline = time.monotonic() + args.timeout_s
     while open_streams:
@@ -430,7 +592,7 @@ def _follow(workers: list[subprocess.Popen[str]], args: argparse.Namespace, t0: 
             i, line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
         except queue.Empty:
             print(f"demo timed out after {args.timeout_s} s", file=sys.stderr)
-            return 1
+            return 1, curve
         if line is None:
             open_streams -= 1
             continue
@@ -439,6 +601,11 @@ def _follow(workers: list[subprocess.Popen[str]], args: argparse.Namespace, t0: 
         except json.JSONDecodeError:
             print(f"[worker {i}] {line.rstrip()}")
             continue
+        if i == 0 and "test_accuracy" in event:
+            if event.get("event") == "start":
+                curve.append((0.0, float(event["test_accuracy"])))
+            elif event.get("event") == "epoch" and "train_elapsed_s" in event:
+                curve.append((float(event["train_elapsed_s"]), float(event["test_accuracy"])))
         if event.get("event") == "epoch":
             losses.setdefault(event["epoch"], {})[i] = event["loss"]
             if i == 0:
@@ -456,7 +623,7 @@ def _follow(workers: list[subprocess.Popen[str]], args: argparse.Namespace, t0: 
         if code != 0:
             print(f"worker {i} exited with code {code}", file=sys.stderr)
             rc = 1
-    return rc
+    return rc, curve
 
 
 def _final_accuracy(address: str, args: argparse.Namespace) -> float:
@@ -466,7 +633,8 @@ def _final_accuracy(address: str, args: argparse.Namespace) -> float:
         async with connect(address, worker_name="demo-evaluator", heartbeat=False) as ps:
             params = await ps.pull(observer=True)
         data = load_digits_split(args.seed)
-        return accuracy(params, data.x_test, data.y_test)
+        model = digits_model(args.framework, args.hidden, args.seed)
+        return model.accuracy(params, data.x_test, data.y_test)
 
     return float(run_loop(read(), use_uvloop=not args.no_uvloop))
 
@@ -487,6 +655,13 @@ def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
         help="wire compression of pushed gradients (topk: with error feedback)",
     )
     p.add_argument("--topk-ratio", type=float, default=0.1, help="topk: fraction of entries sent")
+    p.add_argument(
+        "--framework",
+        choices=FRAMEWORKS,
+        default="numpy",
+        help="model implementation: numpy MLP, or a torch.nn MLP through paramserver."
+        "torch_adapter (needs paramserver[torch])",
+    )
 
 
 def add_subcommands(sub: Any) -> None:
@@ -498,13 +673,40 @@ def add_subcommands(sub: Any) -> None:
     w.add_argument("--no-eval", action="store_true", help="skip per-epoch test evaluation")
     w.add_argument("--slow-factor", type=float, default=1.0, help="straggler simulation: x slower")
     _add_training_flags(w, epochs=10)
+    add_client_security_flags(w)
     w.set_defaults(func=_cmd_worker)
 
     d = sub.add_parser(
         "demo", help="start a local cluster (1 server + N workers) training on digits"
     )
-    d.add_argument("--workers", type=int, default=4)
-    d.add_argument("--consistency", choices=["bsp", "ssp", "asp"], default="ssp")
+    _add_demo_flags(d, workers=4)
+    d.set_defaults(func=_cmd_demo)
+
+    t = sub.add_parser(
+        "torch-demo",
+        help="the demo with torch.nn workers (= demo --framework torch --workers 2)",
+    )
+    _add_demo_flags(t, workers=2)
+    t.set_defaults(func=_cmd_demo, framework="torch")
+
+
+def _add_demo_flags(d: argparse.ArgumentParser, *, workers: int) -> None:
+    d.add_argument("--workers", type=int, default=workers)
+    d.add_argument(
+        "--consistency",
+        type=consistency_list,
+        default=["ssp"],
+        metavar="MODEL[,MODEL...]",
+        help="bsp, ssp or asp; a comma-separated list (bsp,ssp,asp) runs the cluster once per "
+        "model, one after another (default ssp)",
+    )
+    d.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="write test accuracy against wall time, one curve per consistency model "
+        "(needs matplotlib: paramserver[plot])",
+    )
     d.add_argument("--staleness", type=int, default=2)
     d.add_argument("--aggregation", choices=["mean", "sum", "weighted_mean"], default="mean")
     d.add_argument("--lease-ms", type=int, default=10_000)
@@ -512,4 +714,3 @@ def add_subcommands(sub: Any) -> None:
     d.add_argument("--slice-bytes", type=int, help="slice tensors above this size over shards")
     d.add_argument("--timeout-s", type=float, default=600.0, help="give up after this long")
     _add_training_flags(d, epochs=10)
-    d.set_defaults(func=_cmd_demo)
