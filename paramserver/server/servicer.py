@@ -26,6 +26,7 @@ from paramserver.api.v1 import tensor_pb2
 from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.errors import (
     ERROR_CLASS_METADATA_KEY,
+    DimensionMismatch,
     FailedPrecondition,
     InvalidArgument,
     MalformedStream,
@@ -213,6 +214,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             if which != "frame":
                 raise MalformedStream("message with neither header nor frame")
             if ticket is not None and msg.frame.HasField("header"):
+                if allow_encoded:
+                    self._check_push_size(msg.frame.header)
                 ticket.reserve(msg.frame.header.size_bytes)
             done = assembler.feed(msg.frame)
             if done is None:
@@ -249,6 +252,28 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             for key, enc in encoded.items():
                 tensors[key] = decode(self.core.store, key, enc)
         return header, tensors
+
+    def _check_push_size(self, header: tensor_pb2.TensorHeader) -> None:
+        """Refuse a pushed tensor's claimed size before anything is allocated for it.
+
+        A pushed tensor belongs to a declared key, so its size is known: the dense gradient is
+        exactly the key's bytes, a cast or sparse part at most ``numel * 8`` bytes. A client
+        cannot make the server allocate more than that, whatever its header claims.
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) the key was never declared.
+            DimensionMismatch: (INVALID_ARGUMENT) the claimed size exceeds the key's bound.
+        """
+        value = self.core.store.get(header.key).value
+        if header.role == tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
+            bound = value.nbytes
+        else:
+            bound = max(value.nbytes, value.size * 8)
+        if header.size_bytes > bound:
+            raise DimensionMismatch(
+                f"pushed tensor {header.key!r} claims {header.size_bytes} bytes; the key holds "
+                f"{value.nbytes} bytes ({value.dtype}, shape {tuple(value.shape)})"
+            )
 
     @grpc_errors
     async def Init(

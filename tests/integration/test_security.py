@@ -491,6 +491,42 @@ async def test_gossip_endpoint_refuses_a_share_claiming_more_than_its_value_befo
             np.testing.assert_array_equal(node.estimate(), np.zeros(4))
 
 
+async def test_push_claiming_more_than_its_key_is_refused_before_allocating() -> None:
+    """A pushed tensor belongs to a declared key: a header claiming 1 TiB for a 4-element
+    float32 key is refused (INVALID_ARGUMENT, before any allocation or back-pressure budget),
+    an undeclared key is NOT_FOUND at its header, and the key is untouched."""
+    async with running_server(consistency="asp") as srv:
+        async with connect(srv.address, "w0", heartbeat=False, session=False) as ps:
+            await ps.init({"w": np.zeros(4, np.float32)}, rule=UpdateRule("sgd", lr=1.0))
+            huge = 1 << 40
+
+            def push_of(key: str) -> list[parameter_server_pb2.PushRequest]:
+                header = tensor_pb2.TensorHeader(
+                    key=key, dtype=tensor_pb2.DTYPE_FLOAT32, shape=[huge // 4], size_bytes=huge
+                )
+                frame = tensor_pb2.TensorFrame(header=header, chunk_index=0, data=b"\0" * 16)
+                return [
+                    parameter_server_pb2.PushRequest(
+                        header=parameter_server_pb2.PushHeader(
+                            worker_id=ps.worker_id, request_id=77, clock=0
+                        )
+                    ),
+                    parameter_server_pb2.PushRequest(frame=frame),
+                ]
+
+            for key, code, words in (
+                ("w", grpc.StatusCode.INVALID_ARGUMENT, "claims 1099511627776 bytes"),
+                ("nope", grpc.StatusCode.NOT_FOUND, "unknown key 'nope'"),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await ps.stub.Push(iter(push_of(key)), timeout=10)
+                assert err.value.code() == code
+                assert words in (err.value.details() or "")
+            np.testing.assert_array_equal((await ps.pull(["w"]))["w"], np.zeros(4, np.float32))
+            await ps.push({"w": np.ones(4, np.float32)})  # still serving
+            np.testing.assert_array_equal((await ps.pull(["w"]))["w"], -np.ones(4, np.float32))
+
+
 class _LyingRankServer(spmd_pb2_grpc.RankServerServicer):  # type: ignore[misc]
     """Announces a 32 TiB object and sends 5 bytes."""
 
