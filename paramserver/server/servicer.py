@@ -264,6 +264,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             KeyNotFound: (NOT_FOUND) the key was never declared.
             DimensionMismatch: (INVALID_ARGUMENT) the claimed size exceeds the key's bound.
         """
+        if not header.key:
+            return  # malformed: the assembler names it (MalformedStream) and allocates nothing
         value = self.core.store.get(header.key).value
         if header.role == tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
             bound = value.nbytes
