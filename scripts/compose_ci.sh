@@ -47,7 +47,7 @@ t_up=$(date +%s)
 check_id=$("${DC[@]}" ps -q check)
 
 min_clock() {  # the live minimum clock of shard `ps` (empty while it does not answer)
-  "$PS_CLI" status --server 127.0.0.1:50051 --timeout-s 2 2>/dev/null \
+  "$PS_CLI" status --json --server 127.0.0.1:50051 --timeout-s 2 2>/dev/null \
     | python3 -c 'import json, sys; print(int(json.load(sys.stdin)["view"].get("min_clock", 0)))' \
     2>/dev/null || true
 }
@@ -86,6 +86,17 @@ phase "cluster-run" "$t_up"
 for w in worker-0 worker-1 worker-2 worker-3; do
   restarts=$($DOCKER inspect -f '{{.RestartCount}}' "$("${DC[@]}" ps -q "$w")")
   [ "$restarts" = 0 ] || { echo "compose-ci: $w was restarted ($restarts)" >&2; exit 1; }
+done
+# The rank servers' Prometheus endpoints (--metrics-port 9161..9164) counted the demo's transfers.
+for port in 9161 9162 9163 9164; do
+  python3 - "$port" <<'PY' || { echo "compose-ci: rank-server metrics on :$port missing transfers" >&2; exit 1; }
+import sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=5).read().decode()
+moved = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("paramserver_rank_transfer_bytes_total{"))
+print(f"compose-ci: rank-server :{sys.argv[1]} transfer bytes {moved:.0f}")
+sys.exit(0 if moved > 0 else 1)
+PY
 done
 echo "compose-ci: check job exit code $verdict"
 exit "$verdict"

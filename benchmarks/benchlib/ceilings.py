@@ -29,6 +29,7 @@ import numpy as np
 CHUNK_BYTES = 1 << 20
 ECHO_METHOD = "/bench.Echo/Stream"
 UNARY_METHOD = "/bench.Echo/Unary"
+SEQ_METHOD = "/bench.Echo/StoreForward"
 MAX_MESSAGE_BYTES = 256 << 20
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -134,6 +135,13 @@ def grpc_echo_serve(port_queue: Any, use_uvloop: bool = True) -> None:
     async def echo_unary(request: bytes, context: Any) -> bytes:
         return request
 
+    async def store_forward(request_iterator: Any, context: Any) -> Any:
+        # The whole payload up first, then all of it back: no overlap of the two directions,
+        # the most an atomic push (applied after its last chunk) followed by a pull can reach.
+        chunks = [chunk async for chunk in request_iterator]
+        for chunk in chunks:
+            yield chunk
+
     async def main() -> None:
         server = grpc.aio.server(options=GRPC_OPTIONS)
         handler = grpc.method_handlers_generic_handler(
@@ -141,6 +149,7 @@ def grpc_echo_serve(port_queue: Any, use_uvloop: bool = True) -> None:
             {
                 "Stream": grpc.stream_stream_rpc_method_handler(echo),
                 "Unary": grpc.unary_unary_rpc_method_handler(echo_unary),
+                "StoreForward": grpc.stream_stream_rpc_method_handler(store_forward),
             },
         )
         server.add_generic_rpc_handlers((handler,))
@@ -257,3 +266,15 @@ class GrpcSessionEcho(GrpcEcho):
 
 def grpc_session_echo(rank: int, cfg: dict[str, Any]) -> GrpcSessionEcho:
     return GrpcSessionEcho(rank, cfg)
+
+
+class GrpcSeqEcho(GrpcEcho):
+    """One stream per round: every chunk up, then every chunk back (store and forward)."""
+
+    async def setup(self) -> None:
+        await super().setup()
+        self.call = self.channel.stream_stream(SEQ_METHOD)
+
+
+def grpc_seq_echo(rank: int, cfg: dict[str, Any]) -> GrpcSeqEcho:
+    return GrpcSeqEcho(rank, cfg)
