@@ -7,10 +7,13 @@ Only entry points configure logging handlers.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
-from paramserver.errors import InvalidArgument, ParamServerError
+import grpc
+
+from paramserver.errors import InvalidArgument, ParamServerError, from_rpc_error
 from paramserver.logs import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging
 
 #: Subcommands that run until stopped (or train): they take ``--log-format`` after their name too.
@@ -47,24 +50,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(exc: ParamServerError) -> str:
+    """The one-line form of a fatal error: ``<ErrorClass> (<STATUS_CODE>): <message>``, e.g.
+    ``Unavailable (UNAVAILABLE): could not bind 127.0.0.1:50051: address in use``. A failed
+    RPC is first mapped to its class by :func:`paramserver.errors.from_rpc_error`."""
+    message = exc.message
+    prefix = f"{exc.code.name}: "
+    if message.startswith(prefix):  # from_rpc_error's generic class repeats the code
+        message = message[len(prefix) :]
+    return f"{type(exc).__name__} ({exc.code.name}): {message}"
+
+
+def run_command(prog: str, args: argparse.Namespace, log_format: str) -> int:
+    """Run ``args.func(args)``; a :class:`ParamServerError` or a failed RPC ends the command
+    with one line (no traceback): ``<prog>: <ErrorClass> (<STATUS>): <message>`` on stderr, or
+    with ``log_format == "json"`` one JSON log record at level ERROR (fields ``error`` and
+    ``code`` beside the message). Exit status: 2 for bad input or usage (INVALID_ARGUMENT),
+    1 for any other error, 130 on Ctrl-C."""
+    try:
+        return int(args.func(args) or 0)
+    except (ParamServerError, grpc.RpcError) as raw:
+        exc = raw if isinstance(raw, ParamServerError) else from_rpc_error(raw)
+        line = f"{prog}: {error_line(exc)}"
+        if log_format == "json":
+            logging.getLogger("paramserver.cli").error(
+                line, extra={"error": type(exc).__name__, "code": exc.code.name}
+            )
+        else:
+            print(line, file=sys.stderr)
+        return 2 if isinstance(exc, InvalidArgument) else 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        configure_logging(args.log_level, args.log_format)
+        log_format = configure_logging(args.log_level, args.log_format)
     except InvalidArgument as exc:  # a bad PARAMSERVER_LOG_FORMAT
-        print(f"paramserver: {exc}", file=sys.stderr)
+        print(f"paramserver: {error_line(exc)}", file=sys.stderr)
         return 2
-    try:
-        rc = args.func(args)
-    except ParamServerError as exc:
-        # A refusal or an unreachable peer: one line naming what was wrong, not a traceback.
-        print(f"paramserver {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, InvalidArgument) else 1
-    except KeyboardInterrupt:
-        print(f"paramserver {args.command}: interrupted", file=sys.stderr)
-        return 130
-    return int(rc or 0)
+    return run_command(f"paramserver {args.command}", args, log_format)
 
 
 if __name__ == "__main__":

@@ -149,11 +149,29 @@ def _all_subclasses(cls: type[ParamServerError]) -> dict[str, type[ParamServerEr
     return out
 
 
+#: Appended to a connection that closed or failed during the TLS handshake.
+TLS_MISMATCH_HINT = (
+    " (TLS mismatch? the server may require TLS (--tls-ca) or a client certificate "
+    "(--tls-cert/--tls-key), or may not speak TLS at all)"
+)
+
+
+def _handshake_hint(code: grpc.StatusCode, details: str) -> str:
+    """:data:`TLS_MISMATCH_HINT` when a connection never came up because the peer closed it
+    during connection setup or the TLS handshake failed (what a plain-text client meeting a TLS
+    server, or the reverse, sees); else nothing."""
+    if code != grpc.StatusCode.UNAVAILABLE or "failed to connect to all addresses" not in details:
+        return ""
+    lowered = details.lower()
+    return TLS_MISMATCH_HINT if "socket closed" in lowered or "handshake" in lowered else ""
+
+
 def from_rpc_error(err: grpc.RpcError) -> ParamServerError:
     """Map a failed RPC to the matching :class:`ParamServerError` (the client funnel).
 
     The status code picks the class; when the server named a more specific class of the same
-    code in trailing metadata (``paramserver-error-class``), that class is used. Callers
+    code in trailing metadata (``paramserver-error-class``), that class is used. A connection
+    that failed during setup or the TLS handshake gets :data:`TLS_MISMATCH_HINT`. Callers
     ``raise from_rpc_error(e) from e`` so the original status stays attached.
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
@@ -165,6 +183,7 @@ def from_rpc_error(err: grpc.RpcError) -> ParamServerError:
             named = _all_subclasses(ParamServerError).get(str(value))
             if named is not None and named.code == code:
                 cls = named
-    exc = cls(f"{code.name}: {details}" if cls is ParamServerError else str(details))
+    details = f"{details}{_handshake_hint(code, str(details))}"
+    exc = cls(f"{code.name}: {details}" if cls is ParamServerError else details)
     exc.code = code
     return exc

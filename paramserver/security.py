@@ -63,9 +63,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import errno
 import hmac
 import logging
 import os
+import socket
+import ssl
 import stat
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -90,6 +93,7 @@ __all__ = [
     "add_server_security_flags",
     "bearer_interceptors",
     "bind",
+    "bind_failure_reason",
     "client_security_from_args",
     "endpoint_security",
     "open_channel",
@@ -207,6 +211,68 @@ def _check_pem(data: bytes, path: str, what: str, marker: bytes) -> None:
         raise InvalidArgument(f"{what}: {path!r} holds no PEM {marker.decode().strip()} block")
 
 
+def _check_key_pair(cert_path: str, key_path: str, key: bytes, side: str) -> None:
+    """Load the pair as TLS would (stdlib :mod:`ssl`), so a key that does not match its
+    certificate, a broken PEM or a passphrase-protected key is refused when the files are read,
+    not at the first handshake (where grpc reports only a failed bind or a closed socket).
+
+    Raises:
+        InvalidArgument: naming both paths (INVALID_ARGUMENT).
+    """
+    if b"ENCRYPTED" in key:  # PKCS#8 "ENCRYPTED PRIVATE KEY" or legacy "Proc-Type: 4,ENCRYPTED"
+        raise InvalidArgument(
+            f"--tls-key {key_path!r} is passphrase-protected; grpc needs an unencrypted key "
+            "(e.g. openssl pkey -in KEY -out KEY.plain, then chmod 600)"
+        )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # A password callback, so OpenSSL never prompts on the terminal.
+        context.load_cert_chain(cert_path, key_path, password=lambda: b"")
+    except ssl.SSLError as exc:
+        reason = str(exc.reason or exc)
+        if "KEY_VALUES_MISMATCH" in reason or "key values mismatch" in reason.lower():
+            raise InvalidArgument(
+                f"--tls-key {key_path!r} does not match --tls-cert {cert_path!r} ({side}: the "
+                "private key must be the certificate's)"
+            ) from None
+        raise InvalidArgument(
+            f"--tls-cert {cert_path!r} / --tls-key {key_path!r}: cannot load the pair "
+            f"({side}): {reason}"
+        ) from None
+    except OSError as exc:
+        raise InvalidArgument(
+            f"--tls-cert {cert_path!r} / --tls-key {key_path!r}: {exc.strerror or exc}"
+        ) from None
+
+
+def _check_ca(path: str) -> None:
+    """Load a CA bundle as TLS would (stdlib :mod:`ssl`).
+
+    Raises:
+        InvalidArgument: not loadable PEM certificates, the path named (INVALID_ARGUMENT).
+    """
+    try:
+        ssl.create_default_context(cafile=path)
+    except ssl.SSLError as exc:
+        raise InvalidArgument(
+            f"--tls-ca {path!r}: cannot load the CA certificates: {exc.reason or exc}"
+        ) from None
+
+
+def _check_metadata_token(token: str, where: str) -> None:
+    """gRPC metadata values are printable ASCII: a token with other characters can never be
+    sent (grpc would fail every call), so it is refused when loaded.
+
+    Raises:
+        InvalidArgument: naming ``where`` (the flag, variable or file), never the token.
+    """
+    if not all(0x21 <= ord(c) <= 0x7E for c in token):
+        raise InvalidArgument(
+            f"{where}: a bearer token must be printable ASCII without spaces (gRPC metadata); "
+            "this one has other characters"
+        )
+
+
 # --------------------------------------------------------------------------- tokens
 @dataclass(frozen=True)
 class TokenTable:
@@ -227,6 +293,7 @@ class TokenTable:
                 raise InvalidArgument(
                     f"tokens must be >= {MIN_TOKEN_CHARS} characters without whitespace"
                 )
+            _check_metadata_token(token, "a token")
             if token in seen:
                 raise InvalidArgument("a token is listed twice")
             seen.add(token)
@@ -314,11 +381,20 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     Args:
         tokens: The accepted tokens and their roles.
         roles: RPC → required role (default :data:`RPC_ROLES`).
+        on_refusal: Called with ``(method, status code name)`` for every refused call, e.g.
+            ``("Push", "UNAUTHENTICATED")`` (``method``: the last part of the full method name);
+            the servers count refusals in their Prometheus registry through it.
     """
 
-    def __init__(self, tokens: TokenTable, roles: Mapping[str, Role] | None = None) -> None:
+    def __init__(
+        self,
+        tokens: TokenTable,
+        roles: Mapping[str, Role] | None = None,
+        on_refusal: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.tokens = tokens
         self.roles = dict(RPC_ROLES if roles is None else roles)
+        self.on_refusal = on_refusal
         #: Calls refused so far, by status code name (for tests and humans).
         self.refused: dict[str, int] = {}
 
@@ -366,6 +442,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
             self.refused[code.name] = self.refused.get(code.name, 0) + 1
+            if self.on_refusal is not None:
+                self.on_refusal(method.rsplit("/", 1)[-1], code.name)
             logger.warning("refused %s from %s: %s: %s", method, context.peer(), code.name, detail)
             await context.abort(code, detail)
 
@@ -423,12 +501,14 @@ class ServerSecurity:
             key = _read_file(self.tls_key, "--tls-key")
             _check_pem(cert, self.tls_cert, "--tls-cert", b"CERTIFICATE")
             _check_pem(key, self.tls_key, "--tls-key", b"PRIVATE KEY")
+            _check_key_pair(self.tls_cert, self.tls_key, key, "server certificate")
             _warn_if_shared(self.tls_key, "TLS key")
             object.__setattr__(self, "_cert", cert)
             object.__setattr__(self, "_key", key)
         if self.tls_ca is not None:
             ca = _read_file(self.tls_ca, "--tls-ca")
             _check_pem(ca, self.tls_ca, "--tls-ca", b"CERTIFICATE")
+            _check_ca(self.tls_ca)
             object.__setattr__(self, "_ca", ca)
         if self.tokens is None and self.auth_tokens is not None:
             object.__setattr__(self, "tokens", TokenTable.from_file(self.auth_tokens))
@@ -485,9 +565,18 @@ class ServerSecurity:
             require_client_auth=self.mutual_tls,
         )
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """The token interceptor when tokens are configured (else none)."""
-        return [TokenAuthInterceptor(self.tokens)] if self.tokens is not None else []
+    def interceptors(
+        self, on_refusal: Callable[[str, str], None] | None = None
+    ) -> list[grpc.aio.ServerInterceptor]:
+        """The token interceptor when tokens are configured (else none).
+
+        Args:
+            on_refusal: Told ``(method, status code name)`` of every refused call (see
+                :class:`TokenAuthInterceptor`).
+        """
+        if self.tokens is None:
+            return []
+        return [TokenAuthInterceptor(self.tokens, on_refusal=on_refusal)]
 
     def describe(self) -> str:
         """A log-friendly summary (never a secret)."""
@@ -506,18 +595,61 @@ def bind(server: grpc.aio.Server, address: str, security: ServerSecurity | None)
     Raises:
         Unavailable: the address cannot be bound (in use, or not an address here) (UNAVAILABLE).
     """
+    # A fixed port that a probe cannot bind fails in grpc too: refuse before grpc's C core
+    # prints its own error lines (grpc stays the judge when the probe passes).
+    error = _probe_bind(address)
+    if error is None:
+        try:
+            if security is not None and security.tls:
+                bound = int(server.add_secure_port(address, security.server_credentials()))
+            else:
+                bound = int(server.add_insecure_port(address))
+        except RuntimeError:  # grpc raises RuntimeError("Failed to bind to address ...")
+            bound = 0
+        if bound:
+            return bound
+    raise Unavailable(f"could not bind {address}: {bind_failure_reason(address, error)}")
+
+
+def _probe_bind(address: str) -> OSError | None:
+    """The error of binding a probe socket to ``address`` (closed at once); None when it binds,
+    the port is 0 or the address does not parse (left to grpc)."""
+    host, _, port_text = address.rpartition(":")
     try:
-        if security is not None and security.tls:
-            bound = int(server.add_secure_port(address, security.server_credentials()))
-        else:
-            bound = int(server.add_insecure_port(address))
-    except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind to address ...")
-        raise Unavailable(
-            f"could not bind {address} (in use, or not an address here): {exc}"
-        ) from exc
-    if bound == 0:
-        raise Unavailable(f"could not bind {address} (in use, or not an address here)")
-    return bound
+        port = int(port_text)
+    except ValueError:
+        return None
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, sockaddr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(sockaddr)
+    except OSError as exc:  # socket.gaierror included
+        return exc
+    return None
+
+
+def bind_failure_reason(address: str, error: OSError | None = None) -> str:
+    """Why ``address`` (``host:port``) cannot be listened on, in a few words: ``address in
+    use``, ``not an address of this machine``, or the OS's reason.
+
+    grpc reports only "Failed to bind"; the reason comes from ``error`` when the caller has one,
+    else from binding a probe socket to the address.
+    """
+    if error is None:
+        error = _probe_bind(address)
+    if error is None:
+        return "in use, or not an address here"
+    if error.errno == errno.EADDRINUSE:
+        return "address in use"
+    if error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror):
+        return "not an address of this machine"
+    if error.errno == errno.EACCES:
+        return "permission denied (ports below 1024 need privileges)"
+    return str(error.strerror or error)
 
 
 # --------------------------------------------------------------------------- client side
@@ -564,22 +696,43 @@ class ClientSecurity:
             key = _read_file(self.tls_key, "--tls-key")
             _check_pem(cert, self.tls_cert, "--tls-cert", b"CERTIFICATE")
             _check_pem(key, self.tls_key, "--tls-key", b"PRIVATE KEY")
+            _check_key_pair(self.tls_cert, self.tls_key, key, "client certificate")
             object.__setattr__(self, "_cert", cert)
             object.__setattr__(self, "_key", key)
         if self.tls_ca is not None:
             ca = _read_file(self.tls_ca, "--tls-ca")
             _check_pem(ca, self.tls_ca, "--tls-ca", b"CERTIFICATE")
+            _check_ca(self.tls_ca)
             object.__setattr__(self, "_ca", ca)
         if self.tls_ca is not None or self.tls_cert is not None:
             object.__setattr__(self, "tls", True)
+        if self.tls_server_name is not None and not self.tls:
+            raise InvalidArgument(
+                "--tls-server-name needs TLS (--tls-ca): it names the server's certificate, "
+                "and a plain-text channel has none"
+            )
+        where = "the bearer token (PARAMSERVER_TOKEN or token=)"
         if self.token is None and self.token_file is not None:
-            data = _read_file(self.token_file, "--token-file")
-            _warn_if_shared(self.token_file, "token file")
-            lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines()]
-            object.__setattr__(self, "token", next(ln for ln in lines if ln))
+            where = f"--token-file {self.token_file!r}"
+            object.__setattr__(self, "token", _token_of_file(self.token_file))
         if self.token is not None:
             if not self.token or any(c.isspace() for c in self.token):
-                raise InvalidArgument("a bearer token must be non-empty without whitespace")
+                raise InvalidArgument(
+                    f"{where}: a bearer token must be non-empty without whitespace"
+                )
+            _check_metadata_token(self.token, where)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientSecurity:
+        """The security the CLI commands use, from ``PARAMSERVER_TLS_CA`` / ``_TLS_CERT`` /
+        ``_TLS_KEY`` / ``_TLS_SERVER_NAME`` / ``_TOKEN_FILE`` / ``_TOKEN`` in ``env`` (default
+        ``os.environ``), for Python code: ``connect(addr, name,
+        security=ClientSecurity.from_env())``.
+
+        Raises:
+            InvalidArgument: see the class.
+        """
+        return cls.from_sources(None, os.environ if env is None else env)
 
     @classmethod
     def from_sources(
@@ -624,6 +777,28 @@ class ClientSecurity:
         return ", ".join(parts)
 
 
+def _token_of_file(path: str) -> str:
+    """The token in a client token file: its first non-empty line.
+
+    Raises:
+        InvalidArgument: unreadable or empty file, or one that looks like a server's
+            ``--auth-tokens`` file or holds more than a token on its line (the path named,
+            never the content).
+    """
+    data = _read_file(path, "--token-file")
+    _warn_if_shared(path, "token file")
+    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines()]
+    first = next(ln for ln in lines if ln)
+    if first.startswith("#") or len(first.split()) > 1:
+        fields = [ln.split() for ln in lines if ln and not ln.startswith("#")]
+        server_file = any(len(f) == 2 and f[0].lower() in ("worker", "admin") for f in fields)
+        raise InvalidArgument(
+            f"--token-file {path!r}: a client token file holds one token on one line"
+            + ("; this looks like a server --auth-tokens file" if server_file else "")
+        )
+    return first
+
+
 def endpoint_security(client: ClientSecurity | None) -> ServerSecurity | None:
     """The security of a worker's own endpoint that its peers call with the same settings as
     the worker uses (the gossip workers' push-sum endpoints): TLS with the worker's certificate
@@ -660,6 +835,10 @@ def peer_security(
     A TLS server without a CA verifies its peers against the system roots.
     """
     tls = server is not None and server.tls
+    if tls_server_name is not None and not tls:
+        raise InvalidArgument(
+            "--tls-server-name needs TLS (--tls-cert/--tls-key): it names the peers' certificate"
+        )
     if not tls and token is None:
         return None
     if not tls or server is None:

@@ -82,6 +82,10 @@ SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(_FROM_WIRE.values())
 """float16, bfloat16 (``ml_dtypes``), float32, float64, int32, int64, in wire-enum order."""
 
 
+_MAX_NDIM = 64  # numpy.core.multiarray.MAXDIMS
+_MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
+
+
 def _key_label(key: str) -> str:
     return f"tensor {key!r}" if key else "tensor"
 
@@ -116,6 +120,10 @@ def dtype_to_wire(dtype: npt.DTypeLike) -> int:
     Raises:
         InvalidArgument: (INVALID_ARGUMENT) the dtype is not supported.
     """
+    if isinstance(dtype, np.dtype):  # fast path: a supported little-endian (or native) dtype
+        known = _TO_WIRE.get(dtype)
+        if known is not None:
+            return int(known)
     if dtype is None:
         raise InvalidArgument("dtype is None; expected one of: " + _supported_names())
     try:
@@ -513,6 +521,13 @@ class TensorAssembler:
         shape = tuple(int(d) for d in header.shape)
         if any(d < 0 for d in shape):
             raise self._fail(key, f"negative dimension in shape {shape}")
+        # numpy's own limits, checked here so a hostile header is refused by name, not by a
+        # ValueError from reshape: at most 64 dimensions, and the product of the non-zero ones
+        # (zero-size arrays too) times the itemsize must fit in a signed 64-bit size.
+        if len(shape) > _MAX_NDIM:
+            raise self._fail(key, f"shape has {len(shape)} dimensions (numpy allows {_MAX_NDIM})")
+        if math.prod(d for d in shape if d) * dtype.itemsize > _MAX_ARRAY_BYTES:
+            raise self._fail(key, f"shape {shape} is larger than any array can be")
         expected = math.prod(shape) * dtype.itemsize
         if header.size_bytes != expected:
             raise self._fail(

@@ -475,11 +475,16 @@ class DistributedOptimizer:
         worker.active = False
         return True
 
-    def evict_worker(self, worker_id: str) -> bool:
+    def evict_worker(self, worker_id: str, why: str = "removed") -> bool:
         """Hard removal: forget the worker and drop its pending updates of the open step.
 
         The dropped updates are counted in ``dropped_updates``; the worker leaves every
         quorum's denominator (quorums are re-evaluated on the next :meth:`try_aggregate`).
+
+        Args:
+            worker_id: The worker.
+            why: How it went, for the log line (``left``, ``evicted``, ``fenced``; default
+                ``removed``: the caller did not say).
 
         Returns:
             True if the worker was known (active or not); False otherwise.
@@ -494,8 +499,9 @@ class DistributedOptimizer:
             layer.contributors.discard(worker_id)
         self.dropped_updates += dropped
         logger.info(
-            "evicted worker %r at step %d (%d pending updates dropped)",
+            "worker %r %s at step %d (%d pending updates dropped)",
             worker_id,
+            why,
             self.current_step,
             dropped,
         )
@@ -528,7 +534,7 @@ class DistributedOptimizer:
             if (now - worker.last_seen_s) * 1000.0 > max_age_ms
         ]
         for worker_id in stale:
-            self.evict_worker(worker_id)
+            self.evict_worker(worker_id, "evicted (not seen within max_age_ms)")
         return len(stale)
 
     def active_workers(self) -> list[str]:

@@ -202,6 +202,11 @@ class ServerConfig:
             raise InvalidArgument("restore_from needs checkpoint_dir (the cut is written there)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise InvalidArgument(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise InvalidArgument(
+                f"--metrics-port {self.metrics_port} is also --port: the metrics endpoint "
+                "needs a port of its own"
+            )
 
     @property
     def num_shards(self) -> int:

@@ -144,8 +144,9 @@ class ClusterState:
         """
         holding = self.holding_workers()
         if holding:
-            self.floor = max(self.floor, min(w.clock for w in holding))
-            return min(w.clock for w in holding)
+            lowest = min(w.clock for w in holding)
+            self.floor = max(self.floor, lowest)
+            return lowest
         return self.floor
 
     def register(

@@ -182,7 +182,7 @@ class ServerCore:
             if ch.worker.clock > self.aggregator.current_step:
                 self._release_after_step[wid] = ch.worker.clock
             else:
-                self.aggregator.evict_worker(wid)
+                self.aggregator.evict_worker(wid, ch.why)
 
     # ------------------------------------------------------------------ keys
     def init(
@@ -250,7 +250,9 @@ class ServerCore:
                 one step (FAILED_PRECONDITION).
         """
         rec = self.cluster.require_live(worker_id)
-        seen = self._dedup.setdefault(rec.name, OrderedDict())
+        seen = self._dedup.get(rec.name)
+        if seen is None:  # (not setdefault: no new OrderedDict per push)
+            seen = self._dedup[rec.name] = OrderedDict()
         if request_id in seen:
             self.duplicate_pushes += 1
             self.observer.dropped("duplicate")

@@ -17,8 +17,8 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from paramserver.errors import InvalidArgument, ParamServerError, Unavailable
+from paramserver.errors import InvalidArgument
 from paramserver.security import (
     ServerSecurity,
     add_client_security_flags,
@@ -40,13 +40,19 @@ from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
 from paramserver.server.cut import shard_map_of
 from paramserver.server.engine import ServerEngine
-from paramserver.server.metrics import MetricsServer, enable_reflection, metrics_for
+from paramserver.server.metrics import (
+    MetricsServer,
+    auth_refusal_counter,
+    enable_reflection,
+    metrics_for,
+    rpc_metrics_server,
+)
 from paramserver.server.reduction import SERVICE_NAME as REDUCTION_SERVICE_NAME
 from paramserver.server.reduction import ReductionEngine, add_reduction_service
 from paramserver.server.reshard import prepare_checkpoint_dir
 from paramserver.server.servicer import ParameterServerServicer
 from paramserver.server.wal import WriteAheadLog, replay_into
-from paramserver.sharding import ShardMap
+from paramserver.sharding import ShardMap, parse_address
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +102,12 @@ class ParameterServerDaemon:
         prepare_checkpoint_dir(self.config)  # restore-time resharding; refuse foreign shards
         self._recover(engine)
         interceptors, self.metrics = metrics_for(engine)
+        if self.metrics is not None:
+            # Before the gRPC port: grpc.aio keeps a port bound by a server that never started
+            # (even after stop), so a metrics port in use must fail before grpc binds anything.
+            await self._start_metrics()
         if self.security is not None:  # authentication first: a refused call reaches nothing
-            interceptors = [*self.security.interceptors(), *interceptors]
+            interceptors = [*self.security.interceptors(self._refusal_counter()), *interceptors]
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -110,12 +120,14 @@ class ParameterServerDaemon:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         enable_reflection(server, SERVICE_NAME)
-        self.port = _bind(server, self.config.host, self.config.port, self.security)
+        try:
+            self.port = _bind(server, self.config.host, self.config.port, self.security)
+        except BaseException:
+            await self._abandon(server)
+            raise
         await server.start()
         self._server = server
         self.shard_map = shard_map_of(self.config, self.address)
-        if self.metrics is not None:
-            await self.metrics.start()
         engine.start()
         if self.checkpoints is not None and self.config.checkpoint_every_s > 0:
             self._timer = asyncio.get_running_loop().create_task(
@@ -135,9 +147,19 @@ class ParameterServerDaemon:
         )
 
     async def _start_reduction(self) -> None:
-        """Mode ``reduce``: the reduction service (no parameters, no checkpoints) and health."""
+        """Mode ``reduce``: the reduction service (no parameters, no checkpoints) and health;
+        with ``metrics_port``, RPC counts and durations and the token refusals."""
+        interceptors: list[Any] = []
+        if self.config.metrics_port is not None:
+            rpc_metrics, self.metrics = rpc_metrics_server(
+                self.config.host, self.config.metrics_port
+            )
+            await self._start_metrics()  # before the gRPC port (see start())
+            interceptors.append(rpc_metrics)
+        if self.security is not None:
+            interceptors = [*self.security.interceptors(self._refusal_counter()), *interceptors]
         server = grpc.aio.server(
-            interceptors=self.security.interceptors() if self.security is not None else None,
+            interceptors=interceptors or None,
             options=[
                 ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
                 ("grpc.so_reuseport", 0),
@@ -147,7 +169,11 @@ class ParameterServerDaemon:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         enable_reflection(server, REDUCTION_SERVICE_NAME)
-        self.port = _bind(server, self.config.host, self.config.port, self.security)
+        try:
+            self.port = _bind(server, self.config.host, self.config.port, self.security)
+        except BaseException:
+            await self._abandon(server)
+            raise
         await server.start()
         self._server = server
         self.reduction = reduction
@@ -162,6 +188,35 @@ class ParameterServerDaemon:
             reduction.coordinator.optimizer.method,
             self.config.lease_ms,
         )
+
+    def _refusal_counter(self) -> Callable[[str, str], None] | None:
+        """Counts token refusals in the metrics registry (None without metrics)."""
+        return auth_refusal_counter(self.metrics.registry) if self.metrics is not None else None
+
+    async def _start_metrics(self) -> None:
+        """Start the metrics endpoint; when it cannot bind, close the write-ahead log
+        :meth:`_recover` opened and re-raise (nothing else is running yet)."""
+        assert self.metrics is not None
+        try:
+            await self.metrics.start()
+        except BaseException:
+            self.metrics = None
+            await self._close_wal()
+            raise
+
+    async def _close_wal(self) -> None:
+        if self.engine is not None and self.engine.wal is not None:
+            await self.engine.wal.close()
+            self.engine.wal = None
+
+    async def _abandon(self, server: grpc.aio.Server) -> None:
+        """Undo a start that failed before serving: stop the gRPC server (so nothing is left
+        for the garbage collector after the loop closes), the metrics endpoint, and close the
+        write-ahead log."""
+        await server.stop(None)
+        if self.metrics is not None:
+            await self.metrics.stop()
+        await self._close_wal()
 
     def _recover(self, engine: ServerEngine) -> None:
         """Restore the newest verified checkpoint, replay the WAL after it, open the WAL."""
@@ -332,18 +387,8 @@ def _bind(
     server: grpc.aio.Server, host: str, port: int, security: ServerSecurity | None = None
 ) -> int:
     """Bind ``host:port`` (TLS when ``security`` says so); a port in use or a host not on this
-    machine is a clear error."""
-    if security is not None and security.tls:
-        return bind(server, f"{host}:{port}", security)
-    try:
-        bound = int(server.add_insecure_port(f"{host}:{port}"))
-    except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind to address ...")
-        raise Unavailable(
-            f"could not bind {host}:{port} (in use, or not an address here): {exc}"
-        ) from exc
-    if bound == 0:
-        raise Unavailable(f"could not bind {host}:{port} (in use, or not an address here)")
-    return bound
+    machine is a clear error (:class:`~paramserver.errors.Unavailable` naming the address)."""
+    return bind(server, f"{host}:{port}", security)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -409,12 +454,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "auth_tokens": args.auth_tokens,
         "shared_memory": False if args.no_shared_memory else None,
     }
-    try:
-        config = ServerConfig.from_sources(cli, os.environ)
-        ServerSecurity.of_config(config)  # unreadable certificates or token file: fail here
-    except ParamServerError as exc:
-        print(f"paramserver serve: {exc}", file=sys.stderr)
-        return 2
+    # Bad flags, unreadable certificates or token file: InvalidArgument here, before any
+    # socket (the entry point prints one line and exits 2; paramserver.cli.run_command).
+    config = ServerConfig.from_sources(cli, os.environ)
+    ServerSecurity.of_config(config)
     run_loop(run_daemon(config, port_file=args.port_file), use_uvloop=config.use_uvloop)
     return 0
 
@@ -425,10 +468,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     address = args.server or args.address
     if not address:
-        print(
-            "paramserver status: give the server as ADDRESS or --server HOST:PORT", file=sys.stderr
-        )
-        return 2
+        raise InvalidArgument("give the server as ADDRESS or --server HOST:PORT")
+    address = parse_address(address, "--server" if args.server else "ADDRESS")
     security = client_security_from_args(args, os.environ)
 
     async def fetch() -> Any:
@@ -436,11 +477,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             stub = pb_grpc.ParameterServerStub(channel)
             return await stub.Status(pb.StatusRequest(), timeout=args.timeout_s)
 
-    try:
-        resp = run_loop(fetch(), use_uvloop=False)
-    except grpc.aio.AioRpcError as err:
-        print(f"paramserver status: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
+    resp = run_loop(fetch(), use_uvloop=False)  # a failed RPC: one line (paramserver.cli)
     if args.json:
         print(json.dumps(status_to_dict(resp), indent=2, sort_keys=True))
     else:
@@ -451,18 +488,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
     from paramserver.api.v1 import parameter_server_pb2 as pb
 
+    address = parse_address(args.server, "--server")
     security = client_security_from_args(args, os.environ)
 
     async def ask() -> Any:
-        async with open_channel(args.server, security) as channel:
+        async with open_channel(address, security) as channel:
             stub = pb_grpc.ParameterServerStub(channel)
             return await stub.Checkpoint(pb.CheckpointRequest(), timeout=args.timeout_s)
 
-    try:
-        resp = run_loop(ask(), use_uvloop=False)
-    except grpc.aio.AioRpcError as err:
-        print(f"paramserver checkpoint: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
+    resp = run_loop(ask(), use_uvloop=False)  # a failed RPC: one line (paramserver.cli)
     print(
         json.dumps(
             {"path": resp.path, "wal_sequence": resp.wal_sequence, "duration_ms": resp.duration_ms}

@@ -47,6 +47,8 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from paramserver.errors import Unavailable
+from paramserver.security import bind_failure_reason
 from paramserver.server.engine import ServerEngine
 from paramserver.server.observe import CURRENT_RPC, BucketCounts, ServingHooks
 
@@ -54,6 +56,11 @@ logger = logging.getLogger(__name__)
 
 _WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 _BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(11))  # 1 KiB .. 1 GiB
+
+#: Longest request or header line the metrics endpoint reads; a longer one is answered 431.
+MAX_REQUEST_LINE_BYTES = 8192
+#: Header lines the metrics endpoint skips at most before answering.
+MAX_HEADER_LINES = 100
 
 #: Keys that get their own ``key`` label; later ones are summed under ``key="_other"``.
 MAX_KEY_LABELS = 256
@@ -427,7 +434,21 @@ class MetricsServer:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        """Listen on ``host:port``.
+
+        Raises:
+            Unavailable: the port cannot be bound (in use, not an address here...), the address
+                and the reason named (UNAVAILABLE).
+        """
+        try:
+            self._server = await asyncio.start_server(
+                self._handle, self.host, self.port, limit=MAX_REQUEST_LINE_BYTES
+            )
+        except OSError as exc:
+            address = f"{self.host}:{self.port}"
+            raise Unavailable(
+                f"could not bind metrics port {address}: {bind_failure_reason(address, exc)}"
+            ) from None
         self.port = int(self._server.sockets[0].getsockname()[1])
         logger.info("metrics on http://%s:%d/metrics", self.host, self.port)
 
@@ -440,10 +461,36 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = await asyncio.wait_for(reader.readline(), 10.0)
-            while (line := await asyncio.wait_for(reader.readline(), 10.0)) not in (b"\r\n", b""):
-                if len(line) > 8192:
-                    break
+            try:
+                request = await asyncio.wait_for(reader.readline(), 10.0)
+                for _ in range(MAX_HEADER_LINES):  # skip the headers (bounded)
+                    line = await asyncio.wait_for(reader.readline(), 10.0)
+                    if line in (b"\r\n", b"\n", b""):
+                        break
+            except ValueError:  # a line over MAX_REQUEST_LINE_BYTES (StreamReader's limit)
+                peer = writer.get_extra_info("peername")
+                logger.warning(
+                    "metrics endpoint: request line over %d bytes from %s; answered 431",
+                    MAX_REQUEST_LINE_BYTES,
+                    peer,
+                )
+                body = f"request line over {MAX_REQUEST_LINE_BYTES} bytes\n".encode()
+                writer.write(
+                    b"HTTP/1.0 431 Request Header Fields Too Large\r\n"
+                    b"Content-Type: text/plain\r\nConnection: close\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode("latin-1")
+                    + body
+                )
+                await writer.drain()
+                # Let the client read the answer: stop sending, then drop what it still sends
+                # (closing with unread input would reset the connection first).
+                if writer.can_write_eof():
+                    writer.write_eof()
+                with contextlib.suppress(TimeoutError, ValueError, ConnectionError):
+                    async with asyncio.timeout(1.0):
+                        while await reader.read(65536):
+                            pass
+                return
             parts = request.decode("latin-1").split()
             path = parts[1] if len(parts) >= 2 else ""
             if (
@@ -470,6 +517,30 @@ class MetricsServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+def auth_refusal_counter(registry: CollectorRegistry) -> Callable[[str, str], None]:
+    """``paramserver_auth_refusals_total{method, code}`` in ``registry``: calls the token check
+    refused (UNAUTHENTICATED / PERMISSION_DENIED), by RPC method. Returns the callback to give
+    :meth:`paramserver.security.ServerSecurity.interceptors` as ``on_refusal``."""
+    refusals = Counter(
+        "paramserver_auth_refusals",
+        "Calls refused by the bearer-token check, by RPC method and status code",
+        ["method", "code"],
+        registry=registry,
+    )
+
+    def count(method: str, code: str) -> None:
+        refusals.labels(method, code).inc()
+
+    return count
+
+
+def rpc_metrics_server(host: str, port: int) -> tuple[RpcMetrics, MetricsServer]:
+    """RPC counts and durations of any ``grpc.aio`` server (the interceptor) and an (unstarted)
+    endpoint exposing them, in a registry of their own (``--mode reduce``)."""
+    registry = CollectorRegistry()
+    return RpcMetrics(registry), MetricsServer(registry, host, port)
 
 
 def new_registry(engine: ServerEngine) -> tuple[CollectorRegistry, RpcMetrics]:

@@ -304,7 +304,8 @@ def observed_admit(
 def observed_snapshot(
     fn: Callable[Concatenate[Any, P], Awaitable[T]],
 ) -> Callable[Concatenate[Any, P], Awaitable[T]]:
-    """Decorate the servicer's ``pull_snapshot`` seam: bytes pulled per key."""
+    """Decorate the servicer's ``pull_snapshot`` seams: bytes pulled per key (the result is
+    an array, or its raw bytes)."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -312,7 +313,8 @@ def observed_snapshot(
         result = await fn(self, *args, **kwargs)
         if hooks.enabled:
             key = args[0] if args else kwargs.get("key", "")
-            hooks.pulled(CURRENT_RPC.get(), str(key), int(getattr(result, "nbytes", 0)))
+            nbytes = len(result) if isinstance(result, bytes) else getattr(result, "nbytes", 0)
+            hooks.pulled(CURRENT_RPC.get(), str(key), int(nbytes))
         return result
 
     return wrapper  # type: ignore[return-value]

@@ -15,6 +15,9 @@ Safety rests on a per-key FIFO of reservations (:class:`KeyGate`):
    has finished, and it is released only after they have (also when its holder is cancelled),
    so a key's arrays are never touched by two threads at once: no lost update, and a pull never
    observes a half-applied update (it sees the value before or after, never a mix).
+   Small work (under :data:`OFFLOAD_MIN_BYTES`) on keys no unfinished reservation holds runs
+   inline at once and takes no reservation: it is already after every earlier holder, and
+   nothing else runs on the loop until it returns (:meth:`KeyGate.idle`).
 3. **Exactly once.** Deduplication and counters are decided on the loop before the apply is
    scheduled; the apply task is never cancelled (callers wait for it through
    :func:`asyncio.shield`), so each decided push is applied exactly once.
@@ -110,6 +113,17 @@ class KeyGate:
             self._tails[key] = done
         return Reservation(unique, tuple(prevs.values()), done)
 
+    def idle(self, keys: Iterable[str]) -> bool:
+        """No unfinished reservation holds any of ``keys``: work on them done synchronously,
+        right now (no ``await`` in between), is ordered after every earlier holder without
+        taking a reservation of its own (the small-key fast path of :class:`Offload`)."""
+        tails = self._tails
+        for key in keys:
+            tail = tails.get(key)
+            if tail is not None and not tail.done():
+                return False
+        return True
+
     def release(self, res: Reservation) -> None:
         """End ``res``; its keys pass to the next holders once every earlier holder is done.
 
@@ -204,6 +218,16 @@ class Offload:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reopened.wait(), remaining)
 
+    @property
+    def holding_writers(self) -> bool:
+        """A checkpoint holds new push decisions back now (:meth:`admit_writer` would wait)."""
+        return bool(self._closed)
+
+    def worth_a_thread(self, grads: Mapping[str, np.ndarray]) -> bool:
+        """The gradients are big enough (in total) for :meth:`all_finite` to scan them in a
+        worker thread; below that it returns False at once."""
+        return sum(int(getattr(a, "nbytes", 0)) for a in grads.values()) >= self.min_bytes
+
     async def all_finite(self, grads: Mapping[str, np.ndarray]) -> bool:
         """Whether no gradient holds NaN/Inf, scanned in a worker thread when they are big
         (False also for gradients too small to be worth a thread: let the core scan them).
@@ -229,16 +253,16 @@ class Offload:
             inline). Never cancel it; wait through :func:`asyncio.shield`.
         """
         loop = asyncio.get_running_loop()
-        res = self.gate.reserve(entry.key for entry, _ in checked)
         nbytes = sum(int(grad.nbytes) for _, grad in checked)
-        if not res.prevs and nbytes < self.min_bytes:
-            try:
-                ParameterStore.apply_checked(checked)
-            finally:
-                self.gate.release(res)
+        if nbytes < self.min_bytes and self.gate.idle(entry.key for entry, _ in checked):
+            # Small, and no earlier holder of these keys is unfinished: apply inline, now.
+            # No reservation is needed: nothing else runs on the loop before this returns
+            # (a reservation and its hand-over cost more than a small apply).
+            ParameterStore.apply_checked(checked)
             done: asyncio.Future[None] = loop.create_future()
             done.set_result(None)
             return done
+        res = self.gate.reserve(entry.key for entry, _ in checked)
         task = loop.create_task(self._apply_later(res, checked, nbytes))
         self._writers.add(task)
         task.add_done_callback(self._writers.discard)
@@ -283,6 +307,12 @@ class Offload:
             WaitTimeout: (DEADLINE_EXCEEDED) earlier updates did not finish in time.
         """
         entry = self._store().get(key)
+        value = entry.value
+        if value.nbytes < self.min_bytes and self.gate.idle((key,)):
+            # Small, and every earlier update of the key has finished: copy inline, now.
+            dst = np.empty_like(value) if out is None else out
+            _copy_into(dst, value)
+            return dst
         res = self.gate.reserve([key])
         try:
             await res.ready(timeout_s)
@@ -296,6 +326,20 @@ class Offload:
             return dst
         finally:
             self.gate.release(res)
+
+    def read_now(self, key: str) -> np.ndarray | None:
+        """``key``'s live value when it may be read right now without a snapshot copy: the
+        key is small (under :attr:`min_bytes`) and every earlier update of it has finished.
+        The caller must copy what it needs before its next ``await`` (e.g. ``tobytes()``);
+        None: take :meth:`snapshot` instead.
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) unknown key.
+        """
+        value = self._store().get(key).value
+        if value.nbytes < self.min_bytes and self.gate.idle((key,)):
+            return value
+        return None
 
     # ------------------------------------------------------------------ checkpoints
     @contextlib.asynccontextmanager

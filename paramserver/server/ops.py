@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 from typing import Any
 
 import grpc
@@ -24,6 +23,7 @@ from paramserver.security import (
     open_channel,
 )
 from paramserver.server import reshard
+from paramserver.sharding import parse_address
 
 
 async def check_health(
@@ -47,16 +47,16 @@ async def check_health(
 
 
 def _cmd_health(args: argparse.Namespace) -> int:
+    address = parse_address(args.server, "--server")
+    security = client_security_from_args(args, os.environ)
     try:
-        security = client_security_from_args(args, os.environ)
-        status = asyncio.run(check_health(args.server, args.service, args.timeout_s, security))
+        status = asyncio.run(check_health(address, args.service, args.timeout_s, security))
     except grpc.aio.AioRpcError as err:
         if args.allow_unimplemented and err.code() == grpc.StatusCode.UNIMPLEMENTED:
-            print(f"{args.server}: serving gRPC (no health service)")
+            print(f"{address}: serving gRPC (no health service)")
             return 0
-        print(f"{args.server}: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
-    print(f"{args.server}: {status}")
+        raise  # the entry point's one-line error (paramserver.cli)
+    print(f"{address}: {status}")
     return 0 if status == "SERVING" else 1
 
 

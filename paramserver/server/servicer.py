@@ -141,14 +141,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         )
 
     def _view(self) -> pb.ClusterView:
+        view = pb.ClusterView()
+        self._view_into(view)
+        return view
+
+    def _view_into(self, view: pb.ClusterView) -> None:
+        """Fill ``view`` (e.g. a response's own field: no message copy) with the cluster now."""
         cluster = self.core.cluster
-        return pb.ClusterView(
-            consistency=_CONSISTENCY_PB[self.core.consistency],
-            staleness=cluster.staleness,
-            live_workers=len(cluster.live_workers()),
-            min_clock=cluster.min_clock(),
-            membership_epoch=cluster.epoch,
-        )
+        view.consistency = _CONSISTENCY_PB[self.core.consistency]
+        view.staleness = cluster.staleness
+        view.live_workers = len(cluster.live_workers())
+        view.min_clock = cluster.min_clock()
+        view.membership_epoch = cluster.epoch
 
     @grpc_errors
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
@@ -311,6 +315,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         header, grads = await self._read_tensors(
             request_iterator, "header", ticket, allow_encoded=True
         )
+        if header.require_keys:  # push_pull over the streams: its pull keys, checked first
+            self.core.require_keys(header.require_keys)
         return await self.apply_push(
             worker_id=header.worker_id,
             request_id=header.request_id,
@@ -342,11 +348,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         """
         if not worker_id:
             raise InvalidArgument("push header needs a worker_id")
+        if not grads:
+            raise InvalidArgument("a push needs at least one gradient; it carried none")
         offload = self.engine.offload
         # Big gradients: the NaN/Inf scan runs in a worker thread (a failed scan leaves it to
-        # the core, which refuses the push with its usual bookkeeping).
-        finite = not self.engine.config.allow_non_finite and await offload.all_finite(grads)
-        await offload.admit_writer()  # (a checkpoint may hold decisions back) no await after
+        # the core, which refuses the push with its usual bookkeeping). Small ones (the
+        # common case) skip the coroutine hops: the core scans them inline.
+        finite = (
+            not self.engine.config.allow_non_finite
+            and offload.worth_a_thread(grads)
+            and await offload.all_finite(grads)
+        )
+        if offload.holding_writers:  # (a checkpoint may hold decisions back) no await after
+            await offload.admit_writer()
         applied: list[asyncio.Future[None]] = []
         result = self.core.push(
             worker_id,
@@ -360,7 +374,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             finite_checked=finite,
         )
         for done in applied:  # decided: applied exactly once even if this call is cancelled
-            await asyncio.shield(done)
+            if not done.done():  # (small applies ran inline: nothing to wait for)
+                await asyncio.shield(done)
         self.engine.notify()
         if self.engine.wal is not None and not (result.duplicate or result.dropped_stale):
             await self.engine.commit(
@@ -375,12 +390,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
                     )
                 )
             )
-        return pb.PushResponse(
+        resp = pb.PushResponse(
             duplicate=result.duplicate,
             applied_updates=result.applied_updates,
-            view=self._view(),
             dropped_stale=result.dropped_stale,
         )
+        self._view_into(resp.view)
+        return resp
 
     @grpc_errors
     async def Pull(self, request: pb.PullRequest, context: Any) -> AsyncIterator[pb.PullResponse]:
@@ -423,6 +439,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         wait_s = self.engine.config.wait_timeout_ms / 1000.0
         return await self.engine.offload.snapshot(key, timeout_s=wait_s)
 
+    @observed_snapshot
+    async def pull_snapshot_bytes(self, key: str) -> bytes:
+        """:meth:`pull_snapshot` as raw little-endian C-order bytes (inline wire payloads):
+        one copy for a small key no update is still applying to, else a snapshot first."""
+        offload = self.engine.offload
+        value = offload.read_now(key)
+        if value is not None:
+            return value.tobytes()  # taken now: no await between the check and the copy
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        return (await offload.snapshot(key, timeout_s=wait_s)).tobytes()
+
     async def pull_snapshot_into(self, key: str, out: np.ndarray) -> None:
         """:meth:`pull_snapshot` written into ``out`` (one copy, e.g. into a client's shared
         memory): a consistent copy of one key's value.
@@ -433,13 +460,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         wait_s = self.engine.config.wait_timeout_ms / 1000.0
         await self.engine.offload.snapshot(key, out, timeout_s=wait_s)
 
-    @grpc_errors
     async def Session(
         self, request_iterator: AsyncIterator[pb.SessionRequest], context: Any
-    ) -> AsyncIterator[pb.SessionResponse]:
-        """One worker client's persistent stream (:mod:`paramserver.server.session_service`)."""
-        async for resp in self.sessions.serve(request_iterator):
-            yield resp
+    ) -> None:
+        """One worker client's persistent stream (:mod:`paramserver.server.session_service`).
+
+        Reader/writer style (``context.read`` / ``context.write``; cheaper per message than
+        async generators). Errors as :func:`grpc_errors` maps them, without its request drain:
+        only a protocol violation ends the stream, and a refusal then is final.
+        """
+        try:
+            await self.sessions.serve(context.read, context.write)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc, "Session")
 
     @grpc_errors
     async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
@@ -503,6 +538,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             bsp_policy=self.engine.config.death_policy,
             asyncio_tasks=len(asyncio.all_tasks()),
             rss_bytes=_rss_bytes(),
+            allow_non_finite=self.engine.config.allow_non_finite,
             inflight_pushes=self.engine.backpressure.total,
             inflight_push_bytes=self.engine.backpressure.bytes,
             refused_backpressure=self.engine.backpressure.refused,

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import numpy as np
 
 from paramserver import shm, tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
+from paramserver.server.engine import InflightTicket
 
 if TYPE_CHECKING:
     from paramserver.server.servicer import ParameterServerServicer
@@ -98,9 +100,18 @@ class SessionService:
             task.cancel(msg=_SHUTDOWN)
 
     async def serve(
-        self, requests: AsyncIterator[pb.SessionRequest]
-    ) -> AsyncIterator[pb.SessionResponse]:
-        """Answer the requests of one stream, in order.
+        self,
+        read: Callable[[], Awaitable[Any]],
+        write: Callable[[pb.SessionResponse], Awaitable[None]],
+    ) -> None:
+        """Answer the requests of one stream, in order, until the client ends it.
+
+        Reader/writer style (``context.read()`` / ``context.write()``), not an async
+        generator: one coroutine per stream and no generator layers per message.
+
+        Args:
+            read: Returns the next request, or ``grpc.aio.EOF`` when the client is done.
+            write: Sends one response.
 
         Raises:
             MalformedStream: the stream does not start with ``open`` or opens twice
@@ -109,16 +120,14 @@ class SessionService:
         session = _Session()
         self.open_sessions += 1
         task = asyncio.current_task()
-        it = aiter(requests)
+        idle = self._idle
         try:
             first = True
             while not self._closing:
                 if task is not None:
-                    self._idle.add(task)
+                    idle.add(task)
                 try:
-                    req = await anext(it)
-                except StopAsyncIteration:
-                    return
+                    req = await read()
                 except asyncio.CancelledError:
                     if not self._closing or task is None:
                         raise
@@ -126,17 +135,19 @@ class SessionService:
                     return
                 finally:
                     if task is not None:
-                        self._idle.discard(task)
+                        idle.discard(task)
+                if req is grpc.aio.EOF:
+                    return
                 which = req.WhichOneof("body")
                 if first:
                     if which != "open":
                         raise MalformedStream("a Session stream must start with an open message")
                     first = False
-                    yield self._open(session, req)
+                    await write(self._open(session, req))
                     continue
                 if which == "open":
                     raise MalformedStream("second open message in one Session stream")
-                yield await self._answer(session, req, which)
+                await write(await self._answer(session, req, which))
         finally:
             self._unmap(session)
             self.open_sessions -= 1
@@ -172,17 +183,24 @@ class SessionService:
     async def _answer(
         self, session: _Session, req: pb.SessionRequest, which: str | None
     ) -> pb.SessionResponse:
+        # Responses are filled in place (pulled tensors written straight into the response's
+        # own fields): no nested-message copies.
         try:
+            if which == "push_pull":
+                resp = pb.SessionResponse(seq=req.seq)
+                both = resp.push_pull
+                # Unknown pull keys are refused before the push is applied: all or nothing.
+                self.servicer.core.require_keys(req.push_pull.pull.keys)
+                pushed = await self._push(session, req.push_pull.push)
+                both.push.CopyFrom(pushed)
+                await self._pull(session, req.push_pull.pull, both.pull)
+                return resp
             if which == "push":
                 return pb.SessionResponse(seq=req.seq, push=await self._push(session, req.push))
             if which == "pull":
-                return pb.SessionResponse(seq=req.seq, pull=await self._pull(session, req.pull))
-            if which == "push_pull":
-                pushed = await self._push(session, req.push_pull.push)
-                pulled = await self._pull(session, req.push_pull.pull)
-                return pb.SessionResponse(
-                    seq=req.seq, push_pull=pb.SessionPushPulled(push=pushed, pull=pulled)
-                )
+                resp = pb.SessionResponse(seq=req.seq)
+                await self._pull(session, req.pull, resp.pull)
+                return resp
             if which == "shm_offer":
                 return pb.SessionResponse(seq=req.seq, shm=self._attach(session, req.shm_offer))
             raise MalformedStream(f"Session request {req.seq} has no body")
@@ -209,7 +227,7 @@ class SessionService:
             if key in out:
                 raise MalformedStream(f"key {key!r} appears twice in one push")
             dtype = tensor.dtype_from_wire(t.dtype, key)
-            shape = tuple(int(d) for d in t.shape)
+            shape = tuple(t.shape)  # (int64 field: already Python ints)
             nbytes = tensor.tensor_nbytes(shape, dtype)
             if limit is not None and nbytes > limit:
                 raise InvalidArgument(
@@ -241,7 +259,9 @@ class SessionService:
 
     async def _push(self, session: _Session, push: pb.SessionPush) -> pb.PushResponse:
         header = push.header
-        with self.servicer.engine.backpressure.ticket() as ticket:
+        # Backpressure.ticket() without its generator-based context manager (per request).
+        ticket = InflightTicket(self.servicer.engine.backpressure)
+        try:
             ticket.enter(header.worker_id)
             grads = self._decode(session, push.tensors, ticket)
             return await self.servicer.apply_push(
@@ -252,33 +272,32 @@ class SessionService:
                 base_version=header.base_version if header.HasField("base_version") else None,
                 grads=grads,
             )
+        finally:
+            ticket.release()
 
-    async def _pull(self, session: _Session, req: pb.PullRequest) -> pb.SessionPulled:
+    async def _pull(self, session: _Session, req: pb.PullRequest, out: pb.SessionPulled) -> None:
+        """Admit the pull and write its info and values into ``out`` (a response's field)."""
         servicer = self.servicer
         keys = await servicer.admit_pull(req.worker_id, req.keys, req.timeout_ms)
-        out = pb.SessionPulled(
-            info=pb.PullInfo(view=servicer._view(), version=servicer.core.version)
-        )
+        out.SetInParent()  # present even when it stays empty
+        info = out.info
+        servicer._view_into(info.view)
+        info.version = servicer.core.version
         store = servicer.core.store
         values = [store.get(key).value for key in keys]
         total = sum(v.nbytes for v in values)
         mapping = session.mapping
         if total <= SMALL_INLINE_BYTES or (mapping is None and total <= self.max_inline_bytes):
-            for key in keys:
-                value = await servicer.pull_snapshot(key)
-                out.tensors.append(
-                    pb.SessionTensor(
-                        key=key,
-                        dtype=tensor.dtype_to_wire(value.dtype),
-                        shape=value.shape,
-                        data=value.tobytes(),
-                    )
-                )
-            return out
+            add = out.tensors.add
+            for key, value in zip(keys, values, strict=True):
+                # dtype and shape are fixed per key; the bytes are a consistent snapshot.
+                data = await servicer.pull_snapshot_bytes(key)
+                add(key=key, dtype=tensor.dtype_to_wire(value.dtype), shape=value.shape, data=data)
+            return
         needed = sum(shm.align_up(v.nbytes) for v in values)
         if mapping is None or needed > mapping.pull.size_bytes:
             out.needed_bytes = needed
-            return out
+            return
         offset = 0
         for key, value in zip(keys, values, strict=True):
             size = value.nbytes
@@ -293,4 +312,3 @@ class SessionService:
                 )
             )
             offset = shm.align_up(offset + size)
-        return out

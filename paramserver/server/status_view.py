@@ -116,13 +116,15 @@ def render_status(status: Any, address: str = "") -> str:
     """The human view of a ``StatusResponse`` (tables of plain aligned text, newline-ended)."""
     view = status.view
     consistency = _enum_name(view, "consistency", "CONSISTENCY_").upper()
+    bsp = consistency == "BSP"  # the death policy and the step mean something under BSP only
     lines = [
         f"paramserver {address}".rstrip()
         + f": {consistency} (staleness {view.staleness}), aggregation "
-        f"{_enum_name(status, 'aggregation', 'AGGREGATION_')}, BSP policy "
-        f"{status.bsp_policy or '-'}",
-        f"live workers {view.live_workers}   min clock {view.min_clock}   BSP step "
-        f"{status.bsp_step}   membership epoch {view.membership_epoch}",
+        f"{_enum_name(status, 'aggregation', 'AGGREGATION_')}"
+        + (f", BSP policy {status.bsp_policy or '-'}" if bsp else ""),
+        f"live workers {view.live_workers}   min clock {view.min_clock}   "
+        + (f"BSP step {status.bsp_step}   " if bsp else "")
+        + f"membership epoch {view.membership_epoch}",
         f"applied updates {status.applied_updates}   duplicate {status.duplicate_pushes}   "
         f"rejected {status.rejected_pushes}   dropped stale {status.dropped_stale}   "
         f"in flight {status.inflight_pushes}",

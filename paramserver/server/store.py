@@ -103,6 +103,10 @@ def count_non_finite(grad: Array) -> int:
     """
     if grad.dtype not in FLOAT_DTYPES or grad.size == 0:
         return 0
+    if grad.size <= BLOCK_ELEMENTS:
+        # One block: count directly (exact, a block-sized temporary; cheaper for small
+        # gradients than the sum below and its np.errstate).
+        return int(grad.size - np.count_nonzero(np.isfinite(grad)))
     acc = np.float64 if grad.dtype == np.float64 else np.float32
     with np.errstate(over="ignore", invalid="ignore"):
         total = np.add.reduce(grad, axis=None, dtype=acc)

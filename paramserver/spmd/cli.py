@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from paramserver.errors import InvalidArgument, ParamServerError
+from paramserver.errors import InvalidArgument
 from paramserver.logs import LOG_FORMATS, configure_logging
 from paramserver.security import (
     add_client_security_flags,
@@ -60,6 +60,7 @@ from paramserver.security import (
     server_security_from_args,
     token_from_sources,
 )
+from paramserver.sharding import parse_address
 from paramserver.spmd.faults import Faults
 from paramserver.spmd.layout import parse_layout_spec
 from paramserver.spmd.rank_server import RankServerConfig, serve
@@ -185,9 +186,7 @@ def parse_rank_addresses(text: str, what: str = "addresses") -> list[str]:
     if not items or any(not item for item in items):
         raise InvalidArgument(f"{what}: expected HOST:PORT,HOST:PORT..., got {text!r}")
     for item in items:
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise InvalidArgument(f"{what}: {item!r} is not HOST:PORT")
+        parse_address(item, what)
     if len(set(items)) != len(items):
         raise InvalidArgument(f"{what}: {text!r} names one rank server twice")
     return items
@@ -278,9 +277,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankSe
     host = pick(args.host, "HOST", str)
     port = args.port
     if args.address:
-        h, sep, p = args.address.rpartition(":")
-        if not sep:
-            raise InvalidArgument(f"--address must be host:port, got {args.address!r}")
+        h, _, p = parse_address(args.address, "--address", allow_port_zero=True).rpartition(":")
         host, port = h, int(p)
     if host is not None:
         kwargs["host"] = host
@@ -324,31 +321,22 @@ def run_event_loop(coro: Any, loop: str) -> Any:
 
 
 def _run_rank_server(args: argparse.Namespace) -> int:
-    try:
-        config = config_from_args(args, os.environ)
-    except ParamServerError as exc:
-        print(f"paramserver rank-server: {exc.message}", file=sys.stderr)
-        return 2
-    try:
-        return int(run_event_loop(serve(config), args.loop))
-    except ParamServerError as exc:
-        logger.error("rank server failed to start: %s", exc.message)
-        return 1
+    # Bad flags (InvalidArgument, exit 2) and a port that cannot be bound (Unavailable, exit 1)
+    # end the command with one line (paramserver.cli.run_command).
+    config = config_from_args(args, os.environ)
+    return int(run_event_loop(serve(config), args.loop))
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from paramserver.spmd.demo import run_demo
 
-    try:
-        targets, wait_s = demo_targets_from_args(args, os.environ)
-        security = client_security_from_args(args, os.environ) if targets is not None else None
-        if args.blocks < 1:
-            raise InvalidArgument(f"--blocks must be >= 1, got {args.blocks}")
-        if args.layout is not None:
-            parse_layout_spec(args.layout)
-    except ParamServerError as exc:
-        print(f"paramserver spmd-demo: {exc.message}", file=sys.stderr)
-        return 2
+    # Bad flags: InvalidArgument, one line and exit 2 (paramserver.cli.run_command).
+    targets, wait_s = demo_targets_from_args(args, os.environ)
+    security = client_security_from_args(args, os.environ) if targets is not None else None
+    if args.blocks < 1:
+        raise InvalidArgument(f"--blocks must be >= 1, got {args.blocks}")
+    if args.layout is not None:
+        parse_layout_spec(args.layout)
     return run_demo(
         blocks=args.blocks,
         layout_text=args.layout,
@@ -372,9 +360,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_subcommands(sub)
     args = parser.parse_args(argv)
+    from paramserver.cli import error_line, run_command
+
     try:
-        configure_logging(args.log_level, args.log_format)
+        log_format = configure_logging(args.log_level, args.log_format)
     except InvalidArgument as exc:
-        print(f"python -m paramserver.spmd: {exc}", file=sys.stderr)
+        print(f"python -m paramserver.spmd: {error_line(exc)}", file=sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    return run_command(f"python -m paramserver.spmd {args.command}", args, log_format)

@@ -61,7 +61,7 @@ from paramserver.errors import (
     from_rpc_error,
 )
 from paramserver.security import ClientSecurity, ServerSecurity, bind, open_channel
-from paramserver.server.metrics import MetricsServer, enable_reflection
+from paramserver.server.metrics import MetricsServer, auth_refusal_counter, enable_reflection
 from paramserver.spmd.errors import (
     BlockNotValid,
     CommandTimeout,
@@ -185,6 +185,11 @@ class RankServerConfig:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise InvalidArgument(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.metrics_port and self.metrics_port == self.port:
+            raise InvalidArgument(
+                f"--metrics-port {self.metrics_port} is also --port: the metrics endpoint "
+                "needs a port of its own"
+            )
         for name in ("host_blocks", "disk_blocks", "device_blocks"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0")
@@ -1438,51 +1443,53 @@ class RankServerHandle:
 
 
 async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
-    """Allocate the pools, bind ``config.host:config.port`` and start serving.
+    """Allocate the pools, bind ``config.host:config.port`` (and the metrics port) and start
+    serving.
 
     Returns:
         A handle whose ``port`` is the bound port (ephemeral when ``config.port == 0``).
 
     Raises:
         TierNotRegistered: G1 requested without a GPU (FAILED_PRECONDITION).
-        OSError: the port cannot be bound.
+        Unavailable: the port or the metrics port cannot be bound, the address and the reason
+            named (UNAVAILABLE); nothing is left running.
     """
     servicer = RankServicer.create(config)
+    server: grpc.aio.Server | None = None
+    metrics: MetricsServer | None = None
     try:
         sec = config.security
+        on_refusal = None
+        if config.metrics_port is not None:
+            svc = servicer
+            servicer.metrics = RankMetrics(lambda: (svc._failed, svc._inflight))
+            metrics = MetricsServer(servicer.metrics.registry, config.host, config.metrics_port)
+            on_refusal = auth_refusal_counter(servicer.metrics.registry)
+            # Before the gRPC port: grpc.aio keeps a port bound by a server that never started.
+            await metrics.start()
         server = grpc.aio.server(
-            interceptors=sec.interceptors() if sec is not None else None,
+            interceptors=sec.interceptors(on_refusal) if sec is not None else None,
             options=CHANNEL_OPTIONS,
         )
         spmd_pb2_grpc.add_RankServerServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         enable_reflection(server, SERVICE_NAME)
-        try:
-            port = bind(server, f"{config.host}:{config.port}", sec)
-        except ParamServerError as exc:
-            raise OSError(f"cannot bind {config.host}:{config.port}: {exc.message}") from exc
+        port = bind(server, f"{config.host}:{config.port}", sec)
         host = config.host if config.host not in ("0.0.0.0", "::", "") else socket.gethostname()
         servicer.address = f"{host}:{port}"
         await server.start()
     except BaseException:
+        if server is not None:
+            await server.stop(None)
+        if metrics is not None:
+            await metrics.stop()
         await servicer.close()
         raise
     if servicer.store is not None and isinstance(servicer.store, FilesystemObjectStore):
         removed = await asyncio.to_thread(servicer.store.sweep_temp, 3600.0)
         if removed:
             logger.info("removed %d stale object temp files", removed)
-    metrics: MetricsServer | None = None
-    if config.metrics_port is not None:
-        svc = servicer
-        servicer.metrics = RankMetrics(lambda: (svc._failed, svc._inflight))
-        metrics = MetricsServer(servicer.metrics.registry, config.host, config.metrics_port)
-        try:
-            await metrics.start()
-        except OSError:
-            await server.stop(0)
-            await servicer.close()
-            raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RankServerHandle(server, servicer, port, health_servicer, metrics)

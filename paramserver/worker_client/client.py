@@ -342,6 +342,8 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             KeyNotFound (NOT_FOUND), InvalidArgument (INVALID_ARGUMENT: shape/dtype/NaN),
             WorkerNotFound / StaleUpdate (FAILED_PRECONDITION), WaitTimeout, Unavailable.
         """
+        if not grads:
+            raise InvalidArgument("a push needs at least one gradient; got none")
         request_id = self._next_request_id
         self._next_request_id += 1
         arrays = normalized_tensors(grads)
@@ -535,6 +537,8 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         Raises:
             The errors of :meth:`push` and :meth:`pull`, with the same classes and status codes.
         """
+        if not grads:
+            raise InvalidArgument("a push needs at least one gradient; got none")
         request_id = self._next_request_id
         self._next_request_id += 1
         arrays = normalized_tensors(grads)
@@ -576,7 +580,15 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
                     info, values = pulled
                     self._note_pull(info, False)
                     return values
-            self._ack(request_id, await self._push_stream_attempt(header, parts, push_deadline_s)())
+
+            def checked_header() -> pb.PushHeader:
+                # The server refuses the push, unapplied, if a pull key does not exist.
+                h = header()
+                h.require_keys.extend(key_list)
+                return h
+
+            push = self._push_stream_attempt(checked_header, parts, push_deadline_s)
+            self._ack(request_id, await push())
             return await pull_stream()
 
         return await self._member_call(attempt, "push_pull")

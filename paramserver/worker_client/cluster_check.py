@@ -27,6 +27,7 @@ from paramserver.security import (
     add_client_security_flags,
     client_security_from_args,
 )
+from paramserver.sharding import parse_address
 from paramserver.worker_client.client import connect
 from paramserver.worker_client.training import accuracy, load_digits_split
 
@@ -72,6 +73,7 @@ def wait_for_results(directory: Path, names: list[str], timeout_s: float) -> dic
 
 
 def _cmd_cluster_check(args: argparse.Namespace) -> int:
+    server = parse_address(args.server, "--server")
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)
     for stale in results.glob("*.rc"):
@@ -84,7 +86,7 @@ def _cmd_cluster_check(args: argparse.Namespace) -> int:
     ok = all(v == 0 for v in statuses.values())
     try:
         security = client_security_from_args(args, os.environ)
-        summary.update(asyncio.run(evaluate(args.server, args.seed, security)))
+        summary.update(asyncio.run(evaluate(server, args.seed, security)))
         ok = ok and summary["test_accuracy"] >= args.min_accuracy
     except (ParamServerError, OSError) as exc:
         summary["error"] = f"{type(exc).__name__}: {exc}"

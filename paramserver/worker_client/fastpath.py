@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,12 @@ class FastPath:
         self._segment: shm.ClientSegment | None = None
         #: Payload bytes of every key seen (pushed or pulled), to place pulls up front.
         self.known_nbytes: dict[str, int] = {}
+        # Request deadlines (see _Deadline): one lazily re-armed timer, not one per request.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
+        self._timed_task: asyncio.Task[Any] | None = None  # the request in flight
+        self._expiry = math.inf  # loop time its deadline passes
+        self._expired = False  # the timer cancelled it
 
     # ------------------------------------------------------------------ state
     @property
@@ -119,6 +126,9 @@ class FastPath:
     def close(self) -> None:
         """Drop the stream and the segment (no I/O; the server sees the stream cancelled)."""
         self._drop()
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
 
     def _drop(self) -> None:
         call, self._call = self._call, None
@@ -219,12 +229,17 @@ class FastPath:
         return True
 
     # ------------------------------------------------------------------ encoding
-    async def _push_message(
-        self, header: pb.PushHeader, arrays: Mapping[str, np.ndarray], pull_bytes: int
-    ) -> pb.SessionPush:
+    async def _fill_push(
+        self,
+        msg: pb.SessionPush,
+        header: pb.PushHeader,
+        arrays: Mapping[str, np.ndarray],
+        pull_bytes: int,
+    ) -> None:
+        """Write the push into ``msg`` (the request's own field: no nested-message copies)."""
         sizes = {k: a.nbytes for k, a in arrays.items()}
         total = sum(sizes.values())
-        msg = pb.SessionPush(header=header)
+        msg.header.CopyFrom(header)
         if total > SMALL_INLINE_BYTES and await self._ensure_segment(_need(sizes), pull_bytes):
             seg = self._segment
             assert seg is not None
@@ -241,26 +256,24 @@ class FastPath:
                 )
                 offset = shm.align_up(offset + arr.nbytes)
         elif total <= self.max_inline_bytes:
+            add = msg.tensors.add
             for key, arr in arrays.items():
-                msg.tensors.append(
-                    pb.SessionTensor(
-                        key=key,
-                        dtype=tensor.dtype_to_wire(arr.dtype),
-                        shape=arr.shape,
-                        data=arr.tobytes(),
-                    )
+                add(
+                    key=key,
+                    dtype=tensor.dtype_to_wire(arr.dtype),
+                    shape=arr.shape,
+                    data=arr.tobytes(),
                 )
         else:
             raise Fallback(f"push of {total} bytes without shared memory")
         self.known_nbytes.update(sizes)
-        return msg
 
     def _decode(self, pulled: pb.SessionPulled, copy: bool) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         for t in pulled.tensors:
             key = t.key
             dtype = tensor.dtype_from_wire(t.dtype, key)
-            shape = tuple(int(d) for d in t.shape)
+            shape = tuple(t.shape)  # (int64 field: already Python ints)
             if t.WhichOneof("payload") == "slot":
                 if self._segment is None:
                     raise MalformedStream(f"tensor {key!r} in shared memory, but none is mapped")
@@ -279,9 +292,16 @@ class FastPath:
 
     def _pull_bytes(self, keys: list[str]) -> int | None:
         """Bytes the pull of ``keys`` needs in the pull region, when every size is known."""
-        if not keys or any(k not in self.known_nbytes for k in keys):
+        if not keys:
             return None
-        return _need([self.known_nbytes[k] for k in keys])
+        known = self.known_nbytes
+        total = 0
+        for key in keys:  # (one pass: this runs on every request)
+            nbytes = known.get(key)
+            if nbytes is None:
+                return None
+            total += shm.align_up(nbytes)
+        return total
 
     async def _prepare_pull(self, keys: list[str]) -> int:
         """Grow the pull region up front when the sizes are known; :class:`Fallback` when the
@@ -317,8 +337,9 @@ class FastPath:
         """
         async with self._lock, self._deadline(deadline_s):
             await self._ensure_open(header.worker_id)
-            msg = await self._push_message(header, arrays, 0)
-            return (await self._roundtrip(pb.SessionRequest(push=msg))).push
+            request = pb.SessionRequest()
+            await self._fill_push(request.push, header, arrays, 0)
+            return (await self._roundtrip(request)).push
 
     async def pull(
         self, req: pb.PullRequest, deadline_s: float, *, copy: bool = True
@@ -360,10 +381,11 @@ class FastPath:
             pull_bytes = self._pull_bytes(keys)
             if pull_bytes is None:
                 pull_bytes = _need({k: a.nbytes for k, a in arrays.items() if k in keys})
-            msg = await self._push_message(header, arrays, pull_bytes)
-            resp = await self._roundtrip(
-                pb.SessionRequest(push_pull=pb.SessionPushPull(push=msg, pull=req))
-            )
+            request = pb.SessionRequest()
+            both = request.push_pull
+            await self._fill_push(both.push, header, arrays, pull_bytes)
+            both.pull.CopyFrom(req)
+            resp = await self._roundtrip(request)
             pushed = resp.push_pull.push
             try:
                 return pushed, await self._finish_pull(req, resp.push_pull.pull, copy)
@@ -373,27 +395,80 @@ class FastPath:
     def _deadline(self, deadline_s: float) -> _Deadline:
         return _Deadline(self, deadline_s)
 
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        """Make the deadline timer fire no later than loop time ``at``."""
+        timer = self._timer
+        if timer is not None and self._timer_loop is loop and timer.when() <= at:
+            return  # fires earlier; it re-arms itself for the request then in flight
+        if timer is not None:
+            timer.cancel()
+        self._timer = loop.call_at(at, self._on_timer)
+        self._timer_loop = loop
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        task = self._timed_task
+        if task is None or self._expired:
+            return  # no request in flight: re-armed by the next one
+        loop = self._timer_loop
+        assert loop is not None
+        if self._expiry - loop.time() > _TIMER_SLACK_S:
+            self._arm(loop, self._expiry)  # a later request's deadline
+            return
+        self._expired = True
+        task.cancel()
+
+
+#: A deadline timer firing this close (seconds) before its request's deadline expires it.
+_TIMER_SLACK_S = 1e-3
+
 
 class _Deadline:
     """``async with``: the request's deadline; past it the stream is dropped (its response
     may still arrive: it must never be read as the next request's) and DEADLINE_EXCEEDED is
-    raised as the ordinary path's call would raise it."""
+    raised as the ordinary path's call would raise it.
 
-    __slots__ = ("_fp", "_s", "_timeout")
+    Same semantics as :func:`asyncio.timeout` (the request's task is cancelled at the deadline
+    and the cancellation turned into the error), but with one timer per :class:`FastPath`,
+    re-armed lazily: a request only moves it earlier, and when it fires for a request that has
+    finished it re-arms for the one in flight. Small requests take microseconds and deadlines
+    are seconds, so the timer rarely moves (a timer per request cost a tenth of the client's
+    Python time per round). Requests of one FastPath never overlap (its lock).
+    """
+
+    __slots__ = ("_cancelling", "_fp", "_s", "_task")
 
     def __init__(self, fp: FastPath, deadline_s: float) -> None:
         self._fp = fp
         self._s = deadline_s
-        self._timeout = asyncio.timeout(deadline_s)
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelling = 0
 
     async def __aenter__(self) -> None:
-        await self._timeout.__aenter__()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a session request must run in a task")
+        loop = asyncio.get_running_loop()
+        fp = self._fp
+        self._task = task
+        self._cancelling = task.cancelling()
+        fp._timed_task = task
+        fp._expired = False
+        fp._expiry = at = loop.time() + self._s
+        fp._arm(loop, at)
 
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        try:
-            await self._timeout.__aexit__(exc_type, exc, tb)
-        except TimeoutError:
-            self._fp._drop()
+        fp = self._fp
+        fp._timed_task = None
+        fp._expiry = math.inf
+        if not fp._expired:
+            return
+        fp._expired = False
+        task = self._task
+        assert task is not None
+        # As asyncio.timeout: our cancellation (and no one else's) becomes the deadline error.
+        if task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            fp._drop()
             raise _rpc_error(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"no session response within {self._s:.3f} s"
             ) from None

@@ -38,12 +38,15 @@ from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import (
+    InvalidArgument,
     KeyNotFound,
+    NonFiniteGradient,
     ParamServerError,
     WorkerNotFound,
 )
 from paramserver.security import ClientSecurity, open_channel
 from paramserver.server.optimizers import UpdateRule
+from paramserver.server.store import count_non_finite
 from paramserver.sharding import (
     ShardMap,
     TensorLayout,
@@ -134,6 +137,7 @@ class ClusterWorkerClient(WorkerClient):
         self.shard_map: ShardMap | None = None
         self.shards: list[WorkerClient] = []
         self._layouts: dict[str, TensorLayout] = {}
+        self._allow_non_finite = False  # the shards' policy, learned from their Status
 
     @property
     def sharded(self) -> bool:
@@ -317,6 +321,7 @@ class ClusterWorkerClient(WorkerClient):
         """Record the layouts of the keys the given shards hold whole or as layout tensors."""
         need: dict[int, list[str]] = {}
         for shard, st in statuses.items():
+            self._allow_non_finite = self._allow_non_finite or st.allow_non_finite
             infos = {ki.key: ki for ki in st.keys}
             keys = (
                 wanted[shard]
@@ -464,6 +469,16 @@ class ClusterWorkerClient(WorkerClient):
         assert self.shard_map is not None
         arrays = {k: tensor.normalize(v, k) for k, v in grads.items()}
         layouts = await self._resolve(list(arrays))
+        if not self._allow_non_finite:
+            # The shards apply their parts independently, so every refusal a shard could make
+            # is made here first, before any part is sent (shape, dtype and keys in route()).
+            for key, array in arrays.items():
+                bad = count_non_finite(array)
+                if bad:
+                    raise NonFiniteGradient(
+                        f"gradient for key {key!r} has {bad} non-finite value(s) (NaN or Inf) "
+                        f"out of {array.size}; nothing was pushed to any shard"
+                    )
         parts = self.shard_map.route(layouts, arrays)
         calls = {
             i: self.shards[i].push(
@@ -473,7 +488,7 @@ class ClusterWorkerClient(WorkerClient):
             if part
         }
         if not calls:
-            calls = {0: self.shards[0].push({}, num_samples=num_samples, timeout_s=timeout_s)}
+            raise InvalidArgument("a push needs at least one gradient; got none")
         acks = await self._fan_out(calls)
         self._sync_state()
         first = acks[min(acks)]
@@ -540,8 +555,9 @@ class ClusterWorkerClient(WorkerClient):
                 timeout_s=timeout_s,
                 copy=copy,
             )
-        await self.push(grads, num_samples=num_samples, base_version=base_version)
         key_list = list(grads) if keys is None else list(keys)
+        await self._resolve(key_list)  # an unknown pull key is refused before the push
+        await self.push(grads, num_samples=num_samples, base_version=base_version)
         return await self.pull(key_list, timeout_s=timeout_s, copy=copy)
 
     async def clock(self) -> int:

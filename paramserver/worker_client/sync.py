@@ -125,13 +125,31 @@ class SyncWorkerClient:
     ) -> dict[str, np.ndarray]:
         return self._run(self.client.init(tensors, rule))
 
-    def push(self, grads: Mapping[str, np.ndarray], *, num_samples: int = 1) -> PushAck:
-        return self._run(self.client.push(grads, num_samples=num_samples))
+    def push(
+        self,
+        grads: Mapping[str, np.ndarray],
+        *,
+        num_samples: int = 1,
+        base_version: int | None = None,
+        timeout_s: float | None = None,
+    ) -> PushAck:
+        """:meth:`WorkerClient.push`, blocking."""
+        return self._run(
+            self.client.push(
+                grads, num_samples=num_samples, base_version=base_version, timeout_s=timeout_s
+            )
+        )
 
     def pull(
-        self, keys: Iterable[str] | None = None, *, timeout_s: float | None = None
+        self,
+        keys: Iterable[str] | None = None,
+        *,
+        timeout_s: float | None = None,
+        observer: bool = False,
+        copy: bool = True,
     ) -> dict[str, np.ndarray]:
-        return self._run(self.client.pull(keys, timeout_s=timeout_s))
+        """:meth:`WorkerClient.pull`, blocking (``copy=False`` views live until the next call)."""
+        return self._run(self.client.pull(keys, timeout_s=timeout_s, observer=observer, copy=copy))
 
     def push_pull(
         self,
@@ -139,11 +157,20 @@ class SyncWorkerClient:
         keys: Iterable[str] | None = None,
         *,
         num_samples: int = 1,
+        base_version: int | None = None,
         timeout_s: float | None = None,
+        copy: bool = True,
     ) -> dict[str, np.ndarray]:
         """Push, then pull, in one round trip (see :meth:`WorkerClient.push_pull`)."""
         return self._run(
-            self.client.push_pull(grads, keys, num_samples=num_samples, timeout_s=timeout_s)
+            self.client.push_pull(
+                grads,
+                keys,
+                num_samples=num_samples,
+                base_version=base_version,
+                timeout_s=timeout_s,
+                copy=copy,
+            )
         )
 
     def clock(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -30,13 +31,14 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from paramserver.errors import WaitTimeout
+from paramserver.errors import InvalidArgument, Unavailable, WaitTimeout
 from paramserver.security import (
     ClientSecurity,
     add_client_security_flags,
     client_security_from_args,
 )
 from paramserver.server.optimizers import UpdateRule
+from paramserver.sharding import parse_address
 from paramserver.worker_client.client import WorkerClient, connect
 from paramserver.worker_client.compression import Cast, Compression, TopK
 from paramserver.worker_client.local_cluster import start_servers, stop_servers
@@ -329,7 +331,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from paramserver.server.daemon import run_loop
 
     cfg = TrainConfig(
-        server=args.server,
+        server=parse_address(args.server, "--server"),
         worker_index=args.worker_index,
         num_workers=args.num_workers,
         epochs=args.epochs,
@@ -359,7 +361,14 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if summary is None:
         print("paramserver worker: stopped by SIGTERM (left the cluster)", file=sys.stderr)
         return 143
-    return 0 if summary["test_accuracy"] >= args.min_accuracy else 1
+    if summary["test_accuracy"] < args.min_accuracy:
+        print(
+            f"paramserver worker: test accuracy {summary['test_accuracy']:.4f} is below "
+            f"--min-accuracy {args.min_accuracy}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 async def _until_sigterm(job: Coroutine[Any, Any, T]) -> T | None:
@@ -420,11 +429,55 @@ def _model_label(consistency: str, staleness: int) -> str:
     return f"ssp (s={staleness})" if consistency == "ssp" else consistency
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def check_demo_args(args: argparse.Namespace) -> None:
+    """Refuse bad demo flags before any process starts (not after minutes of training).
+
+    Raises:
+        InvalidArgument: the flag and its value named (INVALID_ARGUMENT; exit 2).
+        SystemExit: ``--plot`` without matplotlib installed.
+    """
+    from paramserver.server.config import ServerConfig
+
+    for flag, value, low in (
+        ("--workers", args.workers, 1),
+        ("--epochs", args.epochs, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--shards", args.shards, 1),
+        ("--staleness", args.staleness, 0),
+        ("--hidden", args.hidden, 0),
+        ("--lease-ms", args.lease_ms, 1),
+    ):
+        if value < low:
+            raise InvalidArgument(f"{flag} must be >= {low}, got {value}")
+    if not args.timeout_s > 0:
+        raise InvalidArgument(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if not 0 < args.topk_ratio <= 1:
+        raise InvalidArgument(f"--topk-ratio must be in (0, 1], got {args.topk_ratio}")
+    for consistency in args.consistency:  # what the demo's servers would refuse, refused here
+        ServerConfig(
+            consistency=consistency,
+            staleness=args.staleness,
+            aggregation=args.aggregation,
+            lease_ms=args.lease_ms,
+            **({"slice_bytes": args.slice_bytes} if args.slice_bytes is not None else {}),
+        )
     if args.plot is not None:
         from paramserver.worker_client.plot import require_matplotlib
 
-        require_matplotlib()  # before minutes of training, not after
+        require_matplotlib()
+        import matplotlib.figure
+
+        kinds = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+        suffix = args.plot.suffix.lower().lstrip(".")
+        if suffix not in kinds:
+            raise InvalidArgument(
+                f"--plot {str(args.plot)!r}: the file name must end in a figure format "
+                f"matplotlib writes ({', '.join('.' + k for k in sorted(kinds))})"
+            )
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    check_demo_args(args)
     curves: dict[str, list[tuple[float, float]]] = {}
     finals: dict[str, float] = {}
     rc = 0
@@ -490,9 +543,12 @@ def _demo_run(
         ]
         if args.no_uvloop:
             server_cmd.append("--no-uvloop")
-        servers, addresses = start_servers(
-            server_cmd, args.shards, Path(tmp), env=env, slice_bytes=args.slice_bytes
-        )
+        try:
+            servers, addresses = start_servers(
+                server_cmd, args.shards, Path(tmp), env=env, slice_bytes=args.slice_bytes
+            )
+        except RuntimeError as exc:  # its own error line is already on stderr
+            raise Unavailable(f"the demo's parameter server did not start: {exc}") from None
         workers: list[subprocess.Popen[str]] = []
         try:
             address = addresses[0]  # any shard: workers fetch the shard map from it
@@ -536,12 +592,18 @@ def _demo_run(
                     str(args.topk_ratio),
                     "--framework",
                     args.framework,
+                    "--min-accuracy",  # the demo's bar, not the worker's default
+                    str(args.min_accuracy),
                 ]
                 if i != 0:
                     cmd.append("--no-eval")
                 if args.no_uvloop:
                     cmd.append("--no-uvloop")
-                workers.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+                workers.append(
+                    subprocess.Popen(
+                        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                    )
+                )
             rc, curve = _follow(workers, args, t0)
             accuracy_final = _final_accuracy(address, args)
             elapsed = time.monotonic() - t0
@@ -574,6 +636,8 @@ def _follow(
     import threading
 
     lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+    last_errors = [collections.deque[str](maxlen=3) for _ in workers]
+    pumps: list[threading.Thread] = []
 
     def pump(i: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -581,8 +645,18 @@ def _follow(
             lines.put((i, line))
         lines.put((i, None))
 
+    def pump_errors(i: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # passed on as they come (JSON log lines stay JSON), the
+            sys.stderr.write(line)  # last ones kept to say why the worker failed
+            sys.stderr.flush()
+            if line.strip():
+                last_errors[i].append(line.strip())
+
     for i, w in enumerate(workers):
         threading.Thread(target=pump, args=(i, w), daemon=True).start()
+        pumps.append(threading.Thread(target=pump_errors, args=(i, w), daemon=True))
+        pumps[-1].start()
     losses: dict[int, dict[int, float]] = {}
     curve: list[tuple[float, float]] = []
     open_streams = len(workers)
@@ -613,15 +687,19 @@ def _follow(
                 print(
                     f"epoch {event['epoch']:>3}/{args.epochs}  loss {event['loss']:.4f}  "
                     f"test accuracy {event.get('test_accuracy', float('nan')):.4f}  "
-                    f"clock {event['clock']}  [{time.monotonic() - t0:6.1f} s]  "
+                    # seconds since every worker registered: the plot's time axis too
+                    f"clock {event['clock']}  "
+                    f"[{event.get('train_elapsed_s', time.monotonic() - t0):6.1f} s]  "
                     f"({len(per)}/{len(workers)} workers reported)",
                     flush=True,
                 )
     rc = 0
     for i, w in enumerate(workers):
         code = w.wait(timeout=max(1.0, deadline - time.monotonic()))
+        pumps[i].join(timeout=2.0)  # its stderr is read to the end
         if code != 0:
-            print(f"worker {i} exited with code {code}", file=sys.stderr)
+            reason = " | ".join(last_errors[i]) or "no error output"
+            print(f"worker {i} exited with code {code}: {reason}", file=sys.stderr)
             rc = 1
     return rc, curve
 

@@ -512,3 +512,30 @@ async def test_a_reply_past_the_deadline_is_never_read_and_the_retry_is_a_duplic
             got = await ps.pull(["w"])
             np.testing.assert_array_equal(got["w"], np.ones(4, np.float32))
             assert ps.fastpath is not None and ps.fastpath.sessions_opened == 2
+
+
+@pytest.mark.parametrize(
+    ("session", "shared_memory", "n"),
+    [
+        (True, True, 4),  # one Session request
+        (True, False, 600_000),  # 2.4 MB without shared memory: the Push stream, then Pull
+        (False, False, 4),  # the Push stream per call
+    ],
+)
+async def test_push_pull_with_an_unknown_pull_key_applies_nothing(
+    session: bool, shared_memory: bool, n: int
+) -> None:
+    """ASP, sgd lr 1 on w = zeros(n): push_pull(ones, keys=["w", "nope"]) is refused with
+    KeyNotFound and w stays zeros (closed form), on every path; push_pull(ones) then gives -1."""
+    async with running_server(consistency="asp") as srv:
+        async with WorkerClient(
+            srv.address, "w0", heartbeat=False, session=session, shared_memory=shared_memory
+        ) as ps:
+            await ps.init({"w": np.zeros(n, np.float32)}, rule=UpdateRule("sgd", lr=1.0))
+            ones = np.ones(n, np.float32)
+            with pytest.raises(KeyNotFound, match="nope"):
+                await ps.push_pull({"w": ones}, keys=["w", "nope"])
+            np.testing.assert_array_equal((await ps.pull(["w"]))["w"], np.zeros(n, np.float32))
+            got = await ps.push_pull({"w": ones})
+            np.testing.assert_array_equal(got["w"], -ones)
+            assert (await ps.status()).applied_updates == 1

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
-from paramserver.errors import KeyNotFound
+from paramserver.errors import InvalidArgument, KeyNotFound, NonFiniteGradient
 from paramserver.server.ops import check_health
 from paramserver.sharding import home_shard, layout_key, parse_name
 from paramserver.worker_client import UpdateRule, connect, connect_sync
@@ -50,6 +50,34 @@ async def test_every_shard_serves_the_map_and_any_shard_bootstraps() -> None:
             status = await ps.status()
             assert {(k.key, tuple(k.shape)) for k in status.keys} == {("big", (3000,)), ("s", (2,))}
         assert (await check_health(shards[0].address)) == "SERVING"
+
+
+@pytest.mark.timeout(60)
+async def test_refused_sharded_push_changes_no_shard() -> None:
+    """A push over several shards is refused whole before any part is sent: a NaN in one key
+    (whose shard would refuse it) leaves every key unchanged, and so does push_pull with an
+    unknown pull key or an empty push; the corrected push then applies once."""
+    async with running_cluster(2, consistency="asp", slice_bytes=64) as shards:
+        async with connect(shards[0].address, "w0") as ps:
+            keys = [f"k{i}" for i in range(8)]
+            await ps.init({k: np.zeros(4, np.float32) for k in keys}, rule=UpdateRule("sgd", lr=1))
+            placed = {home_shard(k, 2) for k in keys}
+            assert placed == {0, 1}  # the keys really span both shards
+            grads = {k: np.ones(4, np.float32) for k in keys}
+            grads[keys[-1]] = np.array([1, np.nan, 1, 1], np.float32)
+            with pytest.raises(NonFiniteGradient, match="nothing was pushed"):
+                await ps.push(grads)
+            with pytest.raises(KeyNotFound):
+                await ps.push_pull({k: np.ones(4, np.float32) for k in keys}, keys=["nope"])
+            with pytest.raises(InvalidArgument, match="at least one gradient"):
+                await ps.push({})
+            got = await ps.pull(keys)
+            for k in keys:
+                np.testing.assert_array_equal(got[k], np.zeros(4, np.float32), err_msg=k)
+            await ps.push({k: np.ones(4, np.float32) for k in keys})
+            got = await ps.pull(keys)
+            for k in keys:
+                np.testing.assert_array_equal(got[k], -np.ones(4, np.float32), err_msg=k)
 
 
 @pytest.mark.timeout(30)

@@ -33,8 +33,6 @@ pytestmark = pytest.mark.timeout(30)
 
 WORKER = "worker-token-0123456789abcdef"
 ADMIN = "admin-token-0123456789abcdef"
-PEM_CERT = b"-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n"
-PEM_KEY = b"-----BEGIN PRIVATE KEY-----\nMIGHfake\n-----END PRIVATE KEY-----\n"
 
 
 def all_rpcs() -> set[str]:
@@ -197,9 +195,42 @@ def test_client_funnel_maps_the_auth_codes() -> None:
 
 
 # --------------------------------------------------------------------------- settings
+def _self_signed() -> tuple[bytes, bytes]:
+    """A real self-signed certificate (also usable as its own CA) and its key, PEM: the
+    settings load certificate and key as TLS would, so fakes no longer pass."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "unit")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
 @pytest.fixture
 def pem(tmp_path: Path) -> dict[str, str]:
-    files = {"cert": PEM_CERT, "key": PEM_KEY, "ca": PEM_CERT}
+    cert, key = _self_signed()
+    files = {"cert": cert, "key": key, "ca": cert}
     out = {}
     for name, data in files.items():
         path = tmp_path / f"{name}.pem"
@@ -223,7 +254,7 @@ def test_client_precedence_flag_then_env_then_default(pem: dict[str, str], tmp_p
     from_env = ClientSecurity.from_sources({}, env)
     assert from_env.tls and from_env.tls_ca == pem["ca"] and from_env.token == ADMIN
     other = tmp_path / "other-ca.pem"
-    other.write_bytes(PEM_CERT)
+    other.write_bytes(Path(pem["ca"]).read_bytes())
     flagged = ClientSecurity.from_sources({"tls_ca": str(other), "token_file": pem["token"]}, env)
     assert flagged.tls_ca == str(other) and flagged.token == WORKER  # flags win
     env_file = ClientSecurity.from_sources({}, env | {"PARAMSERVER_TOKEN_FILE": pem["token"]})

@@ -647,6 +647,25 @@ def test_max_tensor_bytes() -> None:
         TensorAssembler(max_tensor_bytes=1 << 30).feed(frame)
 
 
+@pytest.mark.parametrize(
+    ("shape", "words"),
+    [
+        ([1 << 62, 1 << 62, 0], "larger than any array"),  # zero-size, yet numpy refuses it
+        ([1 << 61, 0], "larger than any array"),  # 2**61 * 8 bytes overflows a signed size
+        ([1] * 65, "65 dimensions"),
+    ],
+)
+def test_header_shape_numpy_cannot_hold_is_malformed(shape: list[int], words: str) -> None:
+    size = 0 if 0 in shape else 8
+    header = tensor_pb2.TensorHeader(
+        key="k", dtype=tensor_pb2.DTYPE_FLOAT64, shape=shape, size_bytes=size
+    )
+    frame = tensor_pb2.TensorFrame(header=header, chunk_index=0, last=True)
+    with pytest.raises(errors.MalformedStream, match=words) as info:
+        TensorAssembler().feed(frame)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_assembler_after_error_drops_tensor() -> None:
     frames = _three_frames()
     assembler = TensorAssembler()
