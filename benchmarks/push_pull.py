@@ -20,6 +20,9 @@ skipped, with the reason, in its JSON line):
 - ``paramserver``: ``paramserver serve --consistency asp`` + :class:`WorkerClient.push_pull`
   (one round trip per round on the persistent Session stream; tensor bytes inline when small,
   through shared memory otherwise, since client and server share the host), on uvloop.
+- ``paramserver-view``: the same, pulling with ``copy=False`` (the pulled values are views of
+  the client's shared-memory pull region, valid until its next request: no copy out, as Ray's
+  ``ray.get`` hands back zero-copy read-only views of its object store).
 - ``paramserver-net``: the same with shared memory off on both sides (``--no-shared-memory``,
   ``shared_memory=False``), as between hosts: small tensors inline on the Session stream, large
   ones over the chunked Push and Pull streams.
@@ -59,6 +62,7 @@ from benchlib import profile
 
 SYSTEMS = (
     "paramserver",
+    "paramserver-view",
     "paramserver-net",
     "ray",
     "torch_rpc",
@@ -107,7 +111,13 @@ def _run_paramserver(args: argparse.Namespace, system: str = "paramserver") -> N
     for n, workers in _configs(args):
         with benchlib.paramserver(server_args) as server:
             profiler = _start_profiler(args, server.pid, n, workers)
-            cfg = {"address": server.address, "n": n, "lr": LR, "shared_memory": not network_only}
+            cfg = {
+                "address": server.address,
+                "n": n,
+                "lr": LR,
+                "shared_memory": not network_only,
+                "copy": system != "paramserver-view",
+            }
             with benchlib.WorkerPool("benchlib.ps_worker:push_pull", cfg, workers) as pool:
                 result = benchlib.measure(pool.phase, n_elements=n, target_s=args.phase_s)
                 reports = pool.finish()
@@ -267,7 +277,7 @@ def run_system(system: str, args: argparse.Namespace) -> None:
         for n, w in _configs(args):
             benchlib.emit({**_record(system, n, w), "skipped": missing})
         return
-    if system in ("paramserver", "paramserver-net"):
+    if system in ("paramserver", "paramserver-view", "paramserver-net"):
         _run_paramserver(args, system)
     elif system == "ray":
         _run_ray(args)

@@ -36,6 +36,7 @@ class _Base:
             shared_memory=bool(cfg.get("shared_memory", True)),
         )
         self.grad = np.ones(self.n, dtype=np.float32)
+        self.copy = bool(cfg.get("copy", True))
         self.pushes = 0
         self.duplicates = 0
         self.dropped = 0
@@ -69,7 +70,7 @@ class _Base:
 
 class PushPull(_Base):
     async def round(self) -> None:
-        pulled = await self.client.push_pull({KEY: self.grad})
+        pulled = await self.client.push_pull({KEY: self.grad}, copy=self.copy)
         self.pushes += 1
         assert pulled[KEY].shape == (self.n,)
 
