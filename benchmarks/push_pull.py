@@ -388,6 +388,8 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
         seq_g = _value(by, ("grpc_raw_seq", n, w), "payload_gb_s")
         raw_g = _best(by, RAW_GRPC, n, w, "payload_gb_s")
         peer_ratio = _ratio(ps_r, best_r) if small else _ratio(ps_g, best_g)
+        view_g = _value(by, ("paramserver-view", n, w), "payload_gb_s")
+        view_ratio = None if small else _ratio(view_g, best_g)
         peer_target = 5.0 if small else 2.0
         verified = by.get(("paramserver", n, w), {}).get("verified")
         rows.append(
@@ -397,6 +399,7 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 peer_ratio,
                 f">= {peer_target:g} ({'rounds/s' if small else 'GB/s'})",
                 _met(peer_ratio, peer_target),
+                view_ratio,
                 _ratio(net_g, stream_g),
                 _ratio(net_g, raw_g),
                 ">= 0.8",
@@ -416,6 +419,7 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
             "ps/best peer",
             "target",
             "met",
+            "view/best peer",
             "ps/grpc stream",
             "ps/best raw grpc",
             "target",

@@ -41,6 +41,9 @@ class ServerConfig:
             versions old (None: never drop).
         max_receive_message_bytes: gRPC receive limit per message (frames are ~1 MiB).
         max_tensor_bytes: Largest tensor accepted in one push/init (None: unlimited).
+        offload_min_bytes: Pushes, pull snapshots and NaN scans of at least this many bytes
+            run in a worker thread (off the event loop); smaller ones inline, where a thread
+            hand-off (~0.1 ms each) would cost more than the numpy work it moves.
         checkpoint_dir: Directory of checkpoints; None disables them.
         checkpoint_every_steps: Periodic checkpoint every N closed steps / min clocks (0: off).
         checkpoint_every_s: Periodic checkpoint every this many seconds (0: off).
@@ -103,6 +106,7 @@ class ServerConfig:
     max_staleness: int | None = None
     max_receive_message_bytes: int = 4 * 1024 * 1024
     max_tensor_bytes: int | None = None
+    offload_min_bytes: int = 8 << 20
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 3
@@ -168,7 +172,12 @@ class ServerConfig:
             )
         if not 0 <= self.port <= 65535:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
-        for name in ("staleness", "checkpoint_every_steps", "staleness_threshold"):
+        for name in (
+            "staleness",
+            "checkpoint_every_steps",
+            "staleness_threshold",
+            "offload_min_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in (

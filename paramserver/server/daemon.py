@@ -422,6 +422,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "max_staleness": args.max_staleness,
         "max_receive_message_bytes": args.max_receive_message_bytes,
         "max_tensor_bytes": args.max_tensor_bytes,
+        "offload_min_bytes": args.offload_min_bytes,
         "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every_steps": args.checkpoint_every_steps,
         "keep_checkpoints": args.keep_checkpoints,
@@ -540,6 +541,12 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--max-staleness", type=int, help="ASP: drop gradients older than N versions")
     p.add_argument("--max-receive-message-bytes", type=int)
     p.add_argument("--max-tensor-bytes", type=int)
+    p.add_argument(
+        "--offload-min-bytes",
+        type=int,
+        help="tensors of at least this many bytes are applied/copied in worker threads "
+        "(default 8 MiB)",
+    )
     p.add_argument("--checkpoint-dir", help="directory of checkpoints (restored on start)")
     p.add_argument("--checkpoint-every-steps", type=int)
     p.add_argument("--keep-checkpoints", type=int)

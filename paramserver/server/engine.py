@@ -138,7 +138,7 @@ class ServerEngine(LeaseReaperBase):
         #: Write-ahead log; when set, every mutation is durable before it is acknowledged.
         self.wal: WriteAheadLog | None = None
         #: Big push applies and pull copies in worker threads, keys reserved (see offload.py).
-        self.offload = Offload(lambda: self.core.store)
+        self.offload = Offload(lambda: self.core.store, min_bytes=config.offload_min_bytes)
         self.core.step_applier = self.offload.apply_detached
         self.backpressure = Backpressure(
             config.max_inflight_pushes_per_worker,

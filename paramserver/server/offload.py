@@ -53,7 +53,7 @@ __all__ = ["OFFLOAD_MIN_BYTES", "KeyGate", "Offload", "Reservation"]
 
 logger = logging.getLogger(__name__)
 
-OFFLOAD_MIN_BYTES: int = 1 << 20
+OFFLOAD_MIN_BYTES: int = 8 << 20  # ServerConfig.offload_min_bytes's default
 """Gradients (summed over one push) and pull snapshots of at least this many bytes run in a
 worker thread; smaller ones run inline on the loop (a thread hop costs more than they do)."""
 

@@ -19,7 +19,6 @@ import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from paramserver.server.offload import OFFLOAD_MIN_BYTES
 from paramserver.worker_client import UpdateRule
 
 from . import case_stubs as raw
@@ -27,6 +26,7 @@ from .ps_helpers import running_server
 
 pytestmark = pytest.mark.timeout(120)
 
+THRESHOLD = 1 << 20  # the servers here offload from 1 MiB (offload_min_bytes)
 N = 1 << 19  # float32 elements: 2 MiB per key, above the offload threshold
 WORKERS = 3
 PUSHES = 6
@@ -41,10 +41,13 @@ def _uniform(value: np.ndarray) -> float:
 
 
 async def test_concurrent_big_pushes_and_pulls_are_never_torn_and_apply_once() -> None:
-    assert N * 4 >= OFFLOAD_MIN_BYTES
+    assert N * 4 >= THRESHOLD
     ones = np.ones(N, np.float32)
     legal_fills = {0.0} | {100.0 * w + r for w in range(WORKERS) for r in range(PUSHES)}
-    async with running_server(consistency="asp") as srv, raw.channel(srv.address) as ch:
+    async with (
+        running_server(consistency="asp", offload_min_bytes=THRESHOLD) as srv,
+        raw.channel(srv.address) as ch,
+    ):
         stub = pb_grpc.ParameterServerStub(ch)
         await raw.init(stub, {"a": np.zeros(N, np.float32)}, UpdateRule("add"))
         await raw.init(stub, {"s": np.zeros(N, np.float32)}, UpdateRule("assign"))
@@ -94,7 +97,9 @@ async def test_concurrent_big_pushes_and_pulls_are_never_torn_and_apply_once() -
 async def test_checkpoint_while_big_pushes_apply_is_consistent(tmp_path: Path) -> None:
     """A checkpoint taken amid threaded applies holds exactly the pushes its counters claim."""
     ones = np.ones(N, np.float32)
-    async with running_server(consistency="asp", checkpoint_dir=str(tmp_path)) as srv:
+    async with running_server(
+        consistency="asp", checkpoint_dir=str(tmp_path), offload_min_bytes=THRESHOLD
+    ) as srv:
         async with raw.channel(srv.address) as ch:
             stub = pb_grpc.ParameterServerStub(ch)
             await raw.init(stub, {"a": np.zeros(N, np.float32)}, UpdateRule("add"))
@@ -124,7 +129,10 @@ async def test_bsp_steps_of_a_big_key_apply_off_loop_and_pulls_see_whole_steps()
     the step sees the whole step applied (``add`` of the mean of ones: the step count)."""
     steps = 4
     ones = np.ones(N, np.float32)
-    async with running_server(consistency="bsp") as srv, raw.channel(srv.address) as ch:
+    async with (
+        running_server(consistency="bsp", offload_min_bytes=THRESHOLD) as srv,
+        raw.channel(srv.address) as ch,
+    ):
         stub = pb_grpc.ParameterServerStub(ch)
         await raw.init(stub, {"a": np.zeros(N, np.float32)}, UpdateRule("add"))
         ids = [await raw.register(stub, f"w{w}") for w in range(2)]
@@ -158,7 +166,10 @@ async def test_big_push_with_a_nan_is_refused_whole() -> None:
     INVALID_ARGUMENT naming the worker, and nothing of it is applied."""
     grad = np.ones(N, np.float32)
     grad[-1] = np.nan
-    async with running_server(consistency="asp") as srv, raw.channel(srv.address) as ch:
+    async with (
+        running_server(consistency="asp", offload_min_bytes=THRESHOLD) as srv,
+        raw.channel(srv.address) as ch,
+    ):
         stub = pb_grpc.ParameterServerStub(ch)
         await raw.init(stub, {"a": np.zeros(N, np.float32)}, UpdateRule("add"))
         wid = await raw.register(stub, "w0")
