@@ -317,6 +317,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         )
         if header.require_keys:  # push_pull over the streams: its pull keys, checked first
             self.core.require_keys(header.require_keys)
+        return await self.apply_push_header(header, grads)
+
+    async def apply_push_header(
+        self, header: pb.PushHeader, grads: dict[str, np.ndarray]
+    ) -> pb.PushResponse:
+        """:meth:`apply_push` with its arguments taken from a wire ``PushHeader``."""
         return await self.apply_push(
             worker_id=header.worker_id,
             request_id=header.request_id,

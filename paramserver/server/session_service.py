@@ -264,14 +264,7 @@ class SessionService:
         try:
             ticket.enter(header.worker_id)
             grads = self._decode(session, push.tensors, ticket)
-            return await self.servicer.apply_push(
-                worker_id=header.worker_id,
-                request_id=header.request_id,
-                clock=header.clock,
-                num_samples=header.num_samples,
-                base_version=header.base_version if header.HasField("base_version") else None,
-                grads=grads,
-            )
+            return await self.servicer.apply_push_header(header, grads)
         finally:
             ticket.release()
 

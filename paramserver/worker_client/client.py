@@ -342,24 +342,8 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             KeyNotFound (NOT_FOUND), InvalidArgument (INVALID_ARGUMENT: shape/dtype/NaN),
             WorkerNotFound / StaleUpdate (FAILED_PRECONDITION), WaitTimeout, Unavailable.
         """
-        if not grads:
-            raise InvalidArgument("a push needs at least one gradient; got none")
-        request_id = self._next_request_id
-        self._next_request_id += 1
-        arrays = normalized_tensors(grads)
-        # Encoded once per push (not per attempt): error-feedback residuals advance once.
-        parts = {k: self.compressor.encode(k, v) for k, v in arrays.items()}
+        request_id, parts, header = self._prepare_push(grads, num_samples, base_version)
         deadline_s = timeout_s or self.rpc_timeout_s
-
-        def header() -> pb.PushHeader:
-            return pb.PushHeader(
-                worker_id=self.worker_id,
-                request_id=request_id,
-                clock=self.clock_value,
-                num_samples=num_samples,
-                base_version=self.last_version if base_version is None else base_version,
-            )
-
         dense = _dense_parts(parts)
 
         async def attempt() -> pb.PushResponse:
@@ -373,6 +357,35 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
 
         resp = await self._member_call(attempt, "push", _PUSH_RETRYABLE)
         return self._ack(request_id, resp)
+
+    def _prepare_push(
+        self, grads: Mapping[str, np.ndarray], num_samples: int, base_version: int | None
+    ) -> tuple[int, dict[str, list[WirePart]], Callable[[], pb.PushHeader]]:
+        """What every push path needs once per push (not per attempt): a fresh request id,
+        the gradients normalised and encoded (error-feedback residuals advance once), and a
+        factory of the push header (the clock and version are read at each attempt).
+
+        Raises:
+            InvalidArgument: no gradients, an empty key or an unsupported dtype
+                (INVALID_ARGUMENT).
+        """
+        if not grads:
+            raise InvalidArgument("a push needs at least one gradient; got none")
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        arrays = normalized_tensors(grads)
+        parts = {k: self.compressor.encode(k, v) for k, v in arrays.items()}
+
+        def header() -> pb.PushHeader:
+            return pb.PushHeader(
+                worker_id=self.worker_id,
+                request_id=request_id,
+                clock=self.clock_value,
+                num_samples=num_samples,
+                base_version=self.last_version if base_version is None else base_version,
+            )
+
+        return request_id, parts, header
 
     def _ack(self, request_id: int, resp: pb.PushResponse) -> PushAck:
         self.view = resp.view
@@ -537,24 +550,10 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         Raises:
             The errors of :meth:`push` and :meth:`pull`, with the same classes and status codes.
         """
-        if not grads:
-            raise InvalidArgument("a push needs at least one gradient; got none")
-        request_id = self._next_request_id
-        self._next_request_id += 1
-        arrays = normalized_tensors(grads)
-        parts = {k: self.compressor.encode(k, v) for k, v in arrays.items()}
-        key_list = list(arrays) if keys is None else list(keys)
+        request_id, parts, header = self._prepare_push(grads, num_samples, base_version)
+        key_list = list(parts) if keys is None else list(keys)
         timeout_ms, call_deadline_s = self._pull_deadlines(timeout_s)
         push_deadline_s = self.rpc_timeout_s
-
-        def header() -> pb.PushHeader:
-            return pb.PushHeader(
-                worker_id=self.worker_id,
-                request_id=request_id,
-                clock=self.clock_value,
-                num_samples=num_samples,
-                base_version=self.last_version if base_version is None else base_version,
-            )
 
         def request() -> pb.PullRequest:
             return pb.PullRequest(worker_id=self.worker_id, keys=key_list, timeout_ms=timeout_ms)
