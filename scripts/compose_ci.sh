@@ -26,6 +26,14 @@ phase() { echo "compose-ci: $1 $(( $(date +%s) - $2 )) s"; }
 teardown() {
   local rc=$?
   "${DC[@]}" logs --no-color >"$COMPOSE_LOG" 2>&1 || true
+  if [ "$rc" != 0 ]; then
+    # Say why here: CI keeps only this output, not $COMPOSE_LOG. (A job's container exits 0;
+    # its paramserver exit code is in the results volume, reported by the check job's line.)
+    for svc in worker-0 worker-1 worker-2 worker-3 spmd-demo ps ps-1 check; do
+      echo "compose-ci: ---- last lines of $svc ----"
+      "${DC[@]}" logs --no-color --tail 30 "$svc" 2>&1 || true
+    done
+  fi
   "${DC[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
   bash "$SHARED_DIR/docker/stop-docker.sh" || true
   echo "compose-ci: total $(( $(date +%s) - t_start )) s (exit $rc; logs in $COMPOSE_LOG)"

@@ -148,6 +148,25 @@ class FastPath:
         req.seq = self._seq
         try:
             await call.write(req)
+        except grpc.aio.AioRpcError as err:
+            self._drop()
+            if err.code() != grpc.StatusCode.INTERNAL:
+                raise
+            # grpc.aio reports a write that C-core refused because the server had just ended
+            # the stream (a restart or graceful stop ends idle Sessions) as INTERNAL "Internal
+            # error from Core", overwriting the status the server sent (grpc/grpc#36066). The
+            # link broke: retried on a reopened Session with the same request id (deduplicated).
+            raise _rpc_error(
+                grpc.StatusCode.UNAVAILABLE,
+                f"session stream ended while writing request {req.seq}: {err.details()}",
+            ) from err
+        except asyncio.CancelledError:
+            self._drop()
+            raise
+        except Exception as exc:  # e.g. writing to a stream the server already ended
+            self._drop()
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"session stream broke: {exc!r}") from exc
+        try:
             resp = await call.read()
         except grpc.aio.AioRpcError:
             self._drop()
@@ -165,9 +184,9 @@ class FastPath:
             self._drop()
             raise MalformedStream(f"session response {resp.seq} to request {req.seq}")
         if resp.WhichOneof("body") == "error":
-            err = resp.error
-            code = _STATUS_BY_VALUE.get(err.code, grpc.StatusCode.UNKNOWN)
-            raise _rpc_error(code, err.message, err.error_class)
+            refusal = resp.error
+            code = _STATUS_BY_VALUE.get(refusal.code, grpc.StatusCode.UNKNOWN)
+            raise _rpc_error(code, refusal.message, refusal.error_class)
         return resp
 
     async def _ensure_open(self, worker_id: str) -> None:

@@ -539,3 +539,93 @@ async def test_push_pull_with_an_unknown_pull_key_applies_nothing(
             got = await ps.push_pull({"w": ones})
             np.testing.assert_array_equal(got["w"], -ones)
             assert (await ps.status()).applied_updates == 1
+
+
+async def test_a_write_core_refuses_as_internal_is_a_broken_link() -> None:
+    """grpc.aio reports a write to a stream the server has just ended as INTERNAL "Internal error
+    from Core" (grpc/grpc#36066; seen when a shard restarted under a training job). The client
+    treats it as a broken link: it reopens the Session and the push is applied exactly once."""
+    async with running_server(consistency="asp") as daemon:
+        async with _client(daemon, "w0") as ps:
+            await ps.init({"w": np.zeros(4, np.float32)}, rule=ADD)
+            await ps.push({"w": np.ones(4, np.float32)})  # the Session is open
+            assert ps.fastpath is not None and ps.fastpath._call is not None
+            call = ps.fastpath._call
+            real_write = call.write
+            refused = []
+
+            async def write_refused_by_core(req: pb.SessionRequest) -> None:
+                call.write = real_write  # type: ignore[method-assign]
+                refused.append(req.seq)
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.INTERNAL,
+                    grpc.aio.Metadata(),
+                    grpc.aio.Metadata(),
+                    "Internal error from Core",
+                )
+
+            call.write = write_refused_by_core  # type: ignore[method-assign]
+            ack = await ps.push({"w": np.full(4, 2, np.float32)})
+            assert refused and not ack.duplicate
+            final = await ps.pull(["w"])
+            np.testing.assert_array_equal(final["w"], np.full(4, 3, np.float32))
+            assert (await ps.status()).applied_updates == 2
+            assert ps.fastpath.sessions_opened == 2
+
+
+def test_ssp_workers_ride_through_a_server_restart(tmp_path: Path) -> None:
+    """The compose scenario on loopback: two SSP workers push and clock against a shard with a
+    write-ahead log; the shard is stopped (SIGTERM) mid-run and restarted on the same port. Both
+    workers finish without an error and every push counts exactly once (add rule: the final
+    value is the number of pushes, a closed form)."""
+    rounds, stop_at = 40, 12
+    ckpt = tmp_path / "ckpt"
+    flags = ["--consistency", "ssp", "--staleness", "2", "--checkpoint-dir", str(ckpt), "--wal"]
+    flags += ["--checkpoint-every-steps", "5", "--grace-s", "3"]
+    server = ServerProcess(tmp_path, *flags)
+    port = server.port
+    restarted: list[ServerProcess] = []
+
+    async def worker(name: str, progress: list[int], halfway: asyncio.Event) -> None:
+        async with WorkerClient(server.address, name, heartbeat=False) as ps:
+            await ps.init({"w": np.zeros(1000, np.float32)}, rule=ADD)
+            for _ in range(rounds):
+                await ps.push({"w": np.ones(1000, np.float32)})
+                await ps.clock()
+                progress.append(1)
+                if len(progress) == stop_at:
+                    halfway.set()
+
+    async def restart_when(halfway: asyncio.Event) -> None:
+        await halfway.wait()
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, server.stop) == 0, server.log()
+        restarted.append(
+            await loop.run_in_executor(
+                None, lambda: ServerProcess(tmp_path, *flags, "--port", str(port))
+            )
+        )
+
+    async def main() -> np.ndarray:
+        progress: list[int] = []
+        halfway = asyncio.Event()
+        await asyncio.wait_for(
+            asyncio.gather(
+                worker("w0", progress, halfway),
+                worker("w1", progress, halfway),
+                restart_when(halfway),
+            ),
+            timeout=60,
+        )
+        async with WorkerClient(f"127.0.0.1:{port}", "reader", heartbeat=False) as ps:
+            return (await ps.pull(["w"]))["w"]
+
+    try:
+        final = asyncio.run(main())
+    finally:
+        server.stop()
+        for proc in restarted:
+            log = proc.log()
+            assert proc.stop() == 0, log
+    assert restarted and "restored checkpoint" in restarted[0].log()
+    np.testing.assert_array_equal(final, np.full(1000, 2 * rounds, np.float32))
