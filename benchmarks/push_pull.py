@@ -18,11 +18,14 @@ ratios compare figures taken close in time on a noisy host; a missing system is 
 skipped, with the reason, in its JSON line):
 
 - ``paramserver``: ``paramserver serve --consistency asp`` + :class:`WorkerClient.push_pull`
-  (one round trip per round on the persistent Session stream; tensor bytes inline when small,
-  through shared memory otherwise, since client and server share the host), on uvloop.
+  (one round trip per round on the persistent Session, which moves from its gRPC stream to the
+  server's local-link Unix socket since client and server share the host; tensor bytes inline
+  when small, through shared memory otherwise), on uvloop.
 - ``paramserver-view``: the same, pulling with ``copy=False`` (the pulled values are views of
   the client's shared-memory pull region, valid until its next request: no copy out, as Ray's
   ``ray.get`` hands back zero-copy read-only views of its object store).
+- ``paramserver-grpc``: the same with the Session kept on its gRPC stream (``local_link=False``;
+  ``paramserver`` moves it to the server's same-host local-link socket).
 - ``paramserver-net``: the same with shared memory off on both sides (``--no-shared-memory``,
   ``shared_memory=False``), as between hosts: small tensors inline on the Session stream, large
   ones over the chunked Push and Pull streams.
@@ -63,6 +66,7 @@ from benchlib import profile
 SYSTEMS = (
     "paramserver",
     "paramserver-view",
+    "paramserver-grpc",
     "paramserver-net",
     "ray",
     "torch_rpc",
@@ -117,6 +121,7 @@ def _run_paramserver(args: argparse.Namespace, system: str = "paramserver") -> N
                 "lr": LR,
                 "shared_memory": not network_only,
                 "copy": system != "paramserver-view",
+                "local_link": system != "paramserver-grpc",
             }
             with benchlib.WorkerPool("benchlib.ps_worker:push_pull", cfg, workers) as pool:
                 result = benchlib.measure(pool.phase, n_elements=n, target_s=args.phase_s)
@@ -135,8 +140,9 @@ def _run_paramserver(args: argparse.Namespace, system: str = "paramserver") -> N
                 "verified": status.applied_updates == pushes == key_updates and value_exact,
                 "server_peak_rss_bytes": benchlib.peak_rss_bytes(server.pid),
                 "pattern": (
-                    "push_pull on the Session stream: 1 round trip/round"
+                    "push_pull on the Session: 1 round trip/round"
                     + (", network only" if network_only else ", shared memory when large")
+                    + (", gRPC stream" if system == "paramserver-grpc" else "")
                 ),
                 "paths": _paths(reports),
             }
@@ -151,6 +157,7 @@ def _paths(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "shm_active": all(r.get("shm_active") for r in reports),
         "shm_declined": sorted({str(r.get("shm_declined")) for r in reports}),
         "sessions_opened": sum(int(r.get("sessions_opened", 0)) for r in reports),
+        "local_link": all(r.get("local_link") for r in reports),
     }
 
 
@@ -277,7 +284,7 @@ def run_system(system: str, args: argparse.Namespace) -> None:
         for n, w in _configs(args):
             benchlib.emit({**_record(system, n, w), "skipped": missing})
         return
-    if system in ("paramserver", "paramserver-view", "paramserver-net"):
+    if system in ("paramserver", "paramserver-view", "paramserver-grpc", "paramserver-net"):
         _run_paramserver(args, system)
     elif system == "ray":
         _run_ray(args)

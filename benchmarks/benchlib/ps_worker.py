@@ -34,6 +34,7 @@ class _Base:
             wait_timeout_s=300.0,
             channel_options=[("grpc.max_receive_message_length", 64 << 20)],
             shared_memory=bool(cfg.get("shared_memory", True)),
+            local_link=bool(cfg.get("local_link", True)),
         )
         self.grad = np.ones(self.n, dtype=np.float32)
         self.copy = bool(cfg.get("copy", True))
@@ -58,6 +59,7 @@ class _Base:
             "shm_active": fp.shm_active if fp else False,
             "shm_declined": fp.shm_declined if fp else "no session",
             "sessions_opened": fp.sessions_opened if fp else 0,
+            "local_link": fp.on_local_link if fp else False,
         }
         await self.client.close()
         return {

@@ -84,8 +84,9 @@ class ServerConfig:
             count): when ``checkpoint_dir`` holds no checkpoint yet, this shard's part of
             their newest common cut is resharded into it on start.
         metrics_port: Serve Prometheus metrics on ``host:metrics_port`` (None: off; 0: any).
-        shared_memory: Accept same-host workers' shared-memory segments for tensor bytes on the
-            Session stream (False: network only, as between hosts).
+        shared_memory: Same-host data paths: accept workers' shared-memory segments for tensor
+            bytes on the Session stream, and offer them the local-link socket for the Session
+            itself (:mod:`paramserver.server.local_link`). False: gRPC only, as between hosts.
         tls_cert: PEM certificate the server presents; with ``tls_key`` the server speaks TLS
             (see :mod:`paramserver.security`).
         tls_key: PEM private key of ``tls_cert``.

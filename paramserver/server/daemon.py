@@ -36,6 +36,7 @@ from paramserver.security import (
     client_security_from_args,
     open_channel,
 )
+from paramserver.server import local_link
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
 from paramserver.server.cut import shard_map_of
@@ -84,6 +85,8 @@ class ParameterServerDaemon:
         self.metrics: MetricsServer | None = None
         #: The parameter-server servicer once started (mode "ps").
         self.servicer: ParameterServerServicer | None = None
+        #: The same-host local link once started (mode "ps", same-host paths on, Linux).
+        self.local_link: local_link.LocalLinkServer | None = None
         #: TLS / token settings from the config (None: plain text, no tokens; validated here).
         self.security: ServerSecurity | None = ServerSecurity.of_config(config)
 
@@ -127,6 +130,7 @@ class ParameterServerDaemon:
             raise
         await server.start()
         self._server = server
+        await self._start_local_link()
         self.shard_map = shard_map_of(self.config, self.address)
         engine.start()
         if self.checkpoints is not None and self.config.checkpoint_every_s > 0:
@@ -188,6 +192,24 @@ class ParameterServerDaemon:
             reduction.coordinator.optimizer.method,
             self.config.lease_ms,
         )
+
+    async def _start_local_link(self) -> None:
+        """Same-host workers' Session over a Unix socket (:mod:`paramserver.server.local_link`),
+        unless same-host paths are off (``--no-shared-memory``) or there are no abstract
+        sockets; a socket that cannot be bound only costs the speed-up."""
+        assert self.servicer is not None
+        if not (self.config.shared_memory and local_link.available()):
+            return
+        link = local_link.LocalLinkServer(
+            self.servicer.sessions, self.config.max_receive_message_bytes
+        )
+        try:
+            await link.start()
+        except OSError as exc:
+            logger.warning("no same-host local link (%s): workers stay on gRPC", exc)
+            return
+        self.local_link = link
+        self.servicer.sessions.local_link = link
 
     def _refusal_counter(self) -> Callable[[str, str], None] | None:
         """Counts token refusals in the metrics registry (None without metrics)."""
@@ -320,8 +342,13 @@ class ParameterServerDaemon:
             self.reduction.begin_shutdown()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        link, self.local_link = self.local_link, None
         if self._server is not None:
-            await self._server.stop(grace)
+            stopping: list[Any] = [self._server.stop(grace)]
+            if link is not None:
+                self.servicer.sessions.local_link = None  # type: ignore[union-attr]
+                stopping.append(link.stop(grace))
+            await asyncio.gather(*stopping)
             self._server = None
         if self.reduction is not None:
             await self.reduction.stop()
@@ -563,8 +590,8 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument(
         "--no-shared-memory",
         action="store_true",
-        help="decline same-host workers' shared-memory segments: tensor bytes go over the "
-        "network (PARAMSERVER_SHARED_MEMORY=0)",
+        help="no same-host data paths (shared-memory segments, the local-link socket): tensor "
+        "bytes go over gRPC as between hosts (PARAMSERVER_SHARED_MEMORY=0)",
     )
     p.add_argument("--port-file", help="write the bound port to this file once serving")
     g = p.add_argument_group("sharded cluster and metrics")

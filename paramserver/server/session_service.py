@@ -31,6 +31,7 @@ from paramserver.errors import InvalidArgument, MalformedStream, ParamServerErro
 from paramserver.server.engine import InflightTicket
 
 if TYPE_CHECKING:
+    from paramserver.server.local_link import LocalLinkServer
     from paramserver.server.servicer import ParameterServerServicer
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ _SHUTDOWN = "paramserver: server shutting down"
 MAX_INLINE_BYTES = (1 << 20) - (32 << 10)
 
 
-def _error(seq: int, exc: ParamServerError) -> pb.SessionResponse:
+def error_response(seq: int, exc: ParamServerError) -> pb.SessionResponse:
+    """A ``SessionError`` answer to request ``seq`` (status code, message, error class)."""
     return pb.SessionResponse(
         seq=seq,
         error=pb.SessionError(
@@ -90,6 +92,8 @@ class SessionService:
         self._closing = False
         #: Tasks of the streams waiting for their next request (ended by begin_shutdown).
         self._idle: set[asyncio.Task[Any]] = set()
+        #: The same-host local link, when the daemon runs one (its tickets go out on open).
+        self.local_link: LocalLinkServer | None = None
 
     def begin_shutdown(self) -> None:
         """End every stream once it has no request in hand (idle ones at once), so a graceful
@@ -158,6 +162,9 @@ class SessionService:
         opened = pb.SessionOpened(max_inline_bytes=self.max_inline_bytes)
         if req.open.HasField("shm"):
             opened.shm.CopyFrom(self._attach(session, req.open.shm))
+        link = self.local_link
+        if req.open.want_local_link and link is not None and not self._closing:
+            opened.local_link.CopyFrom(link.issue_ticket(session.worker_id))
         return pb.SessionResponse(seq=req.seq, opened=opened)
 
     def _attach(self, session: _Session, offer: pb.ShmOffer) -> pb.ShmAnswer:
@@ -206,11 +213,11 @@ class SessionService:
             raise MalformedStream(f"Session request {req.seq} has no body")
         except ParamServerError as exc:
             logger.debug("Session request %d refused: %s", req.seq, exc)
-            return _error(req.seq, exc)
+            return error_response(req.seq, exc)
         except Exception as exc:  # never kill the stream for one request
             logger.error("Session request %d failed unexpectedly", req.seq, exc_info=exc)
             err = ParamServerError(f"internal error in Session: {exc!r}")
-            return _error(req.seq, err)
+            return error_response(req.seq, err)
 
     def _decode(
         self, session: _Session, tensors: Sequence[pb.SessionTensor], ticket: Any

@@ -122,6 +122,10 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             back to the network silently.
         shared_memory_dir: Directory of the segments (default ``/dev/shm``; the server must
             see the same directory, which is how another host or container is told apart).
+        local_link: With ``shared_memory``, move the Session onto the server's local-link
+            socket when it is on the same host (:mod:`paramserver.server.local_link`: the same
+            messages without gRPC's per-message cost); unreachable or refused, the session
+            stays on gRPC silently.
     """
 
     _heartbeat_task_prefix = "paramserver-heartbeat-"
@@ -145,6 +149,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         session: bool = True,
         shared_memory: bool = True,
         shared_memory_dir: str | Path | None = None,
+        local_link: bool = True,
     ) -> None:
         super().__init__(
             address,
@@ -170,6 +175,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
                 lambda: self.stub,
                 shared_memory=shared_memory,
                 shm_dir=Path(shared_memory_dir) if shared_memory_dir is not None else None,
+                local_link=local_link,
             )
             if session
             else None

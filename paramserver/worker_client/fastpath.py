@@ -36,7 +36,9 @@ import numpy as np
 from paramserver import shm, tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import ERROR_CLASS_METADATA_KEY, MalformedStream
+from paramserver.server import local_link as server_local_link
 from paramserver.server.session_service import MAX_INLINE_BYTES, SMALL_INLINE_BYTES
+from paramserver.worker_client.local_link import LocalLinkCall
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ __all__ = ["SMALL_INLINE_BYTES", "Fallback", "FastPath"]
 _STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 #: Regions grow in steps of this many bytes (fewer renegotiations for slowly growing sizes).
 _REGION_STEP_BYTES = 1 << 20
+#: Seconds to connect to the local link and have its open answered.
+_LINK_CONNECT_TIMEOUT_S = 2.0
 
 
 class Fallback(Exception):
@@ -78,13 +82,25 @@ class FastPath:
     """
 
     def __init__(
-        self, stub: Callable[[], Any], *, shared_memory: bool = True, shm_dir: Path | None = None
+        self,
+        stub: Callable[[], Any],
+        *,
+        shared_memory: bool = True,
+        shm_dir: Path | None = None,
+        local_link: bool = True,
     ) -> None:
         self._stub = stub
         self.shm_dir = shm_dir or shm.SHM_DIR
         self.shared_memory = shared_memory and shm.available(self.shm_dir)
         #: Why shared memory is not used (None while it may be); set by a declined offer.
         self.shm_declined: str | None = None if self.shared_memory else "off or unavailable"
+        #: Why the session stays on gRPC instead of the server's local link (None while it may
+        #: move): off here, or the link could not be reached or refused the ticket once.
+        self.local_declined: str | None = (
+            None if shared_memory and local_link and server_local_link.available() else "off"
+        )
+        #: Sessions moved onto the local link so far.
+        self.local_links_opened = 0
         #: The server has no Session RPC (an older server): every call uses the streams.
         self.disabled = False
         self.max_inline_bytes = MAX_INLINE_BYTES
@@ -189,13 +205,21 @@ class FastPath:
             raise _rpc_error(code, refusal.message, refusal.error_class)
         return resp
 
+    @property
+    def on_local_link(self) -> bool:
+        """The session runs on the server's local-link socket now (not on gRPC)."""
+        return isinstance(self._call, LocalLinkCall)
+
     async def _ensure_open(self, worker_id: str) -> None:
         if self._call is not None:
             return
         self._call = self._stub().Session()
+        want_link = self.local_declined is None
         try:
             resp = await self._roundtrip(
-                pb.SessionRequest(open=pb.SessionOpen(worker_id=worker_id))
+                pb.SessionRequest(
+                    open=pb.SessionOpen(worker_id=worker_id, want_local_link=want_link)
+                )
             )
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -208,6 +232,48 @@ class FastPath:
             raise MalformedStream("session stream did not answer open with opened")
         self.max_inline_bytes = resp.opened.max_inline_bytes or MAX_INLINE_BYTES
         self.sessions_opened += 1
+        if want_link and resp.opened.HasField("local_link"):
+            await self._move_to_local_link(resp.opened.local_link, worker_id)
+
+    async def _move_to_local_link(self, offer: pb.LocalLink, worker_id: str) -> None:
+        """Continue the session on the server's local-link socket; anything short of an
+        ``opened`` answer there leaves it on gRPC for good (another host or namespace: the
+        socket is not reachable; a refused ticket: something is off, do not insist)."""
+        try:
+            link = await LocalLinkCall.connect(offer.address, _LINK_CONNECT_TIMEOUT_S)
+        except (TimeoutError, OSError) as exc:
+            self.local_declined = f"cannot reach {offer.address!r}: {exc!r}"
+            logger.info("local link off: %s", self.local_declined)
+            return
+        self._seq += 1
+        reason = ""
+        try:
+            await link.write(
+                pb.SessionRequest(
+                    seq=self._seq,
+                    open=pb.SessionOpen(worker_id=worker_id, local_ticket=offer.ticket),
+                )
+            )
+            answer = await asyncio.wait_for(link.read(), _LINK_CONNECT_TIMEOUT_S)
+        except (TimeoutError, OSError, MalformedStream) as exc:
+            answer, reason = None, repr(exc)
+        except BaseException:  # cancelled (the request's deadline): no link left open
+            link.cancel()
+            raise
+        if answer is grpc.aio.EOF:
+            answer, reason = None, "the link closed before answering"
+        elif answer is not None and answer.WhichOneof("body") != "opened":
+            reason = answer.error.message or "not answered with opened"
+            answer = None
+        if answer is None:
+            link.cancel()
+            self.local_declined = f"{offer.address!r} refused the session: {reason}"
+            logger.info("local link off: %s", self.local_declined)
+            return
+        grpc_call, self._call = self._call, link
+        grpc_call.cancel()  # the gRPC Session ends; the server's handler for it returns
+        self.local_links_opened += 1
+        logger.debug("session moved to the local link %s", offer.address)
 
     async def _ensure_segment(self, push_bytes: int, pull_bytes: int) -> bool:
         """Make the mapped segment's regions at least this big (bytes); False: no shared

@@ -270,8 +270,13 @@ async def test_retried_push_across_server_restart_is_applied_once(tmp_path: Path
             retry = RetryPolicy(initial_backoff_s=0.05, max_backoff_s=0.5, deadline_s=30.0)
             # A connection of its own: gRPC would otherwise reuse the held one of the raw stub.
             own = [("grpc.use_local_subchannel_pool", 1)]
-            async with connect(
-                proxy.address, "client", heartbeat=False, retry=retry, channel_options=own
+            async with connect(  # the proxy is on the gRPC path: no same-host local link
+                proxy.address,
+                "client",
+                heartbeat=False,
+                retry=retry,
+                channel_options=own,
+                local_link=False,
             ) as ps:
                 # The first call opens the client's Session stream; the push's reply is then
                 # the next DATA frame on it, and that is what the proxy holds.

@@ -196,8 +196,8 @@ async def test_worker_client_retries_lost_reply_with_same_request_id(
     ):
         direct = pb_grpc.ParameterServerStub(direct_ch)
         retry = RetryPolicy(initial_backoff_s=0.02, max_backoff_s=0.2, deadline_s=20.0)
-        async with connect(
-            proxy.address, "worker", heartbeat=False, retry=retry, session=session
+        async with connect(  # the proxy is on the gRPC path: no same-host local link
+            proxy.address, "worker", heartbeat=False, retry=retry, session=session, local_link=False
         ) as ps:
             await ps.init({"w": np.zeros(4, np.float32)}, rule=SGD1)
             proxy.arm(lost, hold_s=1.0, frame_type=_HTTP2_DATA if session else _HTTP2_HEADERS)

@@ -562,3 +562,22 @@ async def test_sharded_cluster_over_mutual_tls_with_tokens(pki: Pki, tokens: Tok
         for shard in shards:
             codes = await call_every_method(shard.address, _only(PS, "GetShardMap"), mtls(pki))
             assert codes == {"GetShardMap": grpc.StatusCode.UNAUTHENTICATED}
+
+
+async def test_the_local_link_ticket_only_reaches_an_authenticated_session(
+    pki: Pki, tokens: Tokens
+) -> None:
+    """Behind mutual TLS and tokens, a same-host worker's Session still moves to the local
+    link: its ticket came over the authenticated gRPC Session. A session refused by the token
+    check never gets one (and the socket serves nothing without a ticket: test_local_link)."""
+    async with running_server(**server_tls(pki, tokens), consistency="asp") as srv:
+        assert srv.local_link is not None
+        async with connect(srv.address, "w0", security=mtls(pki, tokens.worker)) as ps:
+            await ps.init({"w": np.zeros(4, np.float32)}, rule=UpdateRule("add"))
+            got = await ps.push_pull({"w": np.ones(4, np.float32)})
+            assert ps.fastpath is not None and ps.fastpath.on_local_link
+        np.testing.assert_array_equal(got["w"], np.ones(4, np.float32))
+        with pytest.raises(Unauthenticated):
+            async with connect(srv.address, "w1", security=mtls(pki, "not-a-token")) as ps:
+                await ps.push({"w": np.ones(4, np.float32)})
+        assert srv.local_link.links_opened == 1

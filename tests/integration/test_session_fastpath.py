@@ -96,19 +96,26 @@ async def _roundtrips(ps: WorkerClient, seed: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("server_shm", "client_shm", "expect_shm"),
-    [(True, True, True), (True, False, False), (False, True, False)],
-    ids=["shm", "client-off", "server-off"],
+    ("server_shm", "client_shm", "link", "expect_shm"),
+    [
+        (True, True, True, True),
+        (True, True, False, True),
+        (True, False, True, False),
+        (False, True, True, False),
+    ],
+    ids=["shm+local-link", "shm+grpc", "client-off", "server-off"],
 )
 async def test_values_match_numpy_on_every_path(
-    server_shm: bool, client_shm: bool, expect_shm: bool
+    server_shm: bool, client_shm: bool, link: bool, expect_shm: bool
 ) -> None:
     async with running_server(consistency="asp", shared_memory=server_shm) as daemon:
-        async with _client(daemon, "w0", shared_memory=client_shm) as ps:
+        async with _client(daemon, "w0", shared_memory=client_shm, local_link=link) as ps:
             await _roundtrips(ps, seed=7)
             fp = ps.fastpath
             assert fp is not None and fp.sessions_opened == 1
             assert fp.shm_active is expect_shm
+            # the same-host local link carries the session exactly when both sides allow it
+            assert fp.on_local_link is (server_shm and client_shm and link)
             if server_shm and client_shm:
                 assert fp.offers_accepted >= 1
             elif not server_shm:
@@ -257,10 +264,11 @@ async def _both_paths_raise(
     return classes[0][0]
 
 
-async def test_errors_match_the_stream_path_and_keep_the_stream() -> None:
+@pytest.mark.parametrize("link", [True, False], ids=["local-link", "grpc"])
+async def test_errors_match_the_stream_path_and_keep_the_stream(link: bool) -> None:
     async with running_server(consistency="asp") as daemon:
         async with (
-            _client(daemon, "fast") as fast,
+            _client(daemon, "fast", local_link=link) as fast,
             _client(daemon, "plain", session=False) as plain,
         ):
             await fast.init({"w": np.zeros(4, np.float32)}, rule=ADD)
@@ -280,6 +288,7 @@ async def test_errors_match_the_stream_path_and_keep_the_stream() -> None:
             got = await fast.push_pull({"w": np.ones(4, np.float32)})
             np.testing.assert_array_equal(got["w"], np.ones(4, np.float32))
             assert fast.fastpath is not None and fast.fastpath.sessions_opened == 1
+            assert fast.fastpath.on_local_link is link
             status = await fast.status()
             assert status.applied_updates == 1
 
@@ -546,7 +555,7 @@ async def test_a_write_core_refuses_as_internal_is_a_broken_link() -> None:
     from Core" (grpc/grpc#36066; seen when a shard restarted under a training job). The client
     treats it as a broken link: it reopens the Session and the push is applied exactly once."""
     async with running_server(consistency="asp") as daemon:
-        async with _client(daemon, "w0") as ps:
+        async with _client(daemon, "w0", local_link=False) as ps:  # the gRPC Session
             await ps.init({"w": np.zeros(4, np.float32)}, rule=ADD)
             await ps.push({"w": np.ones(4, np.float32)})  # the Session is open
             assert ps.fastpath is not None and ps.fastpath._call is not None
