@@ -230,6 +230,11 @@ def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[s
 async def wait_for_workers(ps: WorkerClient, n: int, timeout_s: float) -> None:
     """Start barrier: wait until ``n`` workers are live so every worker starts at clock 0.
 
+    A worker that polls late may never see all ``n`` live: under ASP the others start the
+    moment they see ``n`` and may finish and leave within one poll interval. Updates applied
+    already mean they did see ``n`` (this worker, registered before polling, among them), so
+    the barrier is over for this worker too.
+
     Raises:
         WaitTimeout: fewer than ``n`` workers registered within ``timeout_s`` (DEADLINE_EXCEEDED).
     """
@@ -239,6 +244,8 @@ async def wait_for_workers(ps: WorkerClient, n: int, timeout_s: float) -> None:
         view = (await ps.heartbeat()).view
         if view.live_workers >= n:
             return
+        if (await ps.status()).applied_updates > 0:
+            return  # the others passed it and trained (and may have left)
         if time.monotonic() >= deadline:
             raise WaitTimeout(
                 f"start barrier: {view.live_workers} of {n} workers registered after {timeout_s} s"
