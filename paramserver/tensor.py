@@ -42,6 +42,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
+from paramserver import wire
 from paramserver.api.v1 import tensor_pb2
 from paramserver.errors import InvalidArgument, MalformedStream, ResourceExhausted
 
@@ -52,6 +53,7 @@ __all__ = [
     "decode_frames",
     "dtype_from_wire",
     "dtype_to_wire",
+    "encode_frame_bytes",
     "encode_frames",
     "encode_messages",
     "normalize",
@@ -268,6 +270,26 @@ def encode_frames(
     """
     header, payload, n_chunks = _prepare(key, array, chunk_bytes, role, dense_shape)
     return _frames(header, payload, chunk_bytes, n_chunks)
+
+
+def encode_frame_bytes(
+    key: str,
+    array: np.ndarray | np.generic | float | int,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    *,
+    role: int = 0,
+    dense_shape: tuple[int, ...] = (),
+) -> Iterator[bytes]:
+    """:func:`encode_frames` as the wire bytes of ``PushRequest(frame=...)`` /
+    ``PullResponse(frame=...)`` messages (:func:`paramserver.wire.frame_messages`): the
+    payload copied once, straight out of the array. Send them on a stream whose serializer is
+    :func:`paramserver.wire.serialize`. Same arguments and validation as :func:`encode_frames`.
+
+    Raises:
+        InvalidArgument: (INVALID_ARGUMENT) as :func:`encode_frames`.
+    """
+    header, payload, n_chunks = _prepare(key, array, chunk_bytes, role, dense_shape)
+    return wire.frame_messages(header, payload, chunk_bytes, n_chunks)
 
 
 def encode_messages(

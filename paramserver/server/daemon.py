@@ -51,7 +51,7 @@ from paramserver.server.metrics import (
 from paramserver.server.reduction import SERVICE_NAME as REDUCTION_SERVICE_NAME
 from paramserver.server.reduction import ReductionEngine, add_reduction_service
 from paramserver.server.reshard import prepare_checkpoint_dir
-from paramserver.server.servicer import ParameterServerServicer
+from paramserver.server.servicer import ParameterServerServicer, add_to_server
 from paramserver.server.wal import WriteAheadLog, replay_into
 from paramserver.sharding import ShardMap, parse_address
 
@@ -119,7 +119,7 @@ class ParameterServerDaemon:
             ],
         )
         self.servicer = ParameterServerServicer(engine, self)
-        pb_grpc.add_ParameterServerServicer_to_server(self.servicer, server)
+        add_to_server(self.servicer, server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         enable_reflection(server, SERVICE_NAME)

@@ -54,6 +54,10 @@ TICKET_TTL_S = 30.0
 MAX_TICKETS = 4096
 #: Seconds a new connection has to present its ticket.
 OPEN_DEADLINE_S = 10.0
+#: Largest frame (bytes) a connection may send before its ticket is redeemed: an open.
+PRE_TICKET_FRAME_BYTES = 4096
+#: Most connections at once that have not presented a ticket yet (more are closed at once).
+MAX_UNREDEEMED = 64
 #: Frames parsed ahead of the handler before the socket stops being read (back-pressure).
 _MAX_QUEUED = 8
 _HEADER = 4
@@ -74,37 +78,40 @@ class FrameReader:
 
     Args:
         message: The message class every frame holds.
-        max_frame_bytes: Largest frame accepted (a larger length is a protocol violation).
+        max_frame_bytes: Largest frame accepted (a larger length is a protocol violation);
+            may be changed later (:attr:`max_frame_bytes`).
     """
 
-    __slots__ = ("_buf", "_max", "_parse")
+    __slots__ = ("_buf", "_parse", "max_frame_bytes")
 
     def __init__(self, message: Any, max_frame_bytes: int) -> None:
         self._buf = bytearray()
-        self._max = max_frame_bytes
+        self.max_frame_bytes = max_frame_bytes
         self._parse = message.FromString
 
-    def feed(self, data: bytes) -> list[Any]:
-        """Messages completed by ``data``, in order.
+    def feed(self, data: bytes, max_messages: int | None = None) -> list[Any]:
+        """Messages completed by ``data``, in order: at most ``max_messages`` (the bytes of
+        the rest stay buffered; ``feed(b"")`` parses on).
 
         Raises:
             MalformedStream: a frame longer than ``max_frame_bytes`` or not a valid message.
         """
         buf = self._buf
+        limit = self.max_frame_bytes
         if not buf and len(data) >= _HEADER:  # common case: whole frames in one chunk, no copy
             n = int.from_bytes(data[:_HEADER], "little")
-            if len(data) == _HEADER + n and n <= self._max:
+            if len(data) == _HEADER + n and n <= limit and max_messages != 0:
                 return [self._decode(memoryview(data)[_HEADER:])]
         buf += data
         out: list[Any] = []
         start = 0
         end = len(buf)
         with memoryview(buf) as view:
-            while end - start >= _HEADER:
+            while end - start >= _HEADER and (max_messages is None or len(out) < max_messages):
                 n = int.from_bytes(view[start : start + _HEADER], "little")
-                if n > self._max:
+                if n > limit:
                     raise MalformedStream(
-                        f"local-link frame of {n} bytes exceeds the limit of {self._max}"
+                        f"local-link frame of {n} bytes exceeds the limit of {limit}"
                     )
                 if end - start < _HEADER + n:
                     break
@@ -112,6 +119,11 @@ class FrameReader:
                 start += _HEADER + n
         del buf[:start]
         return out
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received and not yet returned as messages."""
+        return len(self._buf)
 
     def _decode(self, view: memoryview) -> Any:
         try:
@@ -127,15 +139,27 @@ def write_frame(transport: asyncio.WriteTransport, msg: Any) -> None:
 
 
 class _Connection(asyncio.Protocol):
-    """One local-link connection: frames in, :meth:`read` / :meth:`write` for the session."""
+    """One local-link connection: frames in, :meth:`read` / :meth:`write` for the session.
+
+    Back-pressure both ways: the socket is not read while :data:`_MAX_QUEUED` requests wait
+    for the handler or while the client does not read its responses (the transport's write
+    buffer is over its high-water mark), and :meth:`write` waits for that buffer to drain.
+    """
 
     def __init__(self, link: LocalLinkServer) -> None:
         self._link = link
-        self._frames = FrameReader(pb.SessionRequest, link.max_frame_bytes)
+        # Until its ticket is redeemed a connection may send only a small open message.
+        self._frames = FrameReader(pb.SessionRequest, PRE_TICKET_FRAME_BYTES)
         self._queue: collections.deque[Any] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._drained: asyncio.Future[None] | None = None
         self._closed = False
-        self._reading_paused = False
+        self._write_blocked = False  # the client is not reading its responses
+        self._reading = True
+        self._ticket_ok = False
+        self._open_parsed = False  # the first frame (which must be the open) was parsed
+        #: seq of the last request handed to the session (for a protocol-violation answer).
+        self.last_seq = 0
         self.transport: asyncio.Transport | None = None
         self.task: asyncio.Task[None] | None = None
 
@@ -148,32 +172,56 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            frames = self._frames.feed(data)
+            frames = self._frames.feed(data, self._room())
         except MalformedStream as exc:
             logger.warning("local link closed: %s", exc)
             self._close()
             return
-        if not frames:
-            return
-        self._queue.extend(frames)
-        if len(self._queue) >= _MAX_QUEUED and self.transport is not None:
-            self.transport.pause_reading()
-            self._reading_paused = True
-        self._wake()
+        if frames:
+            self._open_parsed = True
+            self._queue.extend(frames)
+            self._wake()
+        self._update_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._wake()
+        self._release_writer()
 
     def pause_writing(self) -> None:  # the client is not reading: stop reading its requests
-        if self.transport is not None and not self._reading_paused:
-            self.transport.pause_reading()
-            self._reading_paused = True
+        self._write_blocked = True
+        self._update_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and self._reading_paused:
-            self._reading_paused = False
-            self.transport.resume_reading()
+        self._write_blocked = False
+        self._release_writer()
+        self._update_reading()
+
+    # ---------------------------------------------------------------- flow control
+    def _room(self) -> int:
+        """Requests that may be parsed now: one (the open) until the ticket is redeemed; the
+        frames behind it wait in the buffer for the full frame limit."""
+        if self._ticket_ok:
+            return _MAX_QUEUED - len(self._queue)
+        return 0 if self._open_parsed else 1
+
+    def _update_reading(self) -> None:
+        """Read the socket exactly when there is room for requests and responses."""
+        transport = self.transport
+        if transport is None or self._closed:
+            return
+        want = not self._write_blocked and self._room() > 0
+        if want != self._reading:
+            self._reading = want
+            if want:
+                transport.resume_reading()
+            else:
+                transport.pause_reading()
+
+    def _release_writer(self) -> None:
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
 
     # ---------------------------------------------------------------- session side
     def _wake(self) -> None:
@@ -186,23 +234,53 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
         self._wake()
+        self._release_writer()
+
+    def abort(self) -> None:
+        """Drop the connection now, unsent responses included."""
+        self._closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        self._wake()
+        self._release_writer()
+
+    def redeemed(self, max_frame_bytes: int) -> None:
+        """The ticket was valid: requests may now be as large as the server accepts."""
+        self._frames.max_frame_bytes = max_frame_bytes
+        self._ticket_ok = True
+        self._update_reading()
 
     async def read(self) -> Any:
-        """The next request, or ``grpc.aio.EOF`` once the client is gone."""
+        """The next request, or ``grpc.aio.EOF`` once the client is gone.
+
+        Raises:
+            MalformedStream: a buffered frame is too large or not a message.
+        """
         while not self._queue:
+            if self._frames.buffered_bytes and not self._closed and self._room() > 0:
+                self._queue.extend(self._frames.feed(b"", self._room()))
+                self._open_parsed = True
+                if self._queue:
+                    break
             if self._closed:
                 return grpc.aio.EOF
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         req = self._queue.popleft()
-        if self._reading_paused and len(self._queue) < _MAX_QUEUED // 2:
-            transport = self.transport
-            if transport is not None and transport.get_write_buffer_size() == 0:
-                self._reading_paused = False
-                transport.resume_reading()
+        self.last_seq = req.seq
+        self._update_reading()
         return req
 
     async def write(self, resp: pb.SessionResponse) -> None:
+        """Send one response; waits while the client is not reading (its buffer is full).
+
+        Raises:
+            ConnectionResetError: the client is gone.
+        """
+        while self._write_blocked and not self._closed:
+            if self._drained is None:
+                self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
         transport = self.transport
         if self._closed or transport is None or transport.is_closing():
             raise ConnectionResetError("local link closed by the client")
@@ -225,6 +303,7 @@ class LocalLinkServer:
         self._tickets: dict[bytes, tuple[str, float]] = {}
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
+        self._unredeemed = 0  # connections that have not presented a valid ticket yet
         #: Sessions served over the link so far, and refused connections (for tests/status).
         self.links_opened = 0
         self.links_refused = 0
@@ -273,7 +352,15 @@ class LocalLinkServer:
 
     async def _serve(self, conn: _Connection) -> None:
         self._connections.add(conn)
+        self._unredeemed += 1
+        redeemed = False
         try:
+            if self._unredeemed > MAX_UNREDEEMED:
+                self.links_refused += 1
+                logger.warning(
+                    "local link refused: %d connections without a ticket", MAX_UNREDEEMED
+                )
+                return
             try:
                 first = await asyncio.wait_for(conn.read(), OPEN_DEADLINE_S)
             except TimeoutError:
@@ -286,20 +373,31 @@ class LocalLinkServer:
                     with contextlib.suppress(ConnectionError):
                         await conn.write(error_response(first.seq, Unauthenticated(refusal)))
                 return
+            redeemed = True
+            self._unredeemed -= 1
+            conn.redeemed(self.max_frame_bytes)
             self.links_opened += 1
             await self.sessions.serve(_prepend(first, conn.read), conn.write)
-        except (ConnectionError, MalformedStream) as exc:
-            logger.debug("local link ended: %s", exc)
+        except MalformedStream as exc:
+            # A protocol violation is final, as on the gRPC Session (INVALID_ARGUMENT).
+            logger.warning("local link closed: %s", exc)
+            with contextlib.suppress(ConnectionError):
+                await asyncio.wait_for(conn.write(error_response(conn.last_seq, exc)), 1.0)
+        except (ConnectionError, TimeoutError) as exc:
+            logger.debug("local link ended: %r", exc)
         except Exception:
             logger.exception("local link failed")
         finally:
+            if not redeemed:
+                self._unredeemed -= 1
             self._connections.discard(conn)
             conn._close()
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting; let requests in hand finish within ``grace_s`` seconds (idle
-        sessions end at once through :meth:`SessionService.begin_shutdown`), then end every
-        connection. Their clients reconnect (to a successor) and retry."""
+        sessions end at once through :meth:`SessionService.begin_shutdown`), then drop every
+        connection (unsent responses too) and cancel what still runs. Their clients reconnect
+        (to a successor) and retry with the same request ids."""
         server, self._server = self._server, None
         if server is not None:
             server.close()
@@ -308,12 +406,16 @@ class LocalLinkServer:
         if tasks:
             await asyncio.wait(tasks, timeout=grace_s)
         for conn in list(self._connections):
-            conn._close()
-        tasks = [t for t in tasks if not t.done()]
-        if tasks:
-            await asyncio.wait(tasks, timeout=1.0)
+            conn.abort()
+        late = [t for t in tasks if not t.done()]
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late, timeout=1.0)
         if server is not None:
-            await server.wait_closed()
+            # Python >= 3.12 waits here for every connection: they were all dropped above.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
 
 
 def _prepend(first: Any, read: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:

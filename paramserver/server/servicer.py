@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from paramserver import tensor
+from paramserver import tensor, wire
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.api.v1 import tensor_pb2
@@ -126,6 +126,43 @@ def _rss_bytes() -> int:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+class _Handlers:
+    """Stands in for a server to catch the generated registration's method handlers."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, Any] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as the generated ``add_ParameterServerServicer_to_server`` would,
+    except that Push requests are read and Pull responses written by :mod:`paramserver.wire`
+    (tensor frames without protobuf copies of their payload; same bytes on the wire)."""
+    caught = _Handlers()
+    pb_grpc.add_ParameterServerServicer_to_server(servicer, caught)
+    handlers = dict(caught.handlers)
+    handlers["Push"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Push,
+        request_deserializer=wire.deserializer(pb.PushRequest),
+        response_serializer=pb.PushResponse.SerializeToString,
+    )
+    handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Pull,
+        request_deserializer=pb.PullRequest.FromString,
+        response_serializer=wire.serialize,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(caught.service, handlers),)
+    )
+    server.add_registered_method_handlers(caught.service, handlers)
 
 
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[misc]
@@ -405,14 +442,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         return resp
 
     @grpc_errors
-    async def Pull(self, request: pb.PullRequest, context: Any) -> AsyncIterator[pb.PullResponse]:
+    async def Pull(
+        self, request: pb.PullRequest, context: Any
+    ) -> AsyncIterator[pb.PullResponse | bytes]:
         keys = await self.admit_pull(request.worker_id, request.keys, request.timeout_ms)
         yield pb.PullResponse(info=pb.PullInfo(view=self._view(), version=self.core.version))
         for key in keys:
             # Copy lazily, one key at a time: a consistent value per key without holding the
             # whole model twice; frames are produced as the reader consumes them.
             value = await self.pull_snapshot(key)
-            for msg in tensor.encode_messages(pb.PullResponse, key, value):
+            # Wire bytes: the servicer must be registered by add_to_server (its Pull
+            # responses are serialized by paramserver.wire.serialize).
+            for msg in tensor.encode_frame_bytes(key, value):
                 yield msg
 
     @observed_admit

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from paramserver import shm, tensor
+from paramserver import shm, tensor, wire
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.api.v1 import tensor_pb2
@@ -89,6 +89,26 @@ class PushAck:
     applied_updates: int
     dropped_stale: bool
     live_workers: int
+
+
+class ParameterServerStub(pb_grpc.ParameterServerStub):  # type: ignore[misc]
+    """The generated stub, with Push requests written and Pull responses read by
+    :mod:`paramserver.wire` (tensor frames without protobuf copies of their payload; the same
+    bytes on the wire, so either end may be a plain protobuf peer)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        super().__init__(channel)
+        service = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+        self.Push = channel.stream_unary(
+            f"/{service}/Push",
+            request_serializer=wire.serialize,
+            response_deserializer=pb.PushResponse.FromString,
+        )
+        self.Pull = channel.unary_stream(
+            f"/{service}/Pull",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=wire.deserializer(pb.PullResponse),
+        )
 
 
 class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
@@ -197,7 +217,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         await super().close()
 
     def _new_stub(self, channel: grpc.aio.Channel) -> pb_grpc.ParameterServerStub:
-        return pb_grpc.ParameterServerStub(channel)
+        return ParameterServerStub(channel)
 
     def _open_options(self) -> list[tuple[str, Any]]:
         given = {name for name, _ in self.channel_options}
@@ -412,13 +432,12 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         """One attempt of a push over its own Push stream (chunked frames, any size,
         compressed gradients too)."""
 
-        def messages() -> Iterator[pb.PushRequest]:
+        def messages() -> Iterator[pb.PushRequest | bytes]:
             yield pb.PushRequest(header=header())
             for key, key_parts in parts.items():
                 for part in key_parts:
-                    # Frames built inside the request message (no protobuf merge copy).
-                    yield from tensor.encode_messages(
-                        pb.PushRequest,
+                    # Wire bytes of the frames (paramserver.wire: the payload copied once).
+                    yield from tensor.encode_frame_bytes(
                         key,
                         part.array,
                         _SEND_CHUNK_BYTES,

@@ -241,7 +241,10 @@ class FastPath:
         socket is not reachable; a refused ticket: something is off, do not insist)."""
         try:
             link = await LocalLinkCall.connect(offer.address, _LINK_CONNECT_TIMEOUT_S)
-        except (TimeoutError, OSError) as exc:
+        except TimeoutError:  # a busy server: try again on the next session
+            logger.debug("local link %s: no connection within the timeout", offer.address)
+            return
+        except OSError as exc:
             self.local_declined = f"cannot reach {offer.address!r}: {exc!r}"
             logger.info("local link off: %s", self.local_declined)
             return

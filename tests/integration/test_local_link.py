@@ -246,3 +246,97 @@ async def test_graceful_stop_ends_idle_links_at_once_and_the_client_reconnects()
         await daemon.stop(grace_s=0.1)
         if successor is not None:
             await successor.stop(grace_s=0.1)
+
+
+def _pull(seq: int, worker_id: str, key: str) -> bytes:
+    return _frame(pb.SessionRequest(seq=seq, pull=pb.PullRequest(worker_id=worker_id, keys=[key])))
+
+
+async def test_a_burst_read_late_is_answered_in_full() -> None:
+    """40 pulls of 12 KB values sent at once behind the open, read only later: the server
+    stops reading while its answers wait and carries on when they drain — all 41 arrive."""
+    async with running_server(consistency="asp") as daemon:
+        async with _client(daemon, "w0", local_link=False) as ps:
+            value = np.arange(3000, dtype=np.float32)
+            await ps.init({"w": value}, rule=ADD)
+            reader, writer = await _raw(daemon)
+            burst = [_open(ps.worker_id, await _ticket(daemon, ps.worker_id))]
+            burst += [_pull(seq, ps.worker_id, "w") for seq in range(2, 42)]
+            writer.write(b"".join(burst))
+            await asyncio.sleep(0.5)
+            answers = [await asyncio.wait_for(_answer(reader), 5.0) for _ in range(41)]
+            writer.close()
+        assert [a.seq for a in answers if a is not None] == list(range(1, 42))
+        for a in answers[1:]:
+            assert a is not None and a.HasField("pull")
+            got = np.frombuffer(a.pull.tensors[0].data, np.float32)
+            np.testing.assert_array_equal(got, value)
+
+
+async def test_a_client_that_never_reads_holds_a_bounded_buffer() -> None:
+    """Thousands of small requests for 100 KB answers, never read: the server's buffered
+    answers stay bounded (it waits for the client to drain them, and stops reading), and it
+    keeps serving others; a stop drops that client at once."""
+    async with running_server(consistency="asp") as daemon:
+        assert daemon.local_link is not None
+        async with _client(daemon, "w0", local_link=False) as ps:
+            await ps.init({"w": np.zeros(25_000, np.float32)}, rule=ADD)  # 100 KB
+            _reader, writer = await _raw(daemon)
+            flood = [_open(ps.worker_id, await _ticket(daemon, ps.worker_id))]
+            flood += [_pull(seq, ps.worker_id, "w") for seq in range(2, 5002)]
+            writer.write(b"".join(flood))
+            await asyncio.sleep(1.0)
+            (conn,) = daemon.local_link._connections
+            assert conn.transport is not None
+            assert conn.transport.get_write_buffer_size() < 8 << 20
+            async with _client(daemon, "w1") as other:
+                got = await other.pull(["w"])
+                assert other.fastpath is not None and other.fastpath.on_local_link
+            np.testing.assert_array_equal(got["w"], np.zeros(25_000, np.float32))
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await daemon.local_link.stop(grace_s=0.2)
+            assert loop.time() - t0 < 3.0
+            writer.close()
+
+
+async def test_before_its_ticket_a_connection_may_send_only_a_small_open() -> None:
+    async with running_server(consistency="asp") as daemon:
+        reader, writer = await _raw(daemon)
+        writer.write((local_link.PRE_TICKET_FRAME_BYTES + 1).to_bytes(4, "little"))
+        assert await asyncio.wait_for(_answer(reader), 5.0) is None  # closed
+        writer.close()
+
+
+async def test_connections_without_a_ticket_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local_link, "MAX_UNREDEEMED", 3)
+    async with running_server(consistency="asp") as daemon:
+        assert daemon.local_link is not None
+        idle = [await _raw(daemon) for _ in range(3)]
+        reader, writer = await _raw(daemon)  # the 4th is closed at once
+        assert await asyncio.wait_for(_answer(reader), 5.0) is None
+        for _r, w in [*idle, (reader, writer)]:
+            w.close()
+        # once those are gone, a ticketed client gets its link
+        await eventually(lambda: not daemon.local_link._connections)  # type: ignore[union-attr]
+        async with _client(daemon, "w0") as ps:
+            await ps.init({"w": np.zeros(2, np.float32)}, rule=ADD)
+            await ps.push({"w": np.ones(2, np.float32)})
+            assert ps.fastpath is not None and ps.fastpath.on_local_link
+
+
+async def test_a_protocol_violation_is_invalid_argument_and_final() -> None:
+    """A second open on a link: answered INVALID_ARGUMENT (as the gRPC Session aborts with),
+    then closed — not a silent close the client would retry."""
+    async with running_server(consistency="asp") as daemon:
+        async with _client(daemon, "w0", local_link=False) as ps:
+            reader, writer = await _raw(daemon)
+            ticket = await _ticket(daemon, ps.worker_id)
+            writer.write(_open(ps.worker_id, ticket) + _open(ps.worker_id, b"x" * 16, seq=2))
+            opened = await _answer(reader)
+            assert opened is not None and opened.WhichOneof("body") == "opened"
+            refusal = await asyncio.wait_for(_answer(reader), 5.0)
+            assert refusal is not None and refusal.seq == 2
+            assert refusal.error.code == 3 and refusal.error.error_class == "MalformedStream"
+            assert await _answer(reader) is None
+            writer.close()
