@@ -19,6 +19,10 @@ Layout of a segment::
     [push_offset, +push_size)       push region: the client writes gradients here
     [pull_offset, +pull_size)       pull region: the server writes pulled values here
 
+Clients offer one exchange region as both (same offset and size; the server reads a request's
+gradients before it writes any of its reply): a segment is as large as the largest request or
+reply, not their sum. Regions that overlap without being identical are declined.
+
 The file is not made with :mod:`multiprocessing.shared_memory`: its resource tracker unlinks
 segments and warns about "leaks" on its own schedule (Python 3.11), which fights the protocol
 above. Every slot reference coming from the peer is checked against its region before a view
@@ -139,12 +143,15 @@ def _check_layout(
     if size < HEADER_BYTES or size > MAX_SEGMENT_BYTES:
         raise ShmDeclined(f"segment size {size} outside [{HEADER_BYTES}, {MAX_SEGMENT_BYTES}]")
     spans = sorted([(push_offset, push_size), (pull_offset, pull_size)])
+    if spans[0] == spans[1]:  # one exchange region for both directions
+        spans = spans[:1]
     end = HEADER_BYTES
     for start, length in spans:
         if start < end or start + length > size:
             raise ShmDeclined(
                 f"regions (push {push_offset}+{push_size}, pull {pull_offset}+{pull_size}) "
-                f"overlap the header or each other, or pass the segment's {size} bytes"
+                f"overlap the header or each other (only identical regions may), or pass "
+                f"the segment's {size} bytes"
             )
         end = start + length
 
@@ -182,8 +189,11 @@ class ClientSegment:
         self.nonce = nonce
         self.size_bytes = len(buffer)
         self._buffer: mmap.mmap | None = buffer
+        # One exchange region serves both directions: the server reads a request's tensors
+        # (and applies them) before it writes any of its reply, and the client writes its next
+        # request only after it has the reply. Half the memory of two regions.
         self.push = Region(buffer, HEADER_BYTES, push_size, "push")
-        self.pull = Region(buffer, HEADER_BYTES + push_size, pull_size, "pull")
+        self.pull = Region(buffer, HEADER_BYTES, pull_size, "pull")
 
     @classmethod
     def create(
@@ -200,9 +210,8 @@ class ClientSegment:
             OSError: no such directory, no space (the memory is reserved up front with
                 ``posix_fallocate``, so a full tmpfs fails here, not with SIGBUS later).
         """
-        push_size = align_up(max(push_size_bytes, ALIGN_BYTES))
-        pull_size = align_up(max(pull_size_bytes, ALIGN_BYTES))
-        size = HEADER_BYTES + push_size + pull_size
+        push_size = pull_size = align_up(max(push_size_bytes, pull_size_bytes, ALIGN_BYTES))
+        size = HEADER_BYTES + push_size
         nonce = secrets.token_bytes(NONCE_BYTES)
         name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         path = directory / name

@@ -638,3 +638,30 @@ def test_ssp_workers_ride_through_a_server_restart(tmp_path: Path) -> None:
             assert proc.stop() == 0, log
     assert restarted and "restored checkpoint" in restarted[0].log()
     np.testing.assert_array_equal(final, np.full(1000, 2 * rounds, np.float32))
+
+
+@pytest.mark.parametrize("consistency", ["asp", "bsp"])
+async def test_one_exchange_region_serves_a_push_pull_of_other_keys(consistency: str) -> None:
+    """The segment's one exchange region holds the request's gradients and then the reply's
+    values: a push_pull that pushes ``a`` and pulls ``b`` then ``a`` (b lands where a's
+    gradient lay) gives numpy's values, and the segment is no larger than the larger side."""
+    rng = np.random.default_rng(11)
+    a0 = rng.standard_normal(200_000).astype(np.float32)
+    b0 = rng.standard_normal(300_000).astype(np.float64)
+    ga = rng.standard_normal(200_000).astype(np.float32)
+    async with running_server(consistency=consistency, lease_ms=60_000) as daemon:
+        async with _client(daemon, "w0") as ps:
+            await ps.init({"a": a0, "b": b0}, rule=ADD)
+            if consistency == "bsp":  # the step applies at the clock; pull it then
+                await ps.push({"a": ga})
+                await ps.clock()
+                got = await ps.pull(["b", "a"])
+            else:
+                got = await ps.push_pull({"a": ga}, keys=["b", "a"])
+            fp = ps.fastpath
+            assert fp is not None and fp.shm_active and fp._segment is not None
+            seg = fp._segment
+            assert seg.push.offset_bytes == seg.pull.offset_bytes
+            assert seg.size_bytes < shm.HEADER_BYTES + 2 * (a0.nbytes + b0.nbytes)
+        np.testing.assert_array_equal(got["a"], a0 + ga)
+        np.testing.assert_array_equal(got["b"], b0)

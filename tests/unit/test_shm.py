@@ -22,8 +22,10 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_client_and_server_share_bytes_and_the_file_goes(tmp_path: Path) -> None:
     seg = shm.ClientSegment.create(1000, 3000, tmp_path)
-    assert seg.push.size_bytes == 1024 and seg.pull.size_bytes == 3008  # 64-byte multiples
-    assert seg.size_bytes == shm.HEADER_BYTES + 1024 + 3008
+    # one exchange region for both directions, as large as the larger (64-byte multiples)
+    assert seg.push.size_bytes == seg.pull.size_bytes == 3008
+    assert seg.push.offset_bytes == seg.pull.offset_bytes == shm.HEADER_BYTES
+    assert seg.size_bytes == shm.HEADER_BYTES + 3008
     assert os.listdir(tmp_path) == [seg.name] and seg.name.startswith(f"paramserver-{os.getpid()}-")
     mapping = shm.ServerMapping.attach(seg.offer(), tmp_path)
     assert os.listdir(tmp_path) == []  # unlinked by the server once mapped
@@ -84,6 +86,7 @@ def test_declined_offers_name_the_reason(tmp_path: Path) -> None:
             shm.ServerMapping.attach(too_big, tmp_path)
         wrong_size = seg.offer()
         wrong_size.size_bytes += 64
+        wrong_size.push_size_bytes += 64
         wrong_size.pull_size_bytes += 64
         with pytest.raises(shm.ShmDeclined, match="regular file of"):
             shm.ServerMapping.attach(wrong_size, tmp_path)
