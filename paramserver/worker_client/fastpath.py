@@ -162,11 +162,14 @@ class FastPath:
             raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "session stream is closed")
         self._seq += 1
         req.seq = self._seq
+        writing = True
         try:
             await call.write(req)
+            writing = False
+            resp = await call.read()
         except grpc.aio.AioRpcError as err:
             self._drop()
-            if err.code() != grpc.StatusCode.INTERNAL:
+            if not writing or err.code() != grpc.StatusCode.INTERNAL:
                 raise
             # grpc.aio reports a write that C-core refused because the server had just ended
             # the stream (a restart or graceful stop ends idle Sessions) as INTERNAL "Internal
@@ -176,17 +179,6 @@ class FastPath:
                 grpc.StatusCode.UNAVAILABLE,
                 f"session stream ended while writing request {req.seq}: {err.details()}",
             ) from err
-        except asyncio.CancelledError:
-            self._drop()
-            raise
-        except Exception as exc:  # e.g. writing to a stream the server already ended
-            self._drop()
-            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"session stream broke: {exc!r}") from exc
-        try:
-            resp = await call.read()
-        except grpc.aio.AioRpcError:
-            self._drop()
-            raise
         except asyncio.CancelledError:
             self._drop()
             raise

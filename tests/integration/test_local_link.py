@@ -59,6 +59,15 @@ async def _ticket(daemon: ParameterServerDaemon, worker_id: str) -> bytes:
     return daemon.local_link.issue_ticket(worker_id).ticket
 
 
+async def _still_serves_a_link(daemon: ParameterServerDaemon) -> None:
+    """A ticketed client gets its link and right values."""
+    async with _client(daemon, "w0") as ps:
+        await ps.init({"w": np.zeros(4, np.float32)}, rule=ADD)
+        got = await ps.push_pull({"w": np.ones(4, np.float32)})
+        assert ps.fastpath is not None and ps.fastpath.on_local_link
+    np.testing.assert_array_equal(got["w"], np.ones(4, np.float32))
+
+
 def _open(worker_id: str, ticket: bytes, seq: int = 1) -> bytes:
     return _frame(
         pb.SessionRequest(seq=seq, open=pb.SessionOpen(worker_id=worker_id, local_ticket=ticket))
@@ -150,11 +159,7 @@ async def test_a_bad_ticket_is_unauthenticated_and_the_server_keeps_serving(
         assert await _answer(reader) is None  # then closed
         writer.close()
         # nothing was opened by the refused connection, and the server keeps serving
-        async with _client(daemon, "w0") as ps:
-            await ps.init({"w": np.zeros(4, np.float32)}, rule=ADD)
-            got = await ps.push_pull({"w": np.ones(4, np.float32)})
-            assert ps.fastpath is not None and ps.fastpath.on_local_link
-        np.testing.assert_array_equal(got["w"], np.ones(4, np.float32))
+        await _still_serves_a_link(daemon)
         assert link.links_refused == 1
 
 
@@ -172,11 +177,7 @@ async def test_a_broken_peer_is_closed_without_harm(
         # "silent": sends nothing; closed once the open deadline passes
         assert await asyncio.wait_for(_answer(reader), 5.0) is None
         writer.close()
-        async with _client(daemon, "w0") as ps:
-            await ps.init({"w": np.zeros(4, np.float32)}, rule=ADD)
-            got = await ps.push_pull({"w": np.ones(4, np.float32)})
-            assert ps.fastpath is not None and ps.fastpath.on_local_link
-        np.testing.assert_array_equal(got["w"], np.ones(4, np.float32))
+        await _still_serves_a_link(daemon)
 
 
 async def test_many_requests_in_one_write_are_answered_in_order() -> None:
