@@ -162,23 +162,12 @@ class FastPath:
             raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "session stream is closed")
         self._seq += 1
         req.seq = self._seq
-        writing = True
         try:
             await call.write(req)
-            writing = False
             resp = await call.read()
-        except grpc.aio.AioRpcError as err:
+        except grpc.aio.AioRpcError:  # (a write refused by C-core is retried by the funnel)
             self._drop()
-            if not writing or err.code() != grpc.StatusCode.INTERNAL:
-                raise
-            # grpc.aio reports a write that C-core refused because the server had just ended
-            # the stream (a restart or graceful stop ends idle Sessions) as INTERNAL "Internal
-            # error from Core", overwriting the status the server sent (grpc/grpc#36066). The
-            # link broke: retried on a reopened Session with the same request id (deduplicated).
-            raise _rpc_error(
-                grpc.StatusCode.UNAVAILABLE,
-                f"session stream ended while writing request {req.seq}: {err.details()}",
-            ) from err
+            raise
         except asyncio.CancelledError:
             self._drop()
             raise

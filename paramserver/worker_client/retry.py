@@ -29,6 +29,25 @@ RETRYABLE: frozenset[grpc.StatusCode] = frozenset(
 )
 
 
+#: What grpc.aio reports for a stream write that C-core refused because the server had just
+#: ended the stream (a restart or graceful stop): INTERNAL with this text, overwriting the
+#: status the server sent (grpc/grpc#36066). The link broke; retried like UNAVAILABLE.
+CORE_WRITE_REFUSED = "Internal error from Core"
+
+
+def is_retryable(err: grpc.aio.AioRpcError, retryable: Collection[grpc.StatusCode]) -> bool:
+    """``err``'s code is in ``retryable``, or it is a write refused by C-core (see
+    :data:`CORE_WRITE_REFUSED`) where UNAVAILABLE is retryable."""
+    code = err.code()
+    if code in retryable:
+        return True
+    return (
+        code == grpc.StatusCode.INTERNAL
+        and err.details() == CORE_WRITE_REFUSED
+        and grpc.StatusCode.UNAVAILABLE in retryable
+    )
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Exponential backoff with full jitter for retryable status codes.
@@ -56,7 +75,8 @@ async def call_with_retry(
 
     ``attempt`` builds a fresh call each time (a stream's request iterator too). A
     CancelledError that is not this task's own cancellation (grpc.aio cancelling the call when
-    the server dies mid-stream) is retried like UNAVAILABLE.
+    the server dies mid-stream) is retried like UNAVAILABLE, and so is a stream write C-core
+    refused because the server had just ended the stream (:func:`is_retryable`).
 
     Raises:
         ParamServerError: the mapped error of a non-retryable failure, or of the last attempt
@@ -74,7 +94,7 @@ async def call_with_retry(
                 raise
             failure = "cancelled by the transport"
         except grpc.aio.AioRpcError as err:
-            if err.code() not in retryable or loop.time() >= deadline:
+            if not is_retryable(err, retryable) or loop.time() >= deadline:
                 raise from_rpc_error(err) from err
             failure = err.code().name
         delay = min(random.uniform(0, ceiling), max(0.0, deadline - loop.time()))

@@ -582,6 +582,38 @@ async def test_a_write_core_refuses_as_internal_is_a_broken_link() -> None:
             assert ps.fastpath.sessions_opened == 2
 
 
+async def test_a_push_stream_write_core_refuses_as_internal_is_retried() -> None:
+    """The same grpc.aio report on a Push stream (the path of large tensors between hosts):
+    the retry funnel takes it for the broken link it is; the push is applied exactly once."""
+    async with running_server(consistency="asp") as daemon:
+        async with _client(daemon, "w0", session=False) as ps:
+            await ps.init({"w": np.zeros(4, np.float32)}, rule=ADD)
+            real_push = ps.stub.Push
+            refused = []
+
+            def push_refused_by_core(requests: Any, timeout: float) -> Any:
+                if refused:
+                    return real_push(requests, timeout=timeout)
+                refused.append(True)
+
+                async def fail() -> Any:
+                    raise grpc.aio.AioRpcError(
+                        grpc.StatusCode.INTERNAL,
+                        grpc.aio.Metadata(),
+                        grpc.aio.Metadata(),
+                        "Internal error from Core",
+                    )
+
+                return fail()
+
+            ps.stub.Push = push_refused_by_core
+            ack = await ps.push({"w": np.ones(4, np.float32)})
+            assert refused and not ack.duplicate
+            final = await ps.pull(["w"])
+            np.testing.assert_array_equal(final["w"], np.ones(4, np.float32))
+            assert (await ps.status()).applied_updates == 1
+
+
 def test_ssp_workers_ride_through_a_server_restart(tmp_path: Path) -> None:
     """The compose scenario on loopback: two SSP workers push and clock against a shard with a
     write-ahead log; the shard is stopped (SIGTERM) mid-run and restarted on the same port. Both
