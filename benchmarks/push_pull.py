@@ -33,7 +33,10 @@ skipped, with the reason, in its JSON line):
 - ``torch_rpc``: a torch.distributed.rpc parameter server (``benchlib/torch_rpc_ps.py``).
 - ``grpc_raw`` (a new bidi stream echo per round, 1 MiB chunks; the issue's "raw grpc.aio
   stream echo"), ``grpc_raw_unary`` (one unary echo per round), ``grpc_raw_session`` (one
-  long-lived bidi stream), ``socket`` (TCP ping-pong), ``memcpy``: the ceilings
+  long-lived bidi stream), ``socket`` (TCP ping-pong of blocking sockets), ``asyncio_unix``
+  (a uvloop ``asyncio.Protocol`` echo of length-prefixed frames on an abstract Unix socket: the
+  local link's transport, framing and event loops with no work on either side, so the floor
+  of any asyncio request/reply design on this host), ``memcpy``: the ceilings
   (``benchlib/ceilings.py``).
 
 ``--profile-server DIR`` samples the paramserver server with py-spy during each config and writes
@@ -75,6 +78,7 @@ SYSTEMS = (
     "grpc_raw_session",
     "grpc_raw_seq",
     "socket",
+    "asyncio_unix",
     "memcpy",
 )
 RAW_GRPC = ("grpc_raw", "grpc_raw_unary", "grpc_raw_session")
@@ -208,6 +212,7 @@ def _run_ceiling(system: str, args: argparse.Namespace) -> None:
     factory = {
         "memcpy": "benchlib.ceilings:memcpy",
         "socket": "benchlib.ceilings:socket_pingpong",
+        "asyncio_unix": "benchlib.ceilings:asyncio_unix_echo",
         "grpc_raw": "benchlib.ceilings:grpc_echo",
         "grpc_raw_unary": "benchlib.ceilings:grpc_unary_echo",
         "grpc_raw_session": "benchlib.ceilings:grpc_session_echo",
@@ -215,6 +220,7 @@ def _run_ceiling(system: str, args: argparse.Namespace) -> None:
     }[system]
     server = {
         "socket": "benchlib.ceilings:socket_echo_serve",
+        "asyncio_unix": "benchlib.ceilings:asyncio_unix_echo_serve",
         "grpc_raw": "benchlib.ceilings:grpc_echo_serve",
         "grpc_raw_unary": "benchlib.ceilings:grpc_echo_serve",
         "grpc_raw_session": "benchlib.ceilings:grpc_echo_serve",
@@ -238,6 +244,8 @@ def _run_ceiling(system: str, args: argparse.Namespace) -> None:
                 extra["pattern"] = "bidi stream per round: whole payload up, then back (no overlap)"
             elif system == "socket":
                 extra["pattern"] = "TCP_NODELAY ping-pong, server echoes after the whole message"
+            elif system == "asyncio_unix":
+                extra["pattern"] = "uvloop Protocol echo of one framed message, Unix socket"
             else:
                 extra["pattern"] = "two np.copyto of N*4 bytes per round"
             benchlib.emit(_result_record(system, n, workers, result, extra))
@@ -398,6 +406,10 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
         view_g = _value(by, ("paramserver-view", n, w), "payload_gb_s")
         view_ratio = None if small else _ratio(view_g, best_g)
         peer_target = 5.0 if small else 2.0
+        # How many times the best peer an asyncio request/reply with no work at all reaches:
+        # the room any Python asyncio design has for its own work at this size.
+        floor_r = _value(by, ("asyncio_unix", n, w), "rounds_per_s")
+        floor_ratio = _ratio(floor_r, best_r)
         verified = by.get(("paramserver", n, w), {}).get("verified")
         rows.append(
             [
@@ -406,6 +418,7 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 peer_ratio,
                 f">= {peer_target:g} ({'rounds/s' if small else 'GB/s'})",
                 _met(peer_ratio, peer_target),
+                floor_ratio,
                 view_ratio,
                 _ratio(net_g, stream_g),
                 _ratio(net_g, raw_g),
@@ -419,13 +432,15 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
         "push_pull: paramserver against the issue-7 targets (ratios within this run; "
         "best raw = max(grpc_raw, grpc_raw_unary, grpc_raw_session); the raw-gRPC columns use "
         "paramserver-net, the network path, for N > 10,000 when it ran; grpc seq = whole payload "
-        "up then back, the no-overlap ceiling of an atomic push followed by a pull)",
+        "up then back, the no-overlap ceiling of an atomic push followed by a pull; "
+        "asyncio floor = asyncio_unix, an echo with no work)",
         [
             "N",
             "W",
             "ps/best peer",
             "target",
             "met",
+            "asyncio floor/best peer",
             "view/best peer",
             "ps/grpc stream",
             "ps/best raw grpc",

@@ -287,3 +287,107 @@ class GrpcSeqEcho(GrpcEcho):
 
 def grpc_seq_echo(rank: int, cfg: dict[str, Any]) -> GrpcSeqEcho:
     return GrpcSeqEcho(rank, cfg)
+
+
+# ---------------------------------------------------------------------- asyncio Unix socket
+def _unix_echo_name(server_pid: int) -> str:
+    return f"\0paramserver-bench-echo-{server_pid}"
+
+
+class _FrameEcho(asyncio.Protocol):
+    """Server side: collect one 4-byte-length-prefixed frame, send it back whole."""
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.buf = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while len(buf) >= 4:
+            size = int.from_bytes(buf[:4], "little")
+            if len(buf) < 4 + size:
+                return
+            self.transport.write(bytes(buf[: 4 + size]))
+            del buf[: 4 + size]
+
+
+def asyncio_unix_echo_serve(port_queue: Any) -> None:
+    """Process entry: a uvloop ``asyncio.Protocol`` echo of length-prefixed frames on an
+    abstract Unix socket (the local link's transport, framing and event loop, with no work);
+    puts the server's pid, from which clients derive the socket name."""
+    import os
+
+    import uvloop
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # (uvloop takes abstract
+        sock.bind(_unix_echo_name(os.getpid()))  # names only as bound sockets)
+        server = await loop.create_unix_server(_FrameEcho, sock=sock)
+        port_queue.put(os.getpid())
+        await server.serve_forever()
+
+    uvloop.run(main())
+
+
+class _FrameClient(asyncio.Protocol):
+    def __init__(self, back: memoryview) -> None:
+        self.back = back
+        self.got = -4  # bytes of the current reply (the header counts below 0)
+        self.waiter: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        view = memoryview(data)
+        if self.got < 0:  # the echoed header (sizes are fixed: not parsed)
+            skip = min(-self.got, len(view))
+            self.got += skip
+            view = view[skip:]
+        if view:
+            self.back[self.got : self.got + len(view)] = view
+            self.got += len(view)
+        if self.got == len(self.back) and self.waiter is not None:
+            self.got = -4
+            self.waiter.set_result(None)
+            self.waiter = None
+
+
+class AsyncioUnixEcho:
+    """Each round: one framed write of N*4 bytes, awaited until the whole echo is back (the
+    floor of an asyncio request/reply on a Unix socket, as the local link's round trip)."""
+
+    def __init__(self, rank: int, cfg: dict[str, Any]) -> None:
+        self.n = int(cfg["n"])
+        self.name = _unix_echo_name(int(cfg["port"]))
+
+    async def setup(self) -> None:
+        payload = np.ones(self.n, dtype=np.float32)
+        self.header = payload.nbytes.to_bytes(4, "little")
+        self.out = memoryview(payload).cast("B")
+        self.back = np.empty(self.n, dtype=np.float32)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(self.name)
+        _, self.proto = await loop.create_unix_connection(
+            lambda: _FrameClient(memoryview(self.back).cast("B")), sock=sock
+        )
+        self.rounds = 0
+
+    async def round(self) -> None:
+        proto = self.proto
+        proto.waiter = asyncio.get_running_loop().create_future()
+        proto.transport.writelines((self.header, self.out))
+        await proto.waiter
+        self.rounds += 1
+
+    async def finish(self) -> dict[str, Any]:
+        ok = bool(np.array_equal(self.back, np.ones(self.n, np.float32)))
+        self.proto.transport.close()
+        return {"rounds": self.rounds, "ok": ok}
+
+
+def asyncio_unix_echo(rank: int, cfg: dict[str, Any]) -> AsyncioUnixEcho:
+    return AsyncioUnixEcho(rank, cfg)
