@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from paramserver.errors import InvalidArgument
+from paramserver.memory import DEFAULT_RETAIN_BYTES
 from paramserver.server.consistency import Consistency, DeathPolicy
 from paramserver.sharding import parse_addresses
 
@@ -93,6 +94,9 @@ class ServerConfig:
         tls_ca: PEM CA bundle: require client certificates signed by it (mutual TLS).
         auth_tokens: File of ``ROLE TOKEN`` lines (roles ``worker``, ``admin``): every RPC but
             health and reflection then needs a bearer token.
+        malloc_retain_bytes: glibc malloc keeps freed blocks below this many bytes in the
+            process for reuse instead of returning them to the kernel (no fresh zeroed pages
+            for every round's buffers; see :mod:`paramserver.memory`); 0 keeps glibc's defaults.
     """
 
     host: str = "127.0.0.1"
@@ -139,6 +143,7 @@ class ServerConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     auth_tokens: str | None = None
+    malloc_retain_bytes: int = DEFAULT_RETAIN_BYTES
 
     def __post_init__(self) -> None:
         try:
@@ -178,6 +183,7 @@ class ServerConfig:
             "checkpoint_every_steps",
             "staleness_threshold",
             "offload_min_bytes",
+            "malloc_retain_bytes",
         ):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import InvalidArgument
+from paramserver.memory import DEFAULT_RETAIN_BYTES, retain_freed_memory
 from paramserver.security import (
     ServerSecurity,
     add_client_security_flags,
@@ -481,11 +482,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "tls_ca": args.tls_ca,
         "auth_tokens": args.auth_tokens,
         "shared_memory": False if args.no_shared_memory else None,
+        "malloc_retain_bytes": args.malloc_retain_bytes,
     }
     # Bad flags, unreadable certificates or token file: InvalidArgument here, before any
     # socket (the entry point prints one line and exits 2; paramserver.cli.run_command).
     config = ServerConfig.from_sources(cli, os.environ)
     ServerSecurity.of_config(config)
+    retain_freed_memory(config.malloc_retain_bytes, os.environ)
     run_loop(run_daemon(config, port_file=args.port_file), use_uvloop=config.use_uvloop)
     return 0
 
@@ -592,6 +595,14 @@ def add_subcommands(sub: Any) -> None:
         action="store_true",
         help="no same-host data paths (shared-memory segments, the local-link socket): tensor "
         "bytes go over gRPC as between hosts (PARAMSERVER_SHARED_MEMORY=0)",
+    )
+    p.add_argument(
+        "--malloc-retain-bytes",
+        type=int,
+        help="glibc malloc keeps freed blocks below this size for reuse instead of returning "
+        "them to the kernel, so large per-round buffers do not fault in fresh pages every "
+        f"round (default {DEFAULT_RETAIN_BYTES}; 0 keeps glibc's defaults; "
+        "PARAMSERVER_MALLOC_RETAIN_BYTES; glibc's own MALLOC_*_ variables take precedence)",
     )
     p.add_argument("--port-file", help="write the bound port to this file once serving")
     g = p.add_argument_group("sharded cluster and metrics")
