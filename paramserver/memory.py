@@ -6,9 +6,10 @@ glibc's defaults, blocks of 128 KiB and more are ``mmap``-ed and handed back to 
 freed (and the dynamic threshold never rises past 32 MiB), and free memory at the top of a heap
 is trimmed once it passes twice that threshold, so every round maps fresh pages and the kernel
 zeroes each one on first touch. Measured here (2 workers, 16e6 float32 push_pull over gRPC, one
-ASP shard): 200k page faults per round, about a quarter of the server's CPU in
-``clear_page``/page-fault paths, and half the throughput it reaches once freed blocks stay in
-the heap (``benchmarks/push_pull.py``, ``paramserver-net`` rows).
+ASP shard): ~19k page faults per round (~76 MB of fresh pages), a sixth of the server's CPU
+samples in ``clear_page`` and the page-fault paths (``perf``); with freed blocks kept, ~30 faults
+per round and 1.26 instead of 0.96 payload GB/s (``benchmarks/push_pull.py``,
+``paramserver-net``).
 
 :func:`retain_freed_memory` sets ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` (glibc
 ``mallopt(3)``, the same knobs as the ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``
