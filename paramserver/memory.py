@@ -37,6 +37,7 @@ DEFAULT_RETAIN_BYTES = 512 << 20
 #: ``mallopt`` parameter numbers (glibc ``malloc.h``).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_OLD_GLIBC_MMAP_MAX = 32 << 20
 
 #: Environment variables through which a user tunes glibc malloc directly (theirs wins).
 _GLIBC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -86,10 +87,17 @@ def retain_freed_memory(limit_bytes: int, env: Mapping[str, str]) -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    limit = ctypes.c_int(min(limit_bytes, 2**31 - 1))
-    ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, limit)) and bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, limit)
-    )
-    if not ok:
-        logger.warning("mallopt refused a retain limit of %d bytes", limit_bytes)
-    return ok
+    limit = min(limit_bytes, 2**31 - 1)
+    if not libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(limit)):
+        logger.warning("mallopt refused a trim threshold of %d bytes", limit)
+        return False
+    if libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(limit)):
+        return True
+    # glibc before 2.35 caps the mmap threshold at half its heap size (32 MiB on 64-bit):
+    # larger blocks then keep being mapped afresh, smaller ones are still retained.
+    capped = min(limit, _OLD_GLIBC_MMAP_MAX)
+    if libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(capped)):
+        logger.info("glibc caps the mmap threshold: blocks over %d bytes are not retained", capped)
+        return True
+    logger.warning("mallopt refused an mmap threshold of %d bytes", capped)
+    return False
