@@ -287,7 +287,11 @@ def _run_torch(args: argparse.Namespace) -> None:
 
 def run_system(system: str, args: argparse.Namespace) -> None:
     """Measure one system for every config (the body of a ``--system`` subprocess)."""
-    missing = {"ray": _missing("ray"), "torch_rpc": _missing("torch")}.get(system)
+    missing = {
+        "ray": _missing("ray"),
+        "torch_rpc": _missing("torch"),
+        "asyncio_unix": None if sys.platform.startswith("linux") else "abstract sockets: Linux",
+    }.get(system)
     if missing:
         for n, w in _configs(args):
             benchlib.emit({**_record(system, n, w), "skipped": missing})
@@ -409,7 +413,7 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
         # How many times the best peer an asyncio request/reply with no work at all reaches:
         # the room any Python asyncio design has for its own work at this size.
         floor_r = _value(by, ("asyncio_unix", n, w), "rounds_per_s")
-        floor_ratio = _ratio(floor_r, best_r)
+        floor_ratio = _ratio(floor_r, best_r) if small else None
         verified = by.get(("paramserver", n, w), {}).get("verified")
         rows.append(
             [

@@ -15,6 +15,13 @@ Each round moves the same payload as one paramserver round, N float32 out and N 
   each round writes the N*4 bytes in 1 MiB chunks and reads the echoed chunks back (writer and
   reader run concurrently): what a persistent push/pull session stream could reach, with no
   per-call setup.
+- ``grpc_raw_seq``: a new bidi stream per round, every chunk up, then every chunk back (the
+  store-and-forward ceiling of an atomic push followed by a pull).
+- ``asyncio_unix`` (Linux): a uvloop ``asyncio.Protocol`` echo of one 4-byte-length-prefixed
+  frame per round on an abstract Unix socket, a marker per round checked: the local link's
+  transport, framing and event loops with no work on either side. At small N it is the floor of
+  any asyncio request/reply design on the host; at large N it carries the tensor bytes through
+  the socket, which the local link does not (they go through shared memory there).
 """
 
 from __future__ import annotations
@@ -303,13 +310,16 @@ class _FrameEcho(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf
+        if not buf and len(data) >= 4 and int.from_bytes(data[:4], "little") + 4 == len(data):
+            self.transport.write(data)  # one whole frame in one read (as the local link): no copy
+            return
         buf += data
         while len(buf) >= 4:
-            size = int.from_bytes(buf[:4], "little")
-            if len(buf) < 4 + size:
+            end = 4 + int.from_bytes(buf[:4], "little")
+            if len(buf) < end:
                 return
-            self.transport.write(bytes(buf[: 4 + size]))
-            del buf[: 4 + size]
+            self.transport.write(bytes(memoryview(buf)[:end]))  # one copy out of the buffer
+            del buf[:end]
 
 
 def asyncio_unix_echo_serve(port_queue: Any) -> None:
@@ -364,7 +374,7 @@ class AsyncioUnixEcho:
         self.name = _unix_echo_name(int(cfg["port"]))
 
     async def setup(self) -> None:
-        payload = np.ones(self.n, dtype=np.float32)
+        self.payload = payload = np.ones(self.n, dtype=np.float32)
         self.header = payload.nbytes.to_bytes(4, "little")
         self.out = memoryview(payload).cast("B")
         self.back = np.empty(self.n, dtype=np.float32)
@@ -378,13 +388,16 @@ class AsyncioUnixEcho:
 
     async def round(self) -> None:
         proto = self.proto
+        self.payload[0] = self.rounds  # a marker per round, checked in the echo
         proto.waiter = asyncio.get_running_loop().create_future()
         proto.transport.writelines((self.header, self.out))
         await proto.waiter
+        if self.back[0] != self.rounds:
+            raise ConnectionError(f"round {self.rounds}: echo carries marker {self.back[0]}")
         self.rounds += 1
 
     async def finish(self) -> dict[str, Any]:
-        ok = bool(np.array_equal(self.back, np.ones(self.n, np.float32)))
+        ok = bool(np.array_equal(self.back, self.payload))
         self.proto.transport.close()
         return {"rounds": self.rounds, "ok": ok}
 

@@ -97,6 +97,8 @@ class ServerConfig:
         malloc_retain_bytes: glibc malloc keeps freed blocks below this many bytes in the
             process for reuse instead of returning them to the kernel (no fresh zeroed pages
             for every round's buffers; see :mod:`paramserver.memory`); 0 keeps glibc's defaults.
+            Applied by ``paramserver serve`` at process start (process-wide), not by a daemon
+            started inside another program.
     """
 
     host: str = "127.0.0.1"

@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import InvalidArgument
-from paramserver.memory import DEFAULT_RETAIN_BYTES, retain_freed_memory
+from paramserver.memory import DEFAULT_RETAIN_BYTES, retain_freed_memory, user_malloc_settings
 from paramserver.security import (
     ServerSecurity,
     add_client_security_flags,
@@ -488,9 +488,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # socket (the entry point prints one line and exits 2; paramserver.cli.run_command).
     config = ServerConfig.from_sources(cli, os.environ)
     ServerSecurity.of_config(config)
-    retain_freed_memory(config.malloc_retain_bytes, os.environ)
+    _retain_freed_memory(config.malloc_retain_bytes)
     run_loop(run_daemon(config, port_file=args.port_file), use_uvloop=config.use_uvloop)
     return 0
+
+
+def _retain_freed_memory(limit: int) -> None:
+    """Apply ``--malloc-retain-bytes`` to this process and say what took effect."""
+    applied = retain_freed_memory(limit, os.environ)
+    if applied:
+        logger.info("malloc: freed blocks under %d bytes are kept for reuse", applied)
+    elif limit and user_malloc_settings(os.environ):
+        logger.info("malloc: the environment's own glibc malloc settings are used")
+    elif limit:
+        logger.info("malloc: allocator left as it is (not glibc, or the setting was refused)")
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -83,3 +83,29 @@ def test_bad_configuration_exits_2_with_a_clear_message() -> None:
     )
     assert proc.returncode == 2
     assert "PARAMSERVER_LEASE_MS" in proc.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning")
+def test_serve_keeps_freed_memory_unless_told_not_to(tmp_path: Path) -> None:
+    from paramserver.memory import _glibc
+
+    if _glibc() is None:
+        pytest.skip("needs glibc")
+    logs = {}
+    for name, args, env in (
+        ("default", (), {}),
+        ("flag", ("--malloc-retain-bytes", str(64 << 20)), {}),
+        ("off", (), {"PARAMSERVER_MALLOC_RETAIN_BYTES": "0"}),
+        ("user", (), {"MALLOC_TRIM_THRESHOLD_": "131072"}),
+    ):
+        server = ServerProcess(tmp_path, "--consistency", "asp", *args, env=env)
+        try:
+            with connect_sync(server.address, "w0") as ps:
+                ps.init({"w": np.zeros(3, np.float32)}, UpdateRule("sgd", lr=0.5))
+        finally:
+            assert server.stop() == 0, server.log()
+        logs[name] = server.log()
+    assert f"freed blocks under {512 << 20} bytes are kept for reuse" in logs["default"]
+    assert f"freed blocks under {64 << 20} bytes are kept for reuse" in logs["flag"]
+    assert "malloc:" not in logs["off"]
+    assert "the environment's own glibc malloc settings are used" in logs["user"]

@@ -21,17 +21,17 @@ ROUNDS = 10
 _PROBE = r"""
 import resource, sys
 from paramserver.memory import retain_freed_memory
-if sys.argv[1] != "0":
-    assert retain_freed_memory(int(sys.argv[1]), {}), "mallopt refused"
+applied = retain_freed_memory(int(sys.argv[1]), {}) if sys.argv[1] != "0" else 0
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(int(sys.argv[2])):
     block = bytearray(int(sys.argv[3]))  # zero-filled: every page touched
     del block
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(limit: int) -> int:
+def _faults(limit: int) -> tuple[int, int]:
+    """(mmap threshold applied, minor page faults) of the probe in a fresh process."""
     out = subprocess.run(
         [sys.executable, "-c", _PROBE, str(limit), str(ROUNDS), str(BLOCK)],
         capture_output=True,
@@ -39,27 +39,33 @@ def _faults(limit: int) -> int:
         timeout=60,
         check=True,
     )
-    return int(out.stdout.strip())
+    applied, faults = out.stdout.split()
+    return int(applied), int(faults)
 
 
 @pytest.mark.skipif(_glibc() is None, reason="needs glibc malloc")
 def test_retained_blocks_are_not_faulted_in_again() -> None:
-    plain = _faults(0)
+    _, plain = _faults(0)
     if plain < ROUNDS * PAGES // 2:
         pytest.skip(f"{plain} faults for {ROUNDS} fresh 64 MiB blocks: huge pages here")
-    retained = _faults(256 << 20)
+    applied, retained = _faults(256 << 20)
+    if applied <= BLOCK:
+        pytest.skip(f"this glibc caps the mmap threshold at {applied} bytes (before 2.35)")
+    assert applied == 256 << 20
     # glibc defaults: every round maps fresh pages (ROUNDS * PAGES faults). Retained: the
     # first round's pages only, reused by the next nine.
-    assert plain >= ROUNDS * PAGES * 0.9
     assert retained <= 2 * PAGES
+    assert plain >= 4 * retained
 
 
 def test_user_settings_and_zero_leave_the_allocator_alone() -> None:
-    assert retain_freed_memory(0, {}) is False
-    assert retain_freed_memory(1 << 20, {"MALLOC_TRIM_THRESHOLD_": "131072"}) is False
-    assert retain_freed_memory(1 << 20, {"MALLOC_MMAP_THRESHOLD_": "131072"}) is False
-    tunables = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}
-    assert retain_freed_memory(1 << 20, tunables) is False
+    assert retain_freed_memory(0, {}) == 0
+    assert retain_freed_memory(1 << 20, {"MALLOC_TRIM_THRESHOLD_": "131072"}) == 0
+    assert retain_freed_memory(1 << 20, {"MALLOC_MMAP_THRESHOLD_": "131072"}) == 0
+    assert retain_freed_memory(1 << 20, {"MALLOC_TOP_PAD_": "0"}) == 0
+    for tunable in ("trim_threshold", "mmap_threshold", "top_pad"):
+        env = {"GLIBC_TUNABLES": f"glibc.malloc.{tunable}=131072"}
+        assert retain_freed_memory(1 << 20, env) == 0
     with pytest.raises(ValueError, match="malloc retain limit must be >= 0 bytes, got -1"):
         retain_freed_memory(-1, {})
 
