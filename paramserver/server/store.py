@@ -94,22 +94,33 @@ class Entry:
 Checked: TypeAlias = tuple[Entry, Array]
 
 
+_BLAS_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def count_non_finite(grad: Array) -> int:
     """Number of NaN/±Inf elements of a floating ``grad`` (0 for integers).
 
-    Allocates nothing of ``grad``'s size: the fast path is one sum (finite only if every term
-    is); an overflowing sum of finite terms, or a non-finite one, is counted exactly block by
-    block with block-sized temporaries.
+    Allocates nothing of ``grad``'s size: the fast path is one sum (of squares for float32 and
+    float64, finite only if every term is); an overflowing sum of finite terms, or a non-finite
+    one, is counted exactly block by block with block-sized temporaries.
     """
+    if not grad.dtype.isnative:  # (not from the wire, which is decoded native) a copy
+        grad = grad.astype(grad.dtype.newbyteorder("="))
     if grad.dtype not in FLOAT_DTYPES or grad.size == 0:
         return 0
     if grad.size <= BLOCK_ELEMENTS:
         # One block: count directly (exact, a block-sized temporary; cheaper for small
         # gradients than the sum below and its np.errstate).
         return int(grad.size - np.count_nonzero(np.isfinite(grad)))
-    acc = np.float64 if grad.dtype == np.float64 else np.float32
     with np.errstate(over="ignore", invalid="ignore"):
-        total = np.add.reduce(grad, axis=None, dtype=acc)
+        if grad.dtype in _BLAS_DTYPES and grad.flags.c_contiguous:
+            # x . x (a BLAS dot: ~2x numpy's pairwise sum here, 1e6 float32 in 0.06 ms): a sum
+            # of non-negative terms, finite iff every term is and it does not overflow.
+            flat = grad.reshape(-1)
+            total = np.dot(flat, flat)
+        else:
+            acc = np.float64 if grad.dtype == np.float64 else np.float32
+            total = np.add.reduce(grad, axis=None, dtype=acc)
     if np.isfinite(total):
         return 0
     flat = grad.reshape(-1)  # a copy only for a strided gradient

@@ -124,6 +124,22 @@ def test_count_non_finite_matches_numpy(dtype: type, size: int) -> None:
     assert count_non_finite(np.ones(size, dtype)) == 0
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_count_non_finite_large_finite_squares_overflow_strided_and_swapped(dtype: type) -> None:
+    # Above one block the fast check is a sum of squares (contiguous float32/float64): squares
+    # that overflow are finite values and must still count 0; strided and byte-swapped arrays
+    # take the plain sum. Expected counts from numpy on float64 copies.
+    size = 3 * BLOCK_ELEMENTS + 5
+    huge = np.full(size, np.finfo(dtype).max / 2, dtype)
+    assert count_non_finite(huge) == 0
+    rng = np.random.default_rng(7)
+    values = rng.standard_normal(2 * size).astype(dtype)
+    values[[0, size, 2 * size - 1]] = [np.nan, -np.inf, np.inf]
+    for array in (values, values[::2], values[1::2], values.astype(np.dtype(dtype).newbyteorder())):
+        expected = int(np.sum(~np.isfinite(array.astype(np.float64))))
+        assert count_non_finite(array) == expected
+
+
 @pytest.mark.parametrize("dtype", tensor.SUPPORTED_DTYPES)
 @pytest.mark.parametrize("order", ["<", ">", "="])
 def test_dtype_to_wire_lookup_agrees_with_the_full_path(dtype: np.dtype, order: str) -> None:
