@@ -26,10 +26,8 @@ from paramserver.server.optimizers import (
     FLOAT_DTYPES,
     Array,
     UpdateRule,
-    Workspace,
     apply_update,
     init_state,
-    workspace_for,
 )
 
 __all__ = [
@@ -67,8 +65,6 @@ class Entry:
         rule: The key's update rule.
         state: Optimizer state from :func:`~paramserver.server.optimizers.init_state`.
         updates: Gradients applied to this key.
-        workspace: Block-sized scratch of the key's update rule, allocated at its first update
-            and reused (never checkpointed).
     """
 
     key: str
@@ -76,7 +72,6 @@ class Entry:
     rule: UpdateRule
     state: dict[str, Array] = field(repr=False)
     updates: int = 0
-    workspace: Workspace | None = field(default=None, repr=False, compare=False)
 
     def apply(self, grad: Array) -> None:
         """Apply an already validated gradient in place (the numeric part of an update only).
@@ -84,9 +79,7 @@ class Entry:
         Touches only this entry's arrays, so it may run in a worker thread while nothing else
         reads or writes this key.
         """
-        if self.workspace is None:
-            self.workspace = workspace_for(self.rule, self.value)
-        apply_update(self.rule, self.value, grad, self.state, self.workspace)
+        apply_update(self.rule, self.value, grad, self.state)  # the thread's block scratch
         self.updates += 1
 
 

@@ -8,6 +8,7 @@ of operations), compared bit for bit on arrays that span several blocks plus a p
 from __future__ import annotations
 
 import math
+import threading
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,13 @@ from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tensor_pb2
 from paramserver.errors import InvalidArgument
-from paramserver.server.optimizers import BLOCK_ELEMENTS, UpdateRule, apply_update, init_state
+from paramserver.server.optimizers import (
+    BLOCK_ELEMENTS,
+    UpdateRule,
+    apply_update,
+    init_state,
+    thread_workspace,
+)
 from paramserver.server.store import ParameterStore, count_non_finite
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,12 +83,39 @@ def test_apply_allocates_no_parameter_sized_array(
     n = KEY_BYTES // np.dtype(dtype).itemsize
     store = ParameterStore()
     store.init("k", np.ones(n, dtype), rule)
+    store.init("other", np.ones(n, dtype), rule)
     grad = np.full(n, 0.5, grad_dtype)
-    # The first push allocates the key's block-sized workspace once; later pushes nothing.
+    # The thread's block workspace: at most four blocks of the compute dtype, made once (by
+    # whichever update on this thread comes first) and shared by every key.
+    workspace = _peak_bytes(lambda: store.apply("other", grad))
+    assert workspace <= 4 * BLOCK_ELEMENTS * 4 + (64 << 10), workspace
+    # Pushes then allocate nothing of the parameter's size: at most numpy's own small buffers.
     first = _peak_bytes(lambda: store.apply("k", grad))
     later = _peak_bytes(lambda: store.apply("k", grad))
-    assert first < KEY_BYTES // 4, first
-    assert later < 256 << 10, later  # at most a block-sized cast buffer
+    assert first < 256 << 10, first
+    assert later < 256 << 10, later
+
+
+def test_update_scratch_is_per_thread_not_per_key() -> None:
+    rule = UpdateRule("adam", lr=0.01)
+    store = ParameterStore()
+    for i in range(20):
+        store.init(f"k{i}", np.ones(BLOCK_ELEMENTS, np.float32), rule)
+    grad = np.full(BLOCK_ELEMENTS, 0.5, np.float32)
+    store.apply("k0", grad)  # this thread's workspace exists from here on
+    # Twenty keys of a block each: per-key scratch would be 20 x 2 blocks (20 MiB).
+    peak = _peak_bytes(lambda: [store.apply(f"k{i}", grad) for i in range(20)])
+    assert peak < 256 << 10, peak
+    seen: list[int] = []
+
+    def other_thread() -> None:
+        store.apply("k1", grad)
+        seen.append(id(thread_workspace(np.dtype(np.float32))))
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join(timeout=30)
+    assert seen and seen[0] != id(thread_workspace(np.dtype(np.float32)))  # its own scratch
 
 
 def test_non_finite_count_allocates_no_gradient_sized_temporary() -> None:
