@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -386,10 +386,15 @@ class ParameterServerDaemon:
         await self.stop(grace_s=0.5)
 
 
-async def run_daemon(config: ServerConfig, *, port_file: str | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then shut down gracefully."""
+async def run_daemon(
+    config: ServerConfig, *, port_file: str | None = None, notes: Sequence[str] = ()
+) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully (``notes``: INFO lines logged once
+    the server listens)."""
     daemon = ParameterServerDaemon(config)
     await daemon.start()
+    for note in notes:
+        logger.info("%s", note)
     if port_file:
         _write_atomic(port_file, str(daemon.port))
     stop = asyncio.Event()
@@ -488,20 +493,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # socket (the entry point prints one line and exits 2; paramserver.cli.run_command).
     config = ServerConfig.from_sources(cli, os.environ)
     ServerSecurity.of_config(config)
-    _retain_freed_memory(config.malloc_retain_bytes)
-    run_loop(run_daemon(config, port_file=args.port_file), use_uvloop=config.use_uvloop)
+    note = _retain_freed_memory(config.malloc_retain_bytes)
+    daemon = run_daemon(config, port_file=args.port_file, notes=(note,) if note else ())
+    run_loop(daemon, use_uvloop=config.use_uvloop)
     return 0
 
 
-def _retain_freed_memory(limit: int) -> None:
-    """Apply ``--malloc-retain-bytes`` to this process and say what took effect."""
+def _retain_freed_memory(limit: int) -> str | None:
+    """Apply ``--malloc-retain-bytes`` to this process (before it allocates much); returns what
+    took effect, logged once the server listens (a failed start stays one line)."""
     applied = retain_freed_memory(limit, os.environ)
     if applied:
-        logger.info("malloc: freed blocks under %d bytes are kept for reuse", applied)
-    elif limit and user_malloc_settings(os.environ):
-        logger.info("malloc: the environment's own glibc malloc settings are used")
-    elif limit:
-        logger.info("malloc: allocator left as it is (not glibc, or the setting was refused)")
+        return f"malloc: freed blocks under {applied} bytes are kept for reuse"
+    if limit and user_malloc_settings(os.environ):
+        return "malloc: the environment's own glibc malloc settings are used"
+    if limit:
+        return "malloc: allocator left as it is (not glibc, or the setting was refused)"
+    return None
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
