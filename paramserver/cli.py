@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import grpc
 
@@ -20,8 +21,16 @@ from paramserver.logs import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging
 LONG_RUNNING = frozenset({"serve", "worker", "rank-server", "demo", "torch-demo", "spmd-demo"})
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors on one line (``prog: error: message (see prog --help)``, exit
+    2) instead of the usage block first: every failing command prints one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paramserver", description=__doc__.splitlines()[0])
+    parser = _OneLineParser(prog="paramserver", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
     )

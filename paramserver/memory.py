@@ -40,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 #: Default limit (bytes): blocks up to 512 MiB (128M float32 elements) on the main thread.
 DEFAULT_RETAIN_BYTES = 512 << 20
+#: Smallest limit accepted: glibc's own default mmap threshold (128 KiB). A lower one would map
+#: *more* blocks afresh than the defaults do.
+MIN_RETAIN_BYTES = 128 << 10
+#: Largest limit accepted (``mallopt`` takes a C int).
+MAX_RETAIN_BYTES = 2**31 - 1
 
 #: ``mallopt`` parameter numbers (glibc ``malloc.h``).
 _M_TRIM_THRESHOLD = -1
@@ -69,6 +74,21 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+def check_limit(limit_bytes: int) -> None:
+    """Refuse a retain limit that would not do what it says.
+
+    Raises:
+        ValueError: not 0 and outside [128 KiB, 2 GiB - 1]: below glibc's own 128 KiB mmap
+            threshold a limit would map more blocks afresh (a value meant in MiB, say), and
+            ``mallopt`` takes a C int.
+    """
+    if limit_bytes != 0 and not MIN_RETAIN_BYTES <= limit_bytes <= MAX_RETAIN_BYTES:
+        raise ValueError(
+            f"malloc retain limit must be 0 (glibc's defaults) or {MIN_RETAIN_BYTES} to "
+            f"{MAX_RETAIN_BYTES} bytes, got {limit_bytes}"
+        )
+
+
 def user_malloc_settings(env: Mapping[str, str]) -> bool:
     """Whether ``env`` holds the user's own glibc malloc settings (which take precedence)."""
     tunables = env.get("GLIBC_TUNABLES", "")
@@ -91,17 +111,17 @@ def retain_freed_memory(limit_bytes: int, env: Mapping[str, str]) -> int:
         the threshold refused (then the trim threshold is left alone too).
 
     Raises:
-        ValueError: a negative ``limit_bytes``.
+        ValueError: ``limit_bytes`` neither 0 nor in [:data:`MIN_RETAIN_BYTES`,
+            :data:`MAX_RETAIN_BYTES`] (see :func:`check_limit`).
     """
-    if limit_bytes < 0:
-        raise ValueError(f"malloc retain limit must be >= 0 bytes, got {limit_bytes}")
+    check_limit(limit_bytes)
     if limit_bytes == 0 or user_malloc_settings(env):
         return 0
     libc = _glibc()
     if libc is None:
         return 0
     applied = 0
-    for threshold in dict.fromkeys((min(limit_bytes, 2**31 - 1), _OLD_GLIBC_MMAP_MAX)):
+    for threshold in dict.fromkeys((limit_bytes, _OLD_GLIBC_MMAP_MAX)):
         if threshold <= limit_bytes and libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)):
             applied = threshold
             break

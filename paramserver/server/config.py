@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from paramserver.errors import InvalidArgument
-from paramserver.memory import DEFAULT_RETAIN_BYTES
+from paramserver.memory import DEFAULT_RETAIN_BYTES, check_limit
 from paramserver.server.consistency import Consistency, DeathPolicy
 from paramserver.sharding import parse_addresses
 
@@ -185,7 +185,6 @@ class ServerConfig:
             "checkpoint_every_steps",
             "staleness_threshold",
             "offload_min_bytes",
-            "malloc_retain_bytes",
         ):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -208,6 +207,10 @@ class ServerConfig:
             raise InvalidArgument("checkpoint_every_s and wal_fsync_interval_ms must be >= 0")
         if self.grace_s < 0:
             raise InvalidArgument(f"grace_s must be >= 0, got {self.grace_s}")
+        try:
+            check_limit(self.malloc_retain_bytes)
+        except ValueError as exc:
+            raise InvalidArgument(f"malloc_retain_bytes: {exc}") from None
         self._check_sharding()
 
     def _check_sharding(self) -> None:

@@ -28,7 +28,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import InvalidArgument
-from paramserver.memory import DEFAULT_RETAIN_BYTES, retain_freed_memory, user_malloc_settings
+from paramserver.memory import (
+    DEFAULT_RETAIN_BYTES,
+    MAX_RETAIN_BYTES,
+    MIN_RETAIN_BYTES,
+    retain_freed_memory,
+    user_malloc_settings,
+)
 from paramserver.security import (
     ServerSecurity,
     add_client_security_flags,
@@ -494,12 +500,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig.from_sources(cli, os.environ)
     ServerSecurity.of_config(config)
     note = _retain_freed_memory(config.malloc_retain_bytes)
-    daemon = run_daemon(config, port_file=args.port_file, notes=(note,) if note else ())
+    daemon = run_daemon(config, port_file=args.port_file, notes=(note,))
     run_loop(daemon, use_uvloop=config.use_uvloop)
     return 0
 
 
-def _retain_freed_memory(limit: int) -> str | None:
+def _retain_freed_memory(limit: int) -> str:
     """Apply ``--malloc-retain-bytes`` to this process (before it allocates much); returns what
     took effect, logged once the server listens (a failed start stays one line)."""
     applied = retain_freed_memory(limit, os.environ)
@@ -509,7 +515,7 @@ def _retain_freed_memory(limit: int) -> str | None:
         return "malloc: the environment's own glibc malloc settings are used"
     if limit:
         return "malloc: allocator left as it is (not glibc, or the setting was refused)"
-    return None
+    return "malloc: glibc's defaults kept (--malloc-retain-bytes 0)"
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -618,10 +624,13 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument(
         "--malloc-retain-bytes",
         type=int,
-        help="glibc malloc keeps freed blocks below this size for reuse instead of returning "
-        "them to the kernel, so large per-round buffers do not fault in fresh pages every "
-        f"round (default {DEFAULT_RETAIN_BYTES}; 0 keeps glibc's defaults; "
-        "PARAMSERVER_MALLOC_RETAIN_BYTES; glibc's own MALLOC_*_ variables take precedence)",
+        help="glibc malloc keeps freed blocks below this many bytes for reuse instead of "
+        "returning them to the kernel, so large per-round buffers do not fault in fresh pages "
+        f"every round (default {DEFAULT_RETAIN_BYTES} = {DEFAULT_RETAIN_BYTES >> 20} MiB; "
+        f"0 keeps glibc's defaults; otherwise {MIN_RETAIN_BYTES} (128 KiB, glibc's own "
+        f"threshold) to {MAX_RETAIN_BYTES}; env PARAMSERVER_MALLOC_RETAIN_BYTES; "
+        "MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_ or those "
+        "GLIBC_TUNABLES in the environment take precedence)",
     )
     p.add_argument("--port-file", help="write the bound port to this file once serving")
     g = p.add_argument_group("sharded cluster and metrics")

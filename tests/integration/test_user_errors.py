@@ -494,3 +494,29 @@ def test_tokens_must_be_printable_ascii_and_errors_name_the_source(tmp_path: Pat
     assert tokens.worker not in err.value.message and tokens.admin not in err.value.message
     env = {"PARAMSERVER_TOKEN_FILE": tokens.worker_file}
     assert ClientSecurity.from_env(env).token == tokens.worker
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["serve", "--malloc-retain-bytes", "abc"],
+            "paramserver serve: error: argument --malloc-retain-bytes: invalid int value: 'abc'",
+        ),
+        (["serve", "--lease-ms", "1.5"], "paramserver serve: error: argument --lease-ms"),
+        (["bogus"], "paramserver: error: argument command: invalid choice: 'bogus'"),
+        ([], "paramserver: error: the following arguments are required: command"),
+    ],
+)
+def test_flag_syntax_errors_are_one_line_exit_2(argv: list[str], expected: str) -> None:
+    proc = _paramserver(*argv)
+    line = _one_clean_line(proc)
+    assert proc.returncode == 2 and line.startswith(expected) and "--help" in line, line
+    assert "usage:" not in proc.stderr
+
+
+def test_a_malloc_limit_below_glibc_threshold_is_refused_in_one_line() -> None:
+    # 512 meant as MiB would lower glibc's own 128 KiB threshold and slow the server down.
+    proc = _paramserver("serve", "--port", "0", "--malloc-retain-bytes", "512")
+    line = _one_clean_line(proc)
+    assert proc.returncode == 2 and "malloc_retain_bytes" in line and "got 512" in line, line

@@ -9,7 +9,13 @@ import sys
 import pytest
 
 from paramserver.errors import InvalidArgument
-from paramserver.memory import DEFAULT_RETAIN_BYTES, _glibc, retain_freed_memory
+from paramserver.memory import (
+    DEFAULT_RETAIN_BYTES,
+    MAX_RETAIN_BYTES,
+    MIN_RETAIN_BYTES,
+    _glibc,
+    retain_freed_memory,
+)
 from paramserver.server.config import ServerConfig
 
 BLOCK = 64 << 20
@@ -66,8 +72,11 @@ def test_user_settings_and_zero_leave_the_allocator_alone() -> None:
     for tunable in ("trim_threshold", "mmap_threshold", "top_pad"):
         env = {"GLIBC_TUNABLES": f"glibc.malloc.{tunable}=131072"}
         assert retain_freed_memory(1 << 20, env) == 0
-    with pytest.raises(ValueError, match="malloc retain limit must be >= 0 bytes, got -1"):
-        retain_freed_memory(-1, {})
+    # Below glibc's own 128 KiB threshold a limit would map more blocks afresh (a value meant
+    # in MiB, say); mallopt takes a C int.
+    for bad in (-1, 1, 512, MIN_RETAIN_BYTES - 1, MAX_RETAIN_BYTES + 1):
+        with pytest.raises(ValueError, match=f"must be 0 .* got {bad}$"):
+            retain_freed_memory(bad, {})
 
 
 def test_server_config_carries_the_limit() -> None:
@@ -77,5 +86,7 @@ def test_server_config_carries_the_limit() -> None:
     assert ServerConfig.from_sources({"malloc_retain_bytes": 1 << 20}, env).malloc_retain_bytes == (
         1 << 20
     )
-    with pytest.raises(InvalidArgument, match="malloc_retain_bytes must be >= 0, got -5"):
-        ServerConfig.from_sources({"malloc_retain_bytes": -5}, {})
+    for bad in (-5, 512):
+        with pytest.raises(InvalidArgument, match=f"malloc_retain_bytes: .* got {bad}$"):
+            ServerConfig.from_sources({"malloc_retain_bytes": bad}, {})
+    assert ServerConfig.from_sources({"malloc_retain_bytes": MIN_RETAIN_BYTES}, {})
