@@ -229,20 +229,19 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _close(self) -> None:
+    def _close(self, *, abort: bool = False) -> None:
         self._closed = True
         if self.transport is not None:
-            self.transport.close()
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
         self._wake()
         self._release_writer()
 
     def abort(self) -> None:
         """Drop the connection now, unsent responses included."""
-        self._closed = True
-        if self.transport is not None:
-            self.transport.abort()
-        self._wake()
-        self._release_writer()
+        self._close(abort=True)
 
     def redeemed(self, max_frame_bytes: int) -> None:
         """The ticket was valid: requests may now be as large as the server accepts."""

@@ -57,7 +57,6 @@ __all__ = [
     "compute_dtype",
     "init_state",
     "thread_workspace",
-    "workspace_for",
 ]
 
 Array: TypeAlias = npt.NDArray[Any]
@@ -411,18 +410,6 @@ class Workspace:
         return self.buffers[:count]
 
 
-def workspace_for(rule: UpdateRule, param: Array) -> Workspace | None:
-    """A workspace fit for :func:`apply_update` of ``param`` under ``rule`` (None if unneeded).
-
-    Raises:
-        InvalidArgument: (INVALID_ARGUMENT) an optimizer rule on a non-floating parameter.
-    """
-    dtype = compute_dtype(rule, param.dtype)
-    if dtype is None or param.size == 0:
-        return None
-    return Workspace(dtype, min(BLOCK_ELEMENTS, param.size))
-
-
 # Each kernel updates one block in place. ``p`` is the parameter block in the compute dtype,
 # ``g`` the gradient block (read only), ``st`` the state blocks, ``s`` two scratch blocks of
 # the block's shape, ``t`` the step count (Adam).
@@ -568,8 +555,8 @@ def apply_update(
         grad: Same shape as ``param``; dtype ``param.dtype``, or float32/float64 (an aggregate)
             for a floating ``param``.
         state: From :func:`init_state` for ``(rule, param)``; updated in place.
-        workspace: Scratch in the compute dtype (e.g. from :func:`workspace_for`); None (or
-            one of another dtype) takes the calling thread's (:func:`thread_workspace`).
+        workspace: Scratch in the compute dtype; None (or one of another dtype) takes the
+            calling thread's (:func:`thread_workspace`).
 
     Raises:
         DimensionMismatch: (INVALID_ARGUMENT) ``grad`` shape or dtype disagrees with ``param``.

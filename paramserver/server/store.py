@@ -93,9 +93,10 @@ _BLAS_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 def count_non_finite(grad: Array) -> int:
     """Number of NaN/±Inf elements of a floating ``grad`` (0 for integers).
 
-    Allocates nothing of ``grad``'s size: the fast path is one sum (of squares for float32 and
-    float64, finite only if every term is); an overflowing sum of finite terms, or a non-finite
-    one, is counted exactly block by block with block-sized temporaries.
+    Allocates nothing of ``grad``'s size (except a native-order copy of a byte-swapped
+    ``grad``): the fast path is one sum (of squares for float32 and float64, finite only if
+    every term is); an overflowing sum of finite terms, or a non-finite one, is counted exactly
+    block by block with block-sized temporaries.
     """
     if not grad.dtype.isnative:  # (not from the wire, which is decoded native) a copy
         grad = grad.astype(grad.dtype.newbyteorder("="))
