@@ -397,21 +397,18 @@ def _messages(
 class _Pending:
     """The tensor currently being assembled."""
 
-    __slots__ = ("buffer", "dtype", "header", "key", "next_index", "received_bytes", "shape")
+    __slots__ = ("buffer", "header", "key", "next_index", "received_bytes", "result")
 
     def __init__(
         self,
         key: str,
-        dtype: np.dtype[Any],
-        shape: tuple[int, ...],
-        buffer: np.ndarray,
+        result: np.ndarray,
         header: tensor_pb2.TensorHeader | None = None,
     ) -> None:
         self.key = key
         self.header = header
-        self.dtype = dtype
-        self.shape = shape
-        self.buffer = buffer  # uint8, (size_bytes,)
+        self.result = result  # the array returned, of the header's dtype and shape
+        self.buffer = result.reshape(-1).view(np.uint8)  # its bytes, (size_bytes,)
         self.next_index = 0
         self.received_bytes = 0
 
@@ -426,15 +423,25 @@ class TensorAssembler:
     Args:
         max_tensor_bytes: Largest ``size_bytes`` accepted for one tensor, or ``None`` for no
             limit. Checked at the header, before anything is allocated.
+        allocate: ``(key, dtype, shape) -> array`` giving the uninitialised C-contiguous array
+            a tensor is received into (e.g. :meth:`PullBuffers.empty
+            <paramserver.worker_client.pull_buffers.PullBuffers.empty>`); default
+            ``numpy.empty``.
 
     Raises:
         InvalidArgument: (INVALID_ARGUMENT) ``max_tensor_bytes`` is negative.
     """
 
-    def __init__(self, *, max_tensor_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_tensor_bytes: int | None = None,
+        allocate: Callable[[str, np.dtype[Any], tuple[int, ...]], np.ndarray] | None = None,
+    ) -> None:
         if max_tensor_bytes is not None and max_tensor_bytes < 0:
             raise InvalidArgument(f"max_tensor_bytes must be >= 0, got {max_tensor_bytes}")
         self._max_tensor_bytes = max_tensor_bytes
+        self._allocate = allocate
         self._pending: _Pending | None = None
         self._last_key: str | None = None  # key of the last completed tensor, for messages
         #: Header of the tensor :meth:`feed` returned last (its role, dense_shape).
@@ -457,8 +464,8 @@ class TensorAssembler:
 
         Returns:
             ``(key, array)`` when this frame completes a tensor, else ``None``. ``array`` is a
-            writeable ndarray of the header's dtype and shape, backed by a buffer allocated
-            for it alone.
+            writeable C-contiguous ndarray of the header's dtype and shape, given by
+            ``allocate`` (default: a new array).
 
         Raises:
             MalformedStream: (INVALID_ARGUMENT) the frame breaks the wire format: frame 0
@@ -519,7 +526,7 @@ class TensorAssembler:
         self._pending = None
         self._last_key = key
         self.last_header = pending.header
-        return key, pending.buffer.view(pending.dtype).reshape(pending.shape)
+        return key, pending.result
 
     def _start(self, frame: tensor_pb2.TensorFrame) -> None:
         """Validate a header and preallocate the tensor's buffer."""
@@ -563,12 +570,21 @@ class TensorAssembler:
                 f"{self._max_tensor_bytes}"
             )
         try:
-            buffer = np.empty(expected, dtype=np.uint8)
+            if self._allocate is None:
+                result = np.empty(shape, dtype=dtype)
+            else:
+                result = self._allocate(key, dtype, shape)
         except (MemoryError, ValueError) as err:
             raise ResourceExhausted(
                 f"{_key_label(key)}: cannot allocate {expected} bytes: {err}"
             ) from None
-        self._pending = _Pending(key, dtype, shape, buffer, header)
+        if not result.flags.c_contiguous or result.dtype != dtype or result.shape != shape:
+            raise TypeError(
+                f"{_key_label(key)}: allocate gave a {result.dtype} array of shape "
+                f"{result.shape} (contiguous: {result.flags.c_contiguous}); "
+                f"needed a C-contiguous {dtype} array of shape {shape}"
+            )
+        self._pending = _Pending(key, result, header)
 
     def finish(self) -> None:
         """Declare the end of the stream.

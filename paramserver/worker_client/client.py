@@ -46,6 +46,7 @@ from paramserver.security import ClientSecurity
 from paramserver.server.optimizers import UpdateRule
 from paramserver.worker_client.compression import Compression, GradientCompressor, WirePart
 from paramserver.worker_client.fastpath import Fallback, FastPath
+from paramserver.worker_client.pull_buffers import PullBuffers
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
 from paramserver.worker_client.session import ServiceSession
 
@@ -146,6 +147,12 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             socket when it is on the same host (:mod:`paramserver.server.local_link`: the same
             messages without gRPC's per-message cost); unreachable or refused, the session
             stays on gRPC silently.
+        recycle_pull_buffers: Receive a key's pulled value into the memory of the array the
+            key's previous pull returned when nothing refers to that array any more (as in a
+            loop that replaces its parameters each round), instead of into new memory: no
+            fresh pages to fault in and zero for every large pull. Results stay fresh arrays
+            to the caller (an array anyone can still reach is never reused); values of 1 MiB
+            and up, CPython only (:mod:`paramserver.worker_client.pull_buffers`).
     """
 
     _heartbeat_task_prefix = "paramserver-heartbeat-"
@@ -170,6 +177,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         shared_memory: bool = True,
         shared_memory_dir: str | Path | None = None,
         local_link: bool = True,
+        recycle_pull_buffers: bool = True,
     ) -> None:
         super().__init__(
             address,
@@ -189,6 +197,8 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         self.clock_value = 0
         self.view: pb.ClusterView | None = None
         self.last_version = 0
+        #: Memory of dropped pull results, reused by the next pull of their key.
+        self.pull_buffers = PullBuffers(enabled=recycle_pull_buffers)
         #: The Session stream (None: ``session=False``).
         self.fastpath: FastPath | None = (
             FastPath(
@@ -196,6 +206,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
                 shared_memory=shared_memory,
                 shm_dir=Path(shared_memory_dir) if shared_memory_dir is not None else None,
                 local_link=local_link,
+                pull_buffers=self.pull_buffers,
             )
             if session
             else None
@@ -214,6 +225,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         """Drop the Session stream and its segment, leave, stop heartbeats, close the channel."""
         if self.fastpath is not None:
             self.fastpath.close()
+        self.pull_buffers.clear()
         await super().close()
 
     def _new_stub(self, channel: grpc.aio.Channel) -> pb_grpc.ParameterServerStub:
@@ -523,7 +535,8 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         async def attempt() -> dict[str, np.ndarray]:
             call = self.stub.Pull(request(), timeout=call_deadline_s)
             out: dict[str, np.ndarray] = {}
-            assembler = tensor.TensorAssembler()
+            buffers = self.pull_buffers
+            assembler = tensor.TensorAssembler(allocate=buffers.empty)
             info_seen = False
             async for resp in call:
                 if resp.WhichOneof("body") == "info":
@@ -536,6 +549,8 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             assembler.finish()
             if not info_seen:
                 raise MalformedStream("pull stream ended without its info message")
+            for key, value in out.items():
+                buffers.keep(key, value)
             return out
 
         return attempt

@@ -39,6 +39,7 @@ from paramserver.errors import ERROR_CLASS_METADATA_KEY, MalformedStream
 from paramserver.server import local_link as server_local_link
 from paramserver.server.session_service import MAX_INLINE_BYTES, SMALL_INLINE_BYTES
 from paramserver.worker_client.local_link import LocalLinkCall
+from paramserver.worker_client.pull_buffers import PullBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,11 @@ class FastPath:
         shared_memory: bool = True,
         shm_dir: Path | None = None,
         local_link: bool = True,
+        pull_buffers: PullBuffers | None = None,
     ) -> None:
         self._stub = stub
+        #: Where pulled values out of shared memory are copied to (``copy=True``).
+        self.pull_buffers = pull_buffers if pull_buffers is not None else PullBuffers()
         self.shm_dir = shm_dir or shm.SHM_DIR
         self.shared_memory = shared_memory and shm.available(self.shm_dir)
         #: Why shared memory is not used (None while it may be); set by a declined offer.
@@ -347,7 +351,12 @@ class FastPath:
                 if self._segment is None:
                     raise MalformedStream(f"tensor {key!r} in shared memory, but none is mapped")
                 view = self._segment.pull.view(t.slot.offset_bytes, t.slot.size_bytes, dtype, shape)
-                arr = view.copy() if copy else view
+                if copy:
+                    arr = self.pull_buffers.empty(key, dtype, shape)
+                    np.copyto(arr, view, casting="no")
+                    self.pull_buffers.keep(key, arr)
+                else:
+                    arr = view
             else:
                 nbytes = tensor.tensor_nbytes(shape, dtype)
                 if len(t.data) != nbytes:

@@ -138,6 +138,42 @@ async def test_session_off_uses_the_streams() -> None:
             assert daemon.servicer is not None and daemon.servicer.sessions.open_sessions == 0
 
 
+@pytest.mark.parametrize(
+    ("client_shm", "session"),
+    [(True, True), (False, True), (False, False)],
+    ids=["shared-memory", "network", "streams"],
+)
+async def test_a_dropped_pull_result_is_received_into_again_a_held_one_never(
+    client_shm: bool, session: bool
+) -> None:
+    """Pull results of 1 MiB and up land in the memory of the key's last result once the caller
+    has dropped it; a result the caller still holds keeps its values (numpy oracle)."""
+    rng = np.random.default_rng(11)
+    async with running_server(consistency="asp") as daemon:
+        async with _client(daemon, "w0", shared_memory=client_shm, session=session) as ps:
+            want = rng.standard_normal(BIG).astype(np.float32)
+            await ps.init({"w": want}, rule=ADD)
+            where: list[int] = []
+            held: list[tuple[np.ndarray, np.ndarray]] = []
+            for round_ in range(4):
+                g = rng.standard_normal(BIG).astype(np.float32)
+                want = want + g
+                got = (await ps.push_pull({"w": g}))["w"]
+                np.testing.assert_array_equal(got, want)
+                assert got.flags.writeable and got.flags.owndata
+                where.append(int(got.__array_interface__["data"][0]))
+                if round_ == 1:
+                    held.append((got, want.copy()))  # the caller keeps round 1's result
+                del got
+            kept, its_values = held[0]
+            np.testing.assert_array_equal(kept, its_values)  # untouched by rounds 2 and 3
+            # round 1 reused round 0's memory; round 2 could not (held); round 3 reused 2's
+            assert where[1] == where[0] and where[2] != where[1] and where[3] == where[2]
+            # (and round 0 reused the memory of init's read-back of the stored value)
+            assert ps.pull_buffers.reused == 3
+        assert ps.pull_buffers.kept_bytes() == 0  # close gives the memory back
+
+
 async def test_declined_when_the_segment_is_not_visible_falls_back(tmp_path: Path) -> None:
     """A client whose /dev/shm is not the server's (another container): the server cannot open
     the file, declines, and the client carries on over the network."""
