@@ -147,12 +147,13 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             socket when it is on the same host (:mod:`paramserver.server.local_link`: the same
             messages without gRPC's per-message cost); unreachable or refused, the session
             stays on gRPC silently.
-        recycle_pull_buffers: Receive a key's pulled value into the memory of the array the
-            key's previous pull returned when nothing refers to that array any more (as in a
-            loop that replaces its parameters each round), instead of into new memory: no
-            fresh pages to fault in and zero for every large pull. Results stay fresh arrays
-            to the caller (an array anyone can still reach is never reused); values of 1 MiB
-            and up, CPython only (:mod:`paramserver.worker_client.pull_buffers`).
+        recycle_pull_buffers: Receive a key's pulled value into the memory of one of the
+            key's last two results that nothing refers to any more (as in a loop that
+            replaces its parameters each round), instead of into new memory: no fresh pages
+            to fault in and zero for every large pull. Results stay fresh arrays to the caller
+            (an array anyone can still reach is never reused); values of 1 MiB and up, at most
+            1 GiB kept, CPython only. Costs memory between pulls: a result the caller dropped
+            is kept rather than given back (:mod:`paramserver.worker_client.pull_buffers`).
     """
 
     _heartbeat_task_prefix = "paramserver-heartbeat-"

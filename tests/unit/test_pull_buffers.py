@@ -124,6 +124,32 @@ def test_small_results_disabled_buffers_and_clear_keep_nothing() -> None:
     assert cleared.reused == 0
 
 
+def test_the_usual_loop_alternates_between_two_buffers() -> None:
+    """``params = await pull()`` still holds the previous result while the next pull runs: the
+    one from two pulls ago is free, and the loop settles on two buffers."""
+    b = PullBuffers()
+    params = _result(b, fill=0.0)
+    seen = {_address(params)}
+    for round_ in range(1, 7):
+        params = _result(b, fill=float(round_))
+        seen.add(_address(params))
+        np.testing.assert_array_equal(params, np.full(N, round_, np.float32))
+    assert len(seen) == 2 and b.reused == 5
+
+
+def test_max_bytes_bounds_what_is_kept() -> None:
+    b = PullBuffers(max_bytes=MIN_BYTES)  # room for one result
+    params = _result(b)
+    params = _result(b)
+    assert b.kept_bytes() == MIN_BYTES  # only the newest
+    params = _result(b)  # the older one was let go, the newest is still held: a new array
+    assert b.reused == 0
+    del params
+    tiny = PullBuffers(max_bytes=MIN_BYTES - 1)
+    _result(tiny)
+    assert tiny.kept_bytes() == 0
+
+
 def test_keys_are_kept_apart() -> None:
     b = PullBuffers()
     a = _result(b, "a")
