@@ -5,8 +5,9 @@
   built from a factory named ``"module:function"``; every timed phase starts on a shared
   :class:`multiprocessing.Barrier` and lasts from the earliest start to the latest end
   (``time.monotonic`` is one system-wide clock on Linux, so stamps compare across processes).
-- :func:`measure` turns a phase runner into the common figure: a probe phase (also the warm-up)
-  picks the rounds per phase for about ``target_s`` seconds, then the median of 3 timed phases.
+- :func:`measure` turns a phase runner into the common figure: a probe phase, then warm-up
+  phases until the system stops getting faster (Ray's object store does, for seconds), sizing
+  the timed phases to about ``target_s`` seconds; then the median of 3 timed phases.
 - :func:`start_paramserver` runs ``paramserver serve`` as a subprocess on 127.0.0.1 and
   :func:`peak_rss_bytes` reads a process's ``VmHWM`` from ``/proc/<pid>/status``.
 
@@ -39,6 +40,10 @@ BENCH_DIR = Path(__file__).resolve().parent.parent
 RESULTS_DIR = BENCH_DIR / "results"
 QUICK_ENV = "PARAMSERVER_BENCH_QUICK"
 REPEATS = 3
+#: Warm-up: phases of about half the timed length, until one is less than this fraction faster
+#: per round than the one before, at most :data:`MAX_SETTLE_PHASES` of them.
+SETTLE_GAIN = 0.05
+MAX_SETTLE_PHASES = 6
 
 
 def quick_from_env() -> bool:
@@ -144,7 +149,7 @@ def measure(
     repeats: int = REPEATS,
     min_rounds: int = 3,
 ) -> dict[str, Any]:
-    """Probe, then time ``repeats`` phases of the same number of rounds.
+    """Probe, warm up until no longer faster, then time ``repeats`` phases of equal rounds.
 
     Args:
         run_phase: Runs one phase of the given rounds per worker and returns its duration (s).
@@ -154,15 +159,27 @@ def measure(
         min_rounds: Fewest rounds per timed phase.
 
     Returns:
-        ``{"probe_rounds", "rounds_per_phase", "phase_s", "median_s"}``.
+        ``{"probe_rounds", "warmup_s_per_round", "rounds_per_phase", "phase_s", "median_s"}``
+        (``warmup_s_per_round``: seconds per round of each warm-up phase).
     """
     probe = probe_rounds(n_elements)
-    probe_s = run_phase(probe)
-    per_round = max(probe_s / probe, 1e-7)
+    per_round = max(run_phase(probe) / probe, 1e-7)
+    # Warm up until the system stops getting faster: a fixed short probe times some systems
+    # (Ray's object store, 16e6 floats) while they still speed up phase after phase.
+    settle: list[float] = []
+    for _ in range(MAX_SETTLE_PHASES):
+        rounds = max(min_rounds, round(target_s / 2 / per_round))
+        now = max(run_phase(rounds) / rounds, 1e-7)
+        settle.append(round(now, 9))
+        settled = now > per_round * (1 - SETTLE_GAIN)
+        per_round = min(per_round, now)
+        if settled:
+            break
     rounds = max(min_rounds, round(target_s / per_round))
     phases = [run_phase(rounds) for _ in range(repeats)]
     return {
         "probe_rounds": probe,
+        "warmup_s_per_round": settle,
         "rounds_per_phase": rounds,
         "phase_s": [round(p, 6) for p in phases],
         "median_s": statistics.median(phases),
