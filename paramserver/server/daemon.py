@@ -50,6 +50,7 @@ from paramserver.server.cut import shard_map_of
 from paramserver.server.engine import ServerEngine
 from paramserver.server.metrics import (
     MetricsServer,
+    TransportStats,
     auth_refusal_counter,
     enable_reflection,
     metrics_for,
@@ -111,7 +112,7 @@ class ParameterServerDaemon:
         self.engine = engine
         prepare_checkpoint_dir(self.config)  # restore-time resharding; refuse foreign shards
         self._recover(engine)
-        interceptors, self.metrics = metrics_for(engine)
+        interceptors, self.metrics = metrics_for(engine, self._transport_stats)
         if self.metrics is not None:
             # Before the gRPC port: grpc.aio keeps a port bound by a server that never started
             # (even after stop), so a metrics port in use must fail before grpc binds anything.
@@ -217,6 +218,19 @@ class ParameterServerDaemon:
             return
         self.local_link = link
         self.servicer.sessions.local_link = link
+
+    def _transport_stats(self) -> TransportStats:
+        """The Session transport's state for the metrics endpoint (read at scrape time)."""
+        servicer = self.servicer
+        if servicer is None:
+            return TransportStats()
+        link = self.local_link
+        return TransportStats(
+            sessions_open=servicer.sessions.open_sessions,
+            segments_mapped=servicer.sessions.mapped_segments,
+            local_links_opened=link.links_opened if link is not None else 0,
+            local_links_refused=link.links_refused if link is not None else 0,
+        )
 
     def _refusal_counter(self) -> Callable[[str, str], None] | None:
         """Counts token refusals in the metrics registry (None without metrics)."""

@@ -41,6 +41,7 @@ from google.protobuf.message import DecodeError
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import MalformedStream, Unauthenticated
+from paramserver.server.observe import CURRENT_RPC
 from paramserver.server.session_service import error_response
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a ticket stays valid after the gRPC Session handed it out.
 TICKET_TTL_S = 30.0
+#: The ``rpc`` label of pushes and pulls served on the local link (metrics).
+LOCAL_LINK_RPC = "LocalLink"
 #: Most tickets outstanding at once (a client asking again and again cannot grow the table).
 MAX_TICKETS = 4096
 #: Seconds a new connection has to present its ticket.
@@ -350,6 +353,8 @@ class LocalLinkServer:
         return None
 
     async def _serve(self, conn: _Connection) -> None:
+        # (this connection's task: its pushes and pulls are labelled rpc="LocalLink")
+        CURRENT_RPC.set(LOCAL_LINK_RPC)
         self._connections.add(conn)
         self._unredeemed += 1
         redeemed = False

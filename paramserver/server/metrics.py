@@ -8,7 +8,8 @@ Two sources, one private :class:`prometheus_client.CollectorRegistry` per daemon
   Pull, which the server sends once the wait admitted it).
 * :class:`CoreCollector`, read at scrape time from the shard's state: applied / duplicate /
   rejected / dropped pushes, live workers, minimum clock, BSP step, keys, stored bytes, pushes in
-  flight, and the shard's place in the cluster; and from the engine's
+  flight, the shard's place in the cluster, open Session streams, mapped shared-memory segments
+  and local-link connections (opened / refused); and from the engine's
   :class:`~paramserver.server.observe.ShardObservations`: dropped updates by reason, the
   staleness of applied gradients (histograms in clocks and in versions), BSP barrier wait and
   lag per worker (the straggler ranking), stored bytes per key, checkpoint duration and age.
@@ -32,6 +33,7 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -193,11 +195,33 @@ class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return call
 
 
-class CoreCollector(Collector):
-    """Gauges and counters read from the shard's state at scrape time."""
+@dataclass(frozen=True)
+class TransportStats:
+    """The Session transport's state, read at scrape time (see :class:`CoreCollector`)."""
 
-    def __init__(self, engine: ServerEngine) -> None:
+    #: Session streams open now, on gRPC and on the local link.
+    sessions_open: int = 0
+    #: Clients' shared-memory segments mapped now.
+    segments_mapped: int = 0
+    #: Local-link connections that presented a valid ticket, since start.
+    local_links_opened: int = 0
+    #: Local-link connections refused (no, bad, spent or expired ticket; too many waiting).
+    local_links_refused: int = 0
+
+
+class CoreCollector(Collector):
+    """Gauges and counters read from the shard's state at scrape time.
+
+    Args:
+        engine: The shard's engine.
+        transport: Reads the Session transport's state (None: reported as zeros).
+    """
+
+    def __init__(
+        self, engine: ServerEngine, transport: Callable[[], TransportStats] | None = None
+    ) -> None:
         self.engine = engine
+        self.transport = transport
 
     def collect(self) -> Iterator[Metric]:
         core = self.engine.core
@@ -243,6 +267,26 @@ class CoreCollector(Collector):
             "paramserver_inflight_pushes", "Pushes being received", self.engine.backpressure.total
         )
         yield gauge("paramserver_shards", "Shards in the cluster", cfg.num_shards)
+        t = self.transport() if self.transport is not None else TransportStats()
+        yield gauge(
+            "paramserver_sessions_open",
+            "Session streams open (one per worker client; gRPC or the same-host local link)",
+            t.sessions_open,
+        )
+        yield gauge(
+            "paramserver_shared_memory_segments",
+            "Same-host clients' shared-memory segments mapped",
+            t.segments_mapped,
+        )
+        links = CounterMetricFamily(
+            "paramserver_local_links",
+            "Same-host Session connections on the local-link socket, by outcome (opened / "
+            "refused: no, bad, spent or expired ticket, or too many waiting)",
+            labels=[*labels, "outcome"],
+        )
+        links.add_metric([*labels.values(), "opened"], t.local_links_opened)
+        links.add_metric([*labels.values(), "refused"], t.local_links_refused)
+        yield links
         yield from self._observations(labels)
 
     def _observations(self, labels: dict[str, str]) -> Iterator[Metric]:
@@ -543,20 +587,24 @@ def rpc_metrics_server(host: str, port: int) -> tuple[RpcMetrics, MetricsServer]
     return RpcMetrics(registry), MetricsServer(registry, host, port)
 
 
-def new_registry(engine: ServerEngine) -> tuple[CollectorRegistry, RpcMetrics]:
+def new_registry(
+    engine: ServerEngine, transport: Callable[[], TransportStats] | None = None
+) -> tuple[CollectorRegistry, RpcMetrics]:
     """A private registry with the shard's state collector and an RPC interceptor; installs
     the Prometheus push/pull hooks on ``engine``."""
     registry = CollectorRegistry()
-    registry.register(CoreCollector(engine))
+    registry.register(CoreCollector(engine, transport))
     engine.hooks = PromServingHooks(registry)
     return registry, RpcMetrics(registry)
 
 
-def metrics_for(engine: ServerEngine) -> tuple[list[Any], MetricsServer | None]:
+def metrics_for(
+    engine: ServerEngine, transport: Callable[[], TransportStats] | None = None
+) -> tuple[list[Any], MetricsServer | None]:
     """Interceptors for the gRPC server and the (unstarted) metrics endpoint; none when
-    ``metrics_port`` is not configured."""
+    ``metrics_port`` is not configured. ``transport`` as in :class:`CoreCollector`."""
     cfg = engine.config
     if cfg.metrics_port is None:
         return [], None
-    registry, interceptor = new_registry(engine)
+    registry, interceptor = new_registry(engine, transport)
     return [interceptor], MetricsServer(registry, cfg.host, cfg.metrics_port)

@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -28,10 +29,11 @@ from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import InvalidArgument
+from paramserver.server import local_link
 from paramserver.spmd import SpmdParallelWorkers, Tier
 from paramserver.spmd.layout import Layout
 from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
-from paramserver.worker_client import UpdateRule, connect
+from paramserver.worker_client import UpdateRule, WorkerClient, connect
 
 from .ps_helpers import ServerProcess, running_server
 
@@ -139,6 +141,49 @@ async def test_staleness_histogram_counts_every_applied_update() -> None:
     assert sample(body, "paramserver_key_stored_bytes", shard="0", key="k") == 16
     assert sample(body, "paramserver_rpcs_total", method="Push", outcome="ok") == 2
     assert sample(body, "paramserver_live_workers", shard="0") == 2
+
+
+async def test_same_host_sessions_are_labelled_by_transport() -> None:
+    """A same-host client's session moves to the local link and its shared-memory segment is
+    mapped; a network-only client stays on the gRPC Session. Their pushes are labelled by the
+    transport that carried them; the open sessions, mapped segments and local links (one
+    opened, one forged ticket refused) are exported."""
+    big = np.ones(1 << 17, np.float32)  # 512 KiB: through the shared-memory segment
+    async with running_server(consistency="asp", metrics_port=0) as srv:
+        assert srv.metrics is not None and srv.local_link is not None
+        near = WorkerClient(srv.address, "near", heartbeat=False)
+        far = WorkerClient(srv.address, "far", heartbeat=False, shared_memory=False)
+        async with near, far:
+            await near.init({"k": np.zeros_like(big)}, rule=UpdateRule("add"))
+            for _ in range(3):
+                await near.push({"k": big})
+            for _ in range(2):
+                await far.push({"k": big})
+            assert near.fastpath is not None and near.fastpath.on_local_link
+            assert near.fastpath.shm_active
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(local_link.socket_address(srv.local_link.address))
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+            forged = pb.SessionRequest(
+                seq=1, open=pb.SessionOpen(worker_id="near", local_ticket=b"\x00" * 16)
+            ).SerializeToString()
+            writer.write(len(forged).to_bytes(4, "little") + forged)
+            assert await reader.read() != b""  # the refusal, then the server closes
+            writer.close()
+            body = await scrape(srv.metrics.port)
+        after = await scrape(srv.metrics.port)
+
+    labels = {"shard": "0"}
+    assert sample(body, "paramserver_push_bytes_count", rpc="LocalLink", outcome="ok") == 3
+    assert sample(body, "paramserver_push_bytes_count", rpc="Session", outcome="ok") == 2
+    pushed = sample(body, "paramserver_push_bytes_sum", rpc="LocalLink", outcome="ok")
+    assert pushed == 3 * big.nbytes
+    assert sample(body, "paramserver_sessions_open", **labels) == 2
+    assert sample(body, "paramserver_shared_memory_segments", **labels) == 1
+    assert sample(body, "paramserver_local_links_total", **labels, outcome="opened") == 1
+    assert sample(body, "paramserver_local_links_total", **labels, outcome="refused") == 1
+    assert sample(after, "paramserver_sessions_open", **labels) == 0
+    assert sample(after, "paramserver_shared_memory_segments", **labels) == 0
 
 
 async def test_bsp_barrier_wait_ranks_the_straggler_first(tmp_path: Path) -> None:
