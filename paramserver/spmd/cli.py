@@ -111,6 +111,12 @@ def add_subcommands(sub: Any) -> None:
     )
     rs.add_argument("--timeout-s", type=float, default=None, help="default command deadline")
     rs.add_argument(
+        "--max-object-bytes",
+        type=int,
+        default=None,
+        help="largest object PutObject accepts, bytes (default 16 GiB)",
+    )
+    rs.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -290,6 +296,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankSe
         ("object_dir", args.object_dir, "OBJECT_DIR", Path),
         ("default_timeout_s", args.timeout_s, "TIMEOUT_S", float),
         ("metrics_port", args.metrics_port, "METRICS_PORT", int),
+        ("max_object_bytes", args.max_object_bytes, "MAX_OBJECT_BYTES", int),
     ):
         value = pick(flag, name, convert)
         if value is not None:

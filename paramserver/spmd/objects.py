@@ -99,6 +99,10 @@ class ObjectStore(abc.ABC):
         """True when ``key`` is committed."""
         return self.size(key) is not None
 
+    def free_bytes(self) -> int | None:
+        """Bytes a new object may still take, or ``None`` when the backend cannot tell."""
+        return None
+
     def put(self, key: str, data: bytes | memoryview) -> bool:
         """Write and commit ``data`` under ``key``; True if stored, False if already present."""
         writer = self.begin_put(key)
@@ -211,6 +215,14 @@ class FilesystemObjectStore(ObjectStore):
         self.durable = durable
         self._lock = threading.Lock()
         self._writers = 0
+
+    def free_bytes(self) -> int | None:
+        """Bytes free to an unprivileged writer on the store's filesystem (``statvfs``)."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
 
     def path_of(self, key: str) -> Path:
         """File path of ``key``.

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -58,6 +59,7 @@ from paramserver.errors import (
     InvalidArgument,
     MalformedStream,
     ParamServerError,
+    ResourceExhausted,
     from_rpc_error,
 )
 from paramserver.security import ClientSecurity, ServerSecurity, bind, open_channel
@@ -119,6 +121,8 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 _OBJECT_IO_CONCURRENCY = 8
 
 SERVICE_NAME = "paramserver.api.v1.RankServer"
+#: Default largest object PutObject accepts (bytes): a block, or many, with room to spare.
+DEFAULT_MAX_OBJECT_BYTES = 16 << 30
 """Full gRPC service name of the rank server (also its health-check service name)."""
 
 
@@ -154,6 +158,8 @@ class RankServerConfig:
             presents; :func:`paramserver.security.peer_security`); None: plain text, no token.
         metrics_port: serve Prometheus metrics (:mod:`paramserver.spmd.metrics`) on this TCP
             port of ``host`` (0: ephemeral); ``None``: no metrics endpoint.
+        max_object_bytes: largest object ``PutObject`` accepts, bytes (larger declared sizes
+            are refused, INVALID_ARGUMENT, before a byte is written).
     """
 
     instance_id: str
@@ -173,6 +179,7 @@ class RankServerConfig:
     security: ServerSecurity | None = None
     peer_security: ClientSecurity | None = None
     metrics_port: int | None = None
+    max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES
 
     def __post_init__(self) -> None:
         if not self.instance_id or "/" in self.instance_id:
@@ -183,6 +190,8 @@ class RankServerConfig:
             raise InvalidArgument(f"rank must be >= 0, got {self.rank}")
         if not 0 <= self.port < 65536:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
+        if self.max_object_bytes < 0:
+            raise InvalidArgument(f"max_object_bytes must be >= 0, got {self.max_object_bytes}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise InvalidArgument(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.metrics_port and self.metrics_port == self.port:
@@ -1229,10 +1238,22 @@ class RankServicer:
             raise MalformedStream(f"{self._prefix()}: PutObject must start with a header")
         header = first.header
         key = object_key(self.rank, int(header.sequence_hash))
+        limit = self.config.max_object_bytes
+        if header.size_bytes > limit:
+            raise InvalidArgument(
+                f"{self._prefix()}: object {key} of {header.size_bytes} bytes exceeds "
+                f"max_object_bytes {limit} (--max-object-bytes); nothing was stored"
+            )
         existing = await asyncio.to_thread(store.size, key)
         if existing is not None:
             return spmd_pb2.PutObjectResponse(
                 status=spmd_pb2.KEY_STATUS_ALREADY_PRESENT, size_bytes=existing
+            )
+        free = await asyncio.to_thread(store.free_bytes)
+        if free is not None and header.size_bytes > free:
+            raise ResourceExhausted(
+                f"{self._prefix()}: object {key} needs {header.size_bytes} bytes but the object "
+                f"store has {free} free; nothing was stored"
             )
         budget = self._budget_s(header.timeout_ms, context)
         writer = await asyncio.to_thread(store.begin_put, key)
@@ -1253,7 +1274,16 @@ class RankServicer:
                             f"{self._prefix()}: object longer than its size_bytes "
                             f"{header.size_bytes}"
                         )
-                    await asyncio.to_thread(writer.write, chunk.data)
+                    try:
+                        await asyncio.to_thread(writer.write, chunk.data)
+                    except OSError as exc:
+                        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                            raise
+                        raise ResourceExhausted(
+                            f"{self._prefix()}: object store full writing {key} "
+                            f"({expected} of {header.size_bytes} bytes): {exc.strerror}; "
+                            "nothing was stored"
+                        ) from None
                     expected += len(chunk.data)
                 if expected != header.size_bytes:
                     raise MalformedStream(

@@ -9,6 +9,7 @@ module; the demo runs as a subprocess against them, as the compose ``spmd-demo``
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import socket
@@ -23,10 +24,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from paramserver.errors import InvalidArgument, ResourceExhausted
 from paramserver.spmd import SpmdParallelWorkers
 from paramserver.spmd.cli import run_event_loop
 from paramserver.spmd.launcher import RankServerCluster, wait_serving
 from paramserver.spmd.layout import Layout
+from paramserver.spmd.objects import FilesystemObjectStore, _FsWriter
 from paramserver.spmd.rank_server import SERVICE_NAME, RankServerConfig, start_rank_server
 
 LOOPS = ["asyncio", "uvloop"]
@@ -269,5 +272,60 @@ def test_health_serving_then_not_serving_on_graceful_shutdown(tmp_path: Path, lo
         finally:
             if not stopped:
                 await handle.stop(0)
+
+    run(loop, body)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_put_object_refuses_what_cannot_be_stored_and_keeps_nothing(
+    tmp_path: Path, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over max_object_bytes: INVALID_ARGUMENT before a byte is written. More than the store's
+    disk has free: RESOURCE_EXHAUSTED up front. The disk filling mid-write (ENOSPC):
+    RESOURCE_EXHAUSTED, the temp file removed. Each time the object stays absent, and the
+    server then stores a valid object."""
+    limit = 1 << 20
+
+    async def body() -> None:
+        config = RankServerConfig(
+            instance_id="caps",
+            rank=0,
+            layout=LAYOUT,
+            host_blocks=4,
+            disk_blocks=4,
+            disk_dir=tmp_path / "disk",
+            object_dir=tmp_path / "objects",
+            object_durable=False,
+            max_object_bytes=limit,
+        )
+        handle = await start_rank_server(config)
+        try:
+            async with SpmdParallelWorkers([f"127.0.0.1:{handle.port}"]) as group:
+                client = group.client(0)
+                with pytest.raises(InvalidArgument, match=f"exceeds max_object_bytes {limit}"):
+                    await client.put_object(1, bytes(limit + 1))
+                with monkeypatch.context() as m:
+                    m.setattr(FilesystemObjectStore, "free_bytes", lambda self: 1000)
+                    with pytest.raises(ResourceExhausted, match="has 1000 free"):
+                        await client.put_object(2, bytes(4096))
+                written: list[int] = []
+
+                def full(self: Any, data: Any) -> None:
+                    if written:
+                        raise OSError(errno.ENOSPC, "No space left on device")
+                    written.append(len(data))
+
+                with monkeypatch.context() as m:
+                    m.setattr(_FsWriter, "write", full)
+                    with pytest.raises(ResourceExhausted, match="object store full"):
+                        await client.put_object(3, bytes(limit), chunk_bytes=1 << 18)
+                assert written == [1 << 18]
+                assert await client.has_objects([1, 2, 3]) == {1: None, 2: None, 3: None}
+                assert os.listdir(tmp_path / "objects" / ".tmp") == []
+                assert await client.put_object(4, bytes(limit)) is True
+                assert len(await client.get_object(4)) == limit
+        finally:
+            await handle.stop(0)
 
     run(loop, body)
