@@ -46,7 +46,7 @@ from paramserver.security import ClientSecurity
 from paramserver.server.optimizers import UpdateRule
 from paramserver.worker_client.compression import Compression, GradientCompressor, WirePart
 from paramserver.worker_client.fastpath import Fallback, FastPath
-from paramserver.worker_client.pull_buffers import PullBuffers
+from paramserver.worker_client.pull_buffers import DEFAULT_MAX_BYTES, PullBuffers
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
 from paramserver.worker_client.session import ServiceSession
 
@@ -151,9 +151,11 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             key's last two results that nothing refers to any more (as in a loop that
             replaces its parameters each round), instead of into new memory: no fresh pages
             to fault in and zero for every large pull. Results stay fresh arrays to the caller
-            (an array anyone can still reach is never reused); values of 1 MiB and up, at most
-            1 GiB kept, CPython only. Costs memory between pulls: a result the caller dropped
-            is kept rather than given back (:mod:`paramserver.worker_client.pull_buffers`).
+            (an array anyone still refers to, weakly too, is never reused); values of 1 MiB and
+            up, CPython with the GIL. Costs memory: results the caller dropped are kept
+            rather than given back, and a kept result refuses ``ndarray.resize``
+            (:mod:`paramserver.worker_client.pull_buffers`).
+        pull_buffer_max_bytes: Most bytes of results kept for reuse by this client.
     """
 
     _heartbeat_task_prefix = "paramserver-heartbeat-"
@@ -179,6 +181,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         shared_memory_dir: str | Path | None = None,
         local_link: bool = True,
         recycle_pull_buffers: bool = True,
+        pull_buffer_max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         super().__init__(
             address,
@@ -199,7 +202,9 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         self.view: pb.ClusterView | None = None
         self.last_version = 0
         #: Memory of dropped pull results, reused by the next pull of their key.
-        self.pull_buffers = PullBuffers(enabled=recycle_pull_buffers)
+        self.pull_buffers = PullBuffers(
+            enabled=recycle_pull_buffers, max_bytes=pull_buffer_max_bytes
+        )
         #: The Session stream (None: ``session=False``).
         self.fastpath: FastPath | None = (
             FastPath(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,61 @@ def test_anything_still_reaching_the_array_blocks_reuse(how: str) -> None:
     second = _result(b, fill=2.0)
     assert _address(second) != where and b.reused == 0
     assert read(holder) == 1.0  # the caller still reads the first round's values
+
+
+@pytest.mark.parametrize("how", ["weakref", "finalize", "weak-value-dict"])
+def test_a_weak_reference_blocks_reuse(how: str) -> None:
+    b = PullBuffers()
+    first = _result(b, fill=1.0)
+    where = _address(first)
+    finalized: list[bool] = []
+    if how == "weakref":
+        ref: Any = weakref.ref(first)
+    elif how == "finalize":
+        ref = weakref.finalize(first, finalized.append, True)
+    else:
+        ref = weakref.WeakValueDictionary({"round-0": first})
+    del first
+    second = _result(b, fill=2.0)
+    assert _address(second) != where and b.reused == 0
+    if how == "weakref":
+        assert ref() is not second and float(ref()[0]) == 1.0
+    elif how == "weak-value-dict":
+        assert float(ref["round-0"][0]) == 1.0
+    else:
+        assert not finalized  # still alive (kept); it runs once the client lets go
+        b.clear()
+        assert finalized == [True]
+
+
+def test_the_only_reference_count_is_measured_not_assumed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paramserver.worker_client import pull_buffers
+
+    probe = [np.empty(4)]
+    assert pull_buffers._slot_refcount(probe, 0) == pull_buffers._ONLY_OURS
+    held = probe[0]
+    assert pull_buffers._slot_refcount(probe, 0) == pull_buffers._ONLY_OURS + 1
+    del held
+    monkeypatch.setattr(pull_buffers, "_ONLY_OURS", None)  # counts found untrustworthy
+    assert not pull_buffers.refcounts_exact()
+    b = PullBuffers()
+    assert not b.enabled
+    first = _result(b)
+    del first
+    _result(b)
+    assert b.reused == 0 and b.kept_bytes() == 0
+
+
+def test_kept_bytes_stay_exact_when_the_caller_resizes_a_result() -> None:
+    b = PullBuffers()
+    first = _result(b)
+    with pytest.raises(ValueError, match="cannot resize"):
+        first.resize(4 * N)  # the client's reference trips numpy's check (documented)
+    first.resize(4 * N, refcheck=False)
+    del first
+    assert b.kept_bytes() == N * 4  # as kept, not as resized
+    b.empty("w", F32, (N,))  # dropped (shape changed): let go, not reused
+    assert b.kept_bytes() == 0 and b.reused == 0
 
 
 def test_a_reference_cycle_not_yet_collected_blocks_reuse_until_it_is() -> None:
