@@ -235,21 +235,27 @@ def test_health_command_without_allow_unimplemented(cluster: RankServerCluster) 
     assert out.returncode == 1 and "NOT_FOUND" in out.stderr
 
 
+def _small_rank(tmp_path: Path, instance_id: str, **overrides: Any) -> RankServerConfig:
+    """Rank 0 of ``instance_id`` with 4 G2 and 4 G3 blocks and an object store, under
+    ``tmp_path``, on an ephemeral port."""
+    return RankServerConfig(
+        instance_id=instance_id,
+        rank=0,
+        port=0,
+        layout=LAYOUT,
+        host_blocks=4,
+        disk_blocks=4,
+        disk_dir=tmp_path / "disk",
+        object_dir=tmp_path / "objects",
+        **overrides,
+    )
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("loop", LOOPS)
 def test_health_serving_then_not_serving_on_graceful_shutdown(tmp_path: Path, loop: str) -> None:
     async def body() -> None:
-        config = RankServerConfig(
-            instance_id="health",
-            rank=0,
-            port=0,
-            layout=LAYOUT,
-            host_blocks=4,
-            disk_blocks=4,
-            disk_dir=tmp_path / "disk",
-            object_dir=tmp_path / "objects",
-        )
-        handle = await start_rank_server(config)
+        handle = await start_rank_server(_small_rank(tmp_path, "health"))
         address = f"127.0.0.1:{handle.port}"
         stopped = False
         try:
@@ -288,17 +294,7 @@ def test_put_object_refuses_what_cannot_be_stored_and_keeps_nothing(
     limit = 1 << 20
 
     async def body() -> None:
-        config = RankServerConfig(
-            instance_id="caps",
-            rank=0,
-            layout=LAYOUT,
-            host_blocks=4,
-            disk_blocks=4,
-            disk_dir=tmp_path / "disk",
-            object_dir=tmp_path / "objects",
-            object_durable=False,
-            max_object_bytes=limit,
-        )
+        config = _small_rank(tmp_path, "caps", object_durable=False, max_object_bytes=limit)
         handle = await start_rank_server(config)
         try:
             async with SpmdParallelWorkers([f"127.0.0.1:{handle.port}"]) as group:
