@@ -660,7 +660,12 @@ def add_subcommands(sub: Any) -> None:
         help="DIR,DIR,...: checkpoint dirs of an earlier cluster (any shard count); an empty "
         "--checkpoint-dir starts from this shard's part of their newest common cut",
     )
-    g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port of --host (0 = ephemeral; the bound port "
+        "is logged: 'metrics on http://HOST:PORT/metrics')",
+    )
     add_server_security_flags(p)
     r = p.add_argument_group("reduction server (--mode reduce)")
     r.add_argument(

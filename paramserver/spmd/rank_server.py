@@ -1563,7 +1563,11 @@ async def serve(config: RankServerConfig) -> int:
             config.instance_id,
             config.rank,
             handle.address,
-            ", ".join(t.name for t in handle.servicer.pools) or "none",
+            ", ".join(
+                [t.name for t in handle.servicer.pools]
+                + (["G4 (objects)"] if handle.servicer.store is not None else [])
+            )
+            or "none",
         )
         await stop.wait()
         logger.info("rank server %s rank %d shutting down", config.instance_id, config.rank)

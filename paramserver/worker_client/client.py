@@ -155,7 +155,8 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             up, CPython with the GIL. Costs memory: results the caller dropped are kept
             rather than given back, and a kept result refuses ``ndarray.resize``
             (:mod:`paramserver.worker_client.pull_buffers`).
-        pull_buffer_max_bytes: Most bytes of results kept for reuse by this client.
+        pull_buffer_max_bytes: Most bytes of results kept for reuse by this client (an int
+            >= 0; else InvalidArgument, INVALID_ARGUMENT, here).
     """
 
     _heartbeat_task_prefix = "paramserver-heartbeat-"

@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from paramserver.errors import InvalidArgument
+
 __all__ = ["DEFAULT_MAX_BYTES", "DEPTH", "MIN_BYTES", "PullBuffers", "refcounts_exact"]
 
 #: Results smaller than this (bytes) are not kept.
@@ -98,6 +100,9 @@ class PullBuffers:
             of a key goes first). The client may hold up to this much memory its caller has
             already dropped, between pulls and during them.
 
+    Raises:
+        InvalidArgument: (INVALID_ARGUMENT) ``min_bytes`` or ``max_bytes`` is not an int >= 0.
+
     Not thread-safe: one client's pulls run on its event loop thread.
     """
 
@@ -108,6 +113,11 @@ class PullBuffers:
         min_bytes: int = MIN_BYTES,
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
+        for name, value in (("min_bytes", min_bytes), ("max_bytes", max_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(
+                    f"pull buffers: {name} must be an int >= 0 (bytes), got {value!r}"
+                )
         self.enabled = enabled and refcounts_exact()
         self.min_bytes = min_bytes
         self.max_bytes = max_bytes

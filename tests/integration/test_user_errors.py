@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import signal
 import socket
@@ -141,12 +142,15 @@ def test_bind_failure_is_one_line(tmp_path: Path) -> None:
 _C_CORE_LINE = re.compile(r"^[EIWD]\d{4} ", re.MULTILINE)  # grpc C-core log lines
 
 
-def _paramserver(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+def _paramserver(
+    *args: str, timeout_s: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "paramserver", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -520,3 +524,17 @@ def test_a_malloc_limit_below_glibc_threshold_is_refused_in_one_line() -> None:
     proc = _paramserver("serve", "--port", "0", "--malloc-retain-bytes", "512")
     line = _one_clean_line(proc)
     assert proc.returncode == 2 and "malloc_retain_bytes" in line and "got 512" in line, line
+
+
+@pytest.mark.parametrize("source", ["flag", "env"])
+def test_a_negative_object_limit_names_the_flag_and_its_variable(source: str) -> None:
+    argv = ["rank-server", "--instance-id", "a", "--rank", "0", "--port", "0"]
+    env: dict[str, str] = {}
+    if source == "flag":
+        argv += ["--max-object-bytes", "-1"]
+    else:
+        env["PARAMSERVER_SPMD_MAX_OBJECT_BYTES"] = "-1"
+    proc = _paramserver(*argv, env=env)
+    line = _one_clean_line(proc)
+    assert proc.returncode == 2, line
+    assert "--max-object-bytes (PARAMSERVER_SPMD_MAX_OBJECT_BYTES) must be >= 0, got -1" in line

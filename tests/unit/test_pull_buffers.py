@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from paramserver import tensor
-from paramserver.errors import ResourceExhausted
+from paramserver.errors import InvalidArgument, ResourceExhausted
 from paramserver.worker_client.pull_buffers import MIN_BYTES, PullBuffers, refcounts_exact
 
 pytestmark = [
@@ -204,6 +204,14 @@ def test_max_bytes_bounds_what_is_kept() -> None:
     tiny = PullBuffers(max_bytes=MIN_BYTES - 1)
     _result(tiny)
     assert tiny.kept_bytes() == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "1GiB", None, True])
+def test_a_bad_byte_bound_is_refused_when_built(bad: Any) -> None:
+    with pytest.raises(InvalidArgument, match="max_bytes must be an int >= 0"):
+        PullBuffers(max_bytes=bad)
+    with pytest.raises(InvalidArgument, match="min_bytes must be an int >= 0"):
+        PullBuffers(min_bytes=bad)
 
 
 def test_keys_are_kept_apart() -> None:
