@@ -302,11 +302,6 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankSe
         value = pick(flag, name, convert)
         if value is not None:
             kwargs[field] = value
-    if kwargs.get("max_object_bytes", 0) < 0:
-        raise InvalidArgument(
-            f"--max-object-bytes ({ENV_PREFIX}MAX_OBJECT_BYTES) must be >= 0, "
-            f"got {kwargs['max_object_bytes']}"
-        )
     if args.no_object_tier:
         kwargs["object_dir"] = None
     layout_text = pick(args.layout, "LAYOUT", str)

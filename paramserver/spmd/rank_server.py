@@ -121,9 +121,9 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 _OBJECT_IO_CONCURRENCY = 8
 
 SERVICE_NAME = "paramserver.api.v1.RankServer"
+"""Full gRPC service name of the rank server (also its health-check service name)."""
 #: Default largest object PutObject accepts (bytes): a block, or many, with room to spare.
 DEFAULT_MAX_OBJECT_BYTES = 16 << 30
-"""Full gRPC service name of the rank server (also its health-check service name)."""
 
 
 def _default_root() -> Path:
@@ -191,7 +191,10 @@ class RankServerConfig:
         if not 0 <= self.port < 65536:
             raise InvalidArgument(f"port must be in [0, 65535], got {self.port}")
         if self.max_object_bytes < 0:
-            raise InvalidArgument(f"max_object_bytes must be >= 0, got {self.max_object_bytes}")
+            raise InvalidArgument(
+                "max_object_bytes: --max-object-bytes (PARAMSERVER_SPMD_MAX_OBJECT_BYTES) must "
+                f"be >= 0, got {self.max_object_bytes}"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise InvalidArgument(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.metrics_port and self.metrics_port == self.port:
