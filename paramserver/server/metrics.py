@@ -205,7 +205,8 @@ class TransportStats:
     segments_mapped: int = 0
     #: Local-link connections that presented a valid ticket, since start.
     local_links_opened: int = 0
-    #: Local-link connections refused (no, bad, spent or expired ticket; too many waiting).
+    #: Local-link connections refused (no, bad, spent or expired ticket; a first message that
+    #: is not an open; nothing within the open deadline; too many waiting).
     local_links_refused: int = 0
 
 
@@ -281,7 +282,8 @@ class CoreCollector(Collector):
         links = CounterMetricFamily(
             "paramserver_local_links",
             "Same-host Session connections on the local-link socket, by outcome (opened / "
-            "refused: no, bad, spent or expired ticket, or too many waiting)",
+            "refused: no, bad, spent or expired ticket, a first message that is not an open, "
+            "nothing within the open deadline, or too many waiting)",
             labels=[*labels, "outcome"],
         )
         links.add_metric([*labels.values(), "opened"], t.local_links_opened)
