@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from paramserver.errors import InvalidArgument
+from paramserver.errors import InvalidArgument, StorageError, StorageFull, storage_error
 from paramserver.memory import (
     DEFAULT_RETAIN_BYTES,
     MAX_RETAIN_BYTES,
@@ -86,6 +86,7 @@ class ParameterServerDaemon:
         self._timer: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Path | None]] = set()
         self._checkpoint_lock = asyncio.Lock()
+        self._health_tasks: set[asyncio.Task[None]] = set()
         self.recovery_s = 0.0
         self.port = 0
         #: The shard map served by GetShardMap (set on start; tests may replace it).
@@ -147,6 +148,7 @@ class ParameterServerDaemon:
             )
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        engine.on_storage_failure = self._storage_failed
         logger.info(
             "paramserver listening on %s:%d (%s, staleness %d, aggregation %s, lease %d ms%s)",
             self.config.host,
@@ -157,6 +159,21 @@ class ParameterServerDaemon:
             self.config.lease_ms,
             ", write-ahead log on" if engine.wal is not None else "",
         )
+
+    def _storage_failed(self, exc: StorageError) -> None:
+        """The write-ahead log failed with memory possibly ahead of it: health NOT_SERVING
+        (orchestrators restart the server, which then replays the log)."""
+        health_servicer = self._health
+        if health_servicer is None:
+            return
+
+        async def mark() -> None:
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        task = asyncio.get_running_loop().create_task(mark(), name="paramserver-health-failed")
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
 
     async def _start_reduction(self) -> None:
         """Mode ``reduce``: the reduction service (no parameters, no checkpoints) and health;
@@ -318,7 +335,8 @@ class ParameterServerDaemon:
         commits. The file writing runs in a worker thread so the server keeps serving.
 
         Raises:
-            OSError: the write failed (disk full...); the previous checkpoint stands.
+            StorageFull: (RESOURCE_EXHAUSTED) the disk is full; the previous checkpoint stands.
+            StorageError: (UNAVAILABLE) another I/O error; the previous checkpoint stands.
         """
         if self.checkpoints is None or self.engine is None:
             return None
@@ -330,9 +348,12 @@ class ParameterServerDaemon:
             async with engine.offload.quiesced():
                 wal_sequence = engine.wal.rotate() if engine.wal is not None else 0
                 snap = self.checkpoints.snapshot(engine.core, wal_sequence=wal_sequence)
-            path = await asyncio.get_running_loop().run_in_executor(
-                None, self.checkpoints.write, snap
-            )
+            try:
+                path = await asyncio.get_running_loop().run_in_executor(
+                    None, self.checkpoints.write, snap
+                )
+            except OSError as exc:  # disk full, EIO...: the previous checkpoint stands
+                raise storage_error(exc, f"checkpoint in {self.checkpoints.directory}") from exc
             if engine.wal is not None:
                 engine.wal.truncate_through(wal_sequence)
             engine.obs.checkpoint_written(time.monotonic() - t0)
@@ -343,8 +364,8 @@ class ParameterServerDaemon:
             await asyncio.sleep(self.config.checkpoint_every_s)
             try:
                 await self.checkpoint()
-            except OSError:
-                logger.exception("periodic checkpoint failed; the previous one stands")
+            except (StorageFull, StorageError) as exc:
+                logger.error("periodic checkpoint failed; the previous one stands: %s", exc)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Refuse new calls, end waits with UNAVAILABLE, let in-flight calls finish within the
@@ -382,8 +403,8 @@ class ParameterServerDaemon:
                 try:
                     path = await self.checkpoint()
                     logger.info("final checkpoint %s", path)
-                except OSError:
-                    logger.exception("final checkpoint failed; the previous one stands")
+                except (StorageFull, StorageError) as exc:
+                    logger.error("final checkpoint failed; the previous one stands: %s", exc)
             if self.engine.wal is not None:
                 await self.engine.wal.close()
         if self.metrics is not None:

@@ -13,14 +13,20 @@ its keys' arrays, so the owner may run it in a worker thread while it keeps thos
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 import ml_dtypes
 import numpy as np
 
-from paramserver.errors import DimensionMismatch, InvalidArgument, KeyNotFound, NonFiniteGradient
+from paramserver.errors import (
+    DimensionMismatch,
+    InvalidArgument,
+    KeyConflict,
+    KeyNotFound,
+    NonFiniteGradient,
+)
 from paramserver.server.optimizers import (
     BLOCK_ELEMENTS,
     FLOAT_DTYPES,
@@ -191,12 +197,19 @@ class ParameterStore:
         Raises:
             InvalidArgument: (INVALID_ARGUMENT) empty key, unsupported dtype, or an optimizer rule
                 on an integer value; checked even when the key exists.
+            KeyConflict: (ALREADY_EXISTS) the key exists with another dtype or shape.
         """
         self._check_init(key, value, rule)
+        self._check_redeclare(key, value)
         return self._create(key, value, rule, take)
 
     def init_many(
-        self, items: Mapping[str, ArrayOrScalar], rule: UpdateRule, *, take: bool = False
+        self,
+        items: Mapping[str, ArrayOrScalar],
+        rule: UpdateRule,
+        *,
+        take: bool = False,
+        before_create: Callable[[dict[str, bool]], None] | None = None,
     ) -> dict[str, bool]:
         """Declare several keys with one rule, all or nothing.
 
@@ -204,16 +217,40 @@ class ParameterStore:
             items: Key → initial value, as for :meth:`init`.
             rule: The update rule of every key.
             take: As for :meth:`init`, for every value.
+            before_create: Called with key → "will be created" once every item is valid and
+                before anything is stored (the write-ahead log); if it raises, nothing is
+                stored.
 
         Returns:
             Key → whether it was created (False: it existed and was left untouched).
 
         Raises:
             InvalidArgument: (INVALID_ARGUMENT) any item is invalid; then no key is created.
+            KeyConflict: (ALREADY_EXISTS) an existing key declared with another dtype or shape.
         """
         for key, value in items.items():
             self._check_init(key, value, rule)
+            self._check_redeclare(key, value)
+        if before_create is not None:
+            before_create({key: key not in self._entries for key in items})
         return {key: self._create(key, value, rule, take) for key, value in items.items()}
+
+    def _check_redeclare(self, key: str, value: ArrayOrScalar) -> None:
+        """Refuse a declaration of an existing key with another dtype or shape.
+
+        Raises:
+            KeyConflict: (ALREADY_EXISTS) naming both declarations.
+        """
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        have = entry.value
+        dtype, shape = np.dtype(value.dtype), tuple(np.shape(value))
+        if have.dtype != dtype or have.shape != shape:
+            raise KeyConflict(
+                f"key {key!r} is already declared as {have.dtype} {tuple(have.shape)}; "
+                f"this init declares it as {dtype} {shape}"
+            )
 
     # -- lookup --------------------------------------------------------------------------------
 

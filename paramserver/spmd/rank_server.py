@@ -56,6 +56,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import spmd_pb2, spmd_pb2_grpc
 from paramserver.errors import (
+    ERROR_CLASS_METADATA_KEY,
     InvalidArgument,
     MalformedStream,
     ParamServerError,
@@ -231,6 +232,7 @@ def _ids(values: Sequence[int]) -> list[int]:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if isinstance(exc, ParamServerError):
+        context.set_trailing_metadata(((ERROR_CLASS_METADATA_KEY, type(exc).__name__),))
         await context.abort(exc.code, exc.message)
     logger.error("unexpected error in rank server handler", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
