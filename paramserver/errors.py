@@ -6,6 +6,7 @@
     ├── InvalidArgument                   (INVALID_ARGUMENT)
     │   ├── MalformedStream               frames missing / duplicated / out of order / wrong size
     │   ├── DimensionMismatch             dtype or shape disagrees with the key's
+    │   │   └── DTypeMismatch             the shape fits, the dtype does not (e.g. float64)
     │   └── NonFiniteGradient             NaN/Inf in a gradient (default policy)
     ├── KeyNotFound                       (NOT_FOUND)
     ├── FailedPrecondition                (FAILED_PRECONDITION)
@@ -64,6 +65,11 @@ class MalformedStream(InvalidArgument):
 
 class DimensionMismatch(InvalidArgument):
     """A tensor whose dtype, shape or width disagrees with the key's declaration."""
+
+
+class DTypeMismatch(DimensionMismatch):
+    """A gradient of the key's shape but another dtype (numpy's default float64 for a float32
+    key, say). INVALID_ARGUMENT (trailer ``DTypeMismatch``); cast on the client."""
 
 
 class NonFiniteGradient(InvalidArgument):

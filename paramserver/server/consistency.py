@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paramserver.errors import AlreadyExists, InvalidArgument, StaleUpdate, WorkerNotFound
+from paramserver.limits import check_worker_id, check_worker_name, shown
 
 #: Departed (left, evicted, fenced) registrations remembered for clearer refusals.
 DEPARTED_KEPT = 1024
@@ -173,11 +174,10 @@ class ClusterState:
             The new (or existing) record, and the registrations it fenced.
 
         Raises:
-            InvalidArgument: empty name (INVALID_ARGUMENT).
+            InvalidArgument: empty name, or one over the length limit (INVALID_ARGUMENT).
             AlreadyExists: the name is live and ``replace`` is False (ALREADY_EXISTS).
         """
-        if not name:
-            raise InvalidArgument("worker_name must be non-empty")
+        check_worker_name(name)
         same_name = [rec for rec in self.workers.values() if rec.name == name]
         for rec in same_name:
             if rec.live:
@@ -228,11 +228,14 @@ class ClusterState:
         """The live record of ``worker_id``.
 
         Raises:
+            InvalidArgument: an empty worker id, or one longer than any the server makes
+                (INVALID_ARGUMENT).
             WorkerNotFound: unknown, departed, evicted or fenced (FAILED_PRECONDITION).
         """
         rec = self.workers.get(worker_id)
         if rec is None:
-            raise WorkerNotFound(f"unknown worker {worker_id!r}: register first")
+            check_worker_id(worker_id)  # empty or over-long: a malformed request
+            raise WorkerNotFound(f"unknown worker {shown(worker_id)!r}: register first")
         if not rec.live:
             raise WorkerNotFound(
                 f"worker {worker_id!r} is no longer a member (left, evicted or fenced by a "

@@ -25,6 +25,7 @@ from paramserver.errors import (
     NonFiniteGradient,
     StaleUpdate,
 )
+from paramserver.limits import check_key, shown
 from paramserver.server.aggregation import DistributedOptimizer, GradientUpdate, Synchronous
 from paramserver.server.config import ServerConfig
 from paramserver.server.consistency import (
@@ -241,11 +242,17 @@ class ServerCore:
         return created
 
     def require_keys(self, keys: Iterable[str]) -> list[str]:
-        """The keys to read (all when empty), each checked. Raises KeyNotFound (NOT_FOUND)."""
+        """The keys to read (all when empty), each checked.
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) a key never declared.
+            InvalidArgument: (INVALID_ARGUMENT) an empty key or one over the key length limit.
+        """
         wanted = list(keys) or list(self.store.keys())
         for key in wanted:
             if key not in self.store:
-                raise KeyNotFound(f"unknown key {key!r}: declare it with init first")
+                check_key(key)  # an over-long key is refused as such, not as NOT_FOUND
+                raise KeyNotFound(f"unknown key {shown(key)!r}: declare it with init first")
         return wanted
 
     # ------------------------------------------------------------------ push / clock / pull

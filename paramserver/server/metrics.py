@@ -68,13 +68,76 @@ MAX_HEADER_LINES = 100
 MAX_KEY_LABELS = 256
 
 
-def enable_reflection(server: grpc.aio.Server, *service_names: str) -> None:
-    """Serve the standard gRPC server reflection service (``grpc.reflection.v1alpha``) listing
-    ``service_names``, the health service and itself (``grpcurl``, ``grpc_cli`` use it)."""
-    from grpc_health.v1 import health
+#: The current server reflection service (grpcurl and newer tools ask for it first).
+REFLECTION_V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
 
-    reflection.enable_server_reflection(
-        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+
+def _reflection_v1_registered() -> None:
+    """Add ``grpc/reflection/v1/reflection.proto`` to the default descriptor pool.
+
+    grpcio-reflection ships only ``v1alpha``; ``v1`` is the same file with another package
+    (every message and field number alike), so its descriptor is that file renamed, and the
+    v1alpha messages read and write v1's bytes unchanged.
+    """
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    pool = descriptor_pool.Default()
+    name = "grpc/reflection/v1/reflection.proto"
+    try:
+        pool.FindFileByName(name)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    old_pkg = proto.package
+    proto.name, proto.package = name, "grpc.reflection.v1"
+    proto.options.Clear()
+
+    def moved(type_name: str) -> str:
+        return type_name.replace(f".{old_pkg}.", ".grpc.reflection.v1.")
+
+    for message in proto.message_type:
+        for fld in message.field:
+            if fld.HasField("type_name"):  # (scalar fields have none: leave it unset)
+                fld.type_name = moved(fld.type_name)
+    for service in proto.service:
+        for method in service.method:
+            method.input_type = moved(method.input_type)
+            method.output_type = moved(method.output_type)
+    pool.Add(proto)
+
+
+def enable_reflection(server: grpc.aio.Server, *service_names: str) -> None:
+    """Serve the standard gRPC server reflection service, as ``grpc.reflection.v1`` and
+    ``grpc.reflection.v1alpha``, listing ``service_names``, the health service and itself
+    (``grpcurl``, ``grpc_cli`` and Postman use it)."""
+    from grpc_health.v1 import health
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    _reflection_v1_registered()
+    names = (
+        *service_names,
+        health.SERVICE_NAME,
+        REFLECTION_V1_SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    v1 = reflection.aio.ReflectionServicer(names)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                REFLECTION_V1_SERVICE_NAME,
+                {
+                    "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                        v1.ServerReflectionInfo,
+                        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+                    )
+                },
+            ),
+        )
     )
 
 

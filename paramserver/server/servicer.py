@@ -27,11 +27,13 @@ from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.errors import (
     ERROR_CLASS_METADATA_KEY,
     DimensionMismatch,
+    DTypeMismatch,
     FailedPrecondition,
     InvalidArgument,
     MalformedStream,
     ParamServerError,
 )
+from paramserver.limits import cut_details, shown
 from paramserver.server import wal
 from paramserver.server.consistency import Consistency
 from paramserver.server.cut import shard_map_of
@@ -60,11 +62,14 @@ _AGGREGATION_PB = {
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, ParamServerError):
-        logger.debug("%s refused: %s", method, exc)
+        details = cut_details(exc.message)
+        logger.debug("%s refused: %s", method, details)
         context.set_trailing_metadata(((ERROR_CLASS_METADATA_KEY, type(exc).__name__),))
-        await context.abort(exc.code, exc.message)
+        await context.abort(exc.code, details)
     logger.error("%s failed with an unexpected error", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
+    await context.abort(
+        grpc.StatusCode.INTERNAL, cut_details(f"internal error in {method}: {exc!r}")
+    )
 
 
 def grpc_errors(fn: F) -> F:
@@ -145,7 +150,9 @@ class _Handlers:
 def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:
     """Register ``servicer`` as the generated ``add_ParameterServerServicer_to_server`` would,
     except that Push requests are read and Pull responses written by :mod:`paramserver.wire`
-    (tensor frames without protobuf copies of their payload; same bytes on the wire)."""
+    (tensor frames without protobuf copies of their payload; same bytes on the wire), and a
+    request that does not decode (invalid UTF-8 in a string field, truncated bytes) is refused
+    with INVALID_ARGUMENT by its handler instead of gRPC's INTERNAL (:func:`wire.tolerant`)."""
     caught = _Handlers()
     pb_grpc.add_ParameterServerServicer_to_server(servicer, caught)
     handlers = dict(caught.handlers)
@@ -159,6 +166,10 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) ->
         request_deserializer=pb.PullRequest.FromString,
         response_serializer=wire.serialize,
     )
+    handlers = {
+        name: h._replace(request_deserializer=wire.tolerant(h.request_deserializer))
+        for name, h in handlers.items()
+    }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(caught.service, handlers),)
     )
@@ -323,12 +334,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
         Raises:
             KeyNotFound: (NOT_FOUND) the key was never declared.
+            DTypeMismatch: (INVALID_ARGUMENT) a dense gradient of another dtype than the key's.
             DimensionMismatch: (INVALID_ARGUMENT) the claimed size exceeds the key's bound.
         """
         if not header.key:
             return  # malformed: the assembler names it (MalformedStream) and allocates nothing
         value = self.core.store.get(header.key).value
         if header.role == tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
+            pushed = tensor.dtype_from_wire(header.dtype, header.key)
+            if pushed != value.dtype:
+                raise DTypeMismatch(
+                    f"gradient for key {shown(header.key)!r} has dtype {pushed} (expected "
+                    f"{value.dtype}, shape {tuple(value.shape)}): cast it on the client"
+                )
             bound = value.nbytes
         else:
             bound = max(value.nbytes, value.size * 8)

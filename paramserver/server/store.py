@@ -22,11 +22,13 @@ import numpy as np
 
 from paramserver.errors import (
     DimensionMismatch,
+    DTypeMismatch,
     InvalidArgument,
     KeyConflict,
     KeyNotFound,
     NonFiniteGradient,
 )
+from paramserver.limits import check_key, shown
 from paramserver.server.optimizers import (
     BLOCK_ELEMENTS,
     FLOAT_DTYPES,
@@ -146,6 +148,7 @@ class ParameterStore:
     def _check_init(key: object, value: object, rule: object) -> None:
         if not isinstance(key, str) or not key:
             raise InvalidArgument(f"key must be a non-empty string, got {key!r}")
+        check_key(key)
         if not isinstance(value, np.ndarray | np.generic):
             raise InvalidArgument(
                 f"value for key {key!r} must be a numpy array, got {type(value).__name__}"
@@ -263,7 +266,7 @@ class ParameterStore:
         try:
             return self._entries[key]
         except KeyError:
-            raise KeyNotFound(f"unknown key {key!r}; declare it with init first") from None
+            raise KeyNotFound(f"unknown key {shown(key)!r}; declare it with init first") from None
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -299,7 +302,8 @@ class ParameterStore:
         if grad.dtype != value.dtype and not aggregate_ok:
             problems.append(f"dtype {grad.dtype} (expected {value.dtype})")
         if problems:
-            raise DimensionMismatch(f"gradient for key {key!r} has {' and '.join(problems)}")
+            cls = DTypeMismatch if grad.shape == value.shape else DimensionMismatch
+            raise cls(f"gradient for key {shown(key)!r} has {' and '.join(problems)}")
         if not allow_non_finite:
             bad = count_non_finite(grad)
             if bad:
