@@ -179,6 +179,8 @@ class Undecodable:
         self.reason = reason
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # protocol probes (hasattr(x, "__aiter__")) stay probes
+            raise AttributeError(name)
         raise MalformedStream(f"request message does not decode: {self.reason}")
 
 

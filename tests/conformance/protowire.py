@@ -109,7 +109,7 @@ class ProtoWorker:
 
     def __init__(self, channel: grpc.aio.Channel, name: str | None = None) -> None:
         self.stub = pb_grpc.ParameterServerStub(channel)
-        self.name = name or f"proto-{secrets.token_hex(4)}"
+        self.name = name if name is not None else f"proto-{secrets.token_hex(4)}"
         self.worker_id = ""
         self.clock = 0
         self.request_id = 0
