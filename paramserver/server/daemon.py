@@ -47,8 +47,8 @@ from paramserver.security import (
 from paramserver.server import local_link
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
-from paramserver.server.dashboard import PEER_TIMEOUT_S, Dashboard, gather_peers
 from paramserver.server.cut import shard_map_of
+from paramserver.server.dashboard import PEER_TIMEOUT_S, Dashboard, gather_peers
 from paramserver.server.engine import ServerEngine
 from paramserver.server.metrics import (
     MetricsServer,

@@ -67,8 +67,7 @@ MAX_HEADER_LINES = 100
 
 #: Page policy: every asset from this origin, nothing inline, no frames.
 _PAGE_POLICY = (
-    "Content-Security-Policy: default-src 'self'; img-src 'self' data:; "
-    "frame-ancestors 'none'\r\n"
+    "Content-Security-Policy: default-src 'self'; img-src 'self' data:; frame-ancestors 'none'\r\n"
 )
 
 #: Keys that get their own ``key`` label; later ones are summed under ``key="_other"``.

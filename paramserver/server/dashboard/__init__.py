@@ -120,7 +120,8 @@ def ps_sample(s: dict[str, Series]) -> dict[str, Any]:
     steps = _by(s.get("paramserver_bsp_barrier_steps_total"), "worker")
     worst = sorted(lag, key=lambda w: (-lag[w], w))[:MAX_CHARTED_WORKERS]
     buckets = {
-        labels.get("le", ""): v for labels, v in s.get("paramserver_update_staleness_clocks_bucket", [])
+        labels.get("le", ""): v
+        for labels, v in s.get("paramserver_update_staleness_clocks_bucket", [])
     }
     staleness = [buckets.get(repr(float(b)), 0.0) for b in STALENESS_CLOCK_BOUNDS]
     staleness.append(buckets.get("+Inf", 0.0))
