@@ -711,8 +711,8 @@ def add_subcommands(sub: Any) -> None:
     g.add_argument(
         "--metrics-port",
         type=int,
-        help="serve Prometheus metrics on this port of --host (0 = ephemeral; the bound port "
-        "is logged: 'metrics on http://HOST:PORT/metrics')",
+        help="serve Prometheus metrics (/metrics) and the dashboard (/) on this port of --host "
+        "(0 = ephemeral; the bound port is logged: 'metrics on http://HOST:PORT/metrics')",
     )
     add_server_security_flags(p)
     r = p.add_argument_group("reduction server (--mode reduce)")

@@ -300,7 +300,8 @@ function renderPs(data) {
     span = "since start";
   }
   barChart(chartBox("staleness", "staleness of applied gradients (clocks)"), "staleness",
-    bounds.map((b, i) => ({ label: `≤${b}`, value: counts[i], color: 0 })), "");
+    bounds.map((b, i) => ({ label: b === "+Inf" ? `>${bounds[i - 1]}` : `≤${b}`, value: counts[i],
+      color: 0 })), "");
   document.querySelector("#chart-staleness").parentElement.querySelector("figcaption")
     .textContent = `staleness of applied gradients, clocks (${span})`;
 
