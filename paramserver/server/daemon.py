@@ -100,6 +100,8 @@ class ParameterServerDaemon:
         self.local_link: local_link.LocalLinkServer | None = None
         #: TLS / token settings from the config (None: plain text, no tokens; validated here).
         self.security: ServerSecurity | None = ServerSecurity.of_config(config)
+        #: Channels to the other shards, for the dashboard's cluster view (opened on first use).
+        self._peer_channels: dict[str, grpc.aio.Channel] = {}
 
     @property
     def address(self) -> str:
@@ -240,10 +242,17 @@ class ParameterServerDaemon:
         async def read_peer(address: str) -> dict[str, Any]:
             from paramserver.api.v1 import parameter_server_pb2 as pb
 
-            client = peer_security(self.security, None) if self.security is not None else None
-            async with open_channel(address, client) as channel:
+            channel = self._peer_channels.get(address)
+            if channel is None:
+                client = peer_security(self.security, None) if self.security is not None else None
+                channel = self._peer_channels[address] = open_channel(address, client)
+            try:
                 stub = pb_grpc.ParameterServerStub(channel)
                 resp = await stub.Status(pb.StatusRequest(), timeout=PEER_TIMEOUT_S)
+            except BaseException:  # a fresh channel next time (the peer may have moved)
+                self._peer_channels.pop(address, None)
+                await channel.close()
+                raise
             return status_to_dict(resp)
 
         async def peers() -> list[dict[str, Any]]:
@@ -436,6 +445,9 @@ class ParameterServerDaemon:
                 await self.engine.wal.close()
         if self.metrics is not None:
             await self.metrics.stop()
+        channels, self._peer_channels = list(self._peer_channels.values()), {}
+        for channel in channels:
+            await channel.close()
 
     async def wait_closed(self) -> None:
         if self._server is not None:

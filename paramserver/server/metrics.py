@@ -496,14 +496,17 @@ class MetricsServer:
         self.dashboard = dashboard if dashboard is not None else Dashboard("reduce", registry)
         self._server: asyncio.Server | None = None
 
-    async def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
-        """``(status line, content type, body)`` of a request for ``path``."""
+    async def _route(self, method: str, path: str, query: str = "") -> tuple[str, str, bytes]:
+        """``(status line, content type, body)`` of a request for ``path?query``."""
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", "text/plain", b"only GET and HEAD\n"
         if path == "/metrics":
             return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
         if path == "/api/status":
-            return "200 OK", "application/json", await self.dashboard.body()
+            try:
+                return "200 OK", "application/json", await self.dashboard.body(query)
+            except ValueError:
+                return "400 Bad Request", "text/plain", b"since must be Unix seconds\n"
         name = "index.html" if path == "/" else path.lstrip("/")
         if name in ASSETS:
             return "200 OK", ASSETS[name], asset(name)
@@ -577,8 +580,8 @@ class MetricsServer:
                 return
             parts = request.decode("latin-1").split()
             method = parts[0] if parts else ""
-            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
-            status, ctype, body = await self._route(method, path)
+            path, _, query = (parts[1] if len(parts) >= 2 else "").partition("?")
+            status, ctype, body = await self._route(method, path, query)
             head = (
                 f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
                 "X-Content-Type-Options: nosniff\r\nCache-Control: no-store\r\n"

@@ -90,6 +90,10 @@ async def test_page_assets_and_status_json_of_a_shard() -> None:
         assert [w["worker_name"] for w in st["workers"]] == ["w0"]
         assert [(k["key"], k["size_bytes"], k["updates"]) for k in st["keys"]] == [("k", 16, 3)]
         assert data["server"]["address"] == srv.address
+        newer = await get_json(f"{base}/api/status?since={last['t']}")
+        assert all(h["t"] > last["t"] for h in newer["history"])  # what the page polls for
+        assert len(newer["history"]) < len(data["history"])
+        assert (await get(f"{base}/api/status?since=yesterday"))[0] == 400
         rates = data["key_rates"]["k"]
         assert rates["pushed_bytes"] == 3 * 16
         assert rates["pulled_bytes"] == pulled_before + 2 * 16

@@ -116,9 +116,15 @@ async def _page_of_a_digits_cluster(tmp_path: Path) -> None:
             f"{base}/",
             tmp_path / "profile-dom",
             "--virtual-time-budget=3000",
+            "--enable-logging=stderr",
             "--dump-dom",
         )
         assert rc == 0, err[-2000:]
+        # The browser's console log (Chromium writes every console message at INFO, errors
+        # too): the page writes nothing there, so any line is an error, a refused or a
+        # missing asset, whatever the page's own error element says.
+        console = [line for line in err.splitlines() if ":CONSOLE" in line]
+        assert not console, console
         png = tmp_path / "dashboard.png"
         rc, _, err = await run_chromium(
             f"{base}/",

@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from importlib import resources
@@ -223,6 +224,9 @@ class Dashboard:
             maxlen=KEY_RATE_SAMPLES + 1
         )
         self._task: asyncio.Task[None] | None = None
+        self._peers_lock = asyncio.Lock()
+        self._peers_at = -float("inf")
+        self._peers_view: list[dict[str, Any]] = []
 
     def sample(self) -> dict[str, Any]:
         """Read the registry once and append the entry to :attr:`history` (returned)."""
@@ -261,10 +265,20 @@ class Dashboard:
             except Exception:  # a collector failing must not end the history
                 logger.exception("dashboard sample failed")
 
-    async def snapshot(self) -> dict[str, Any]:
+    async def _peer_view(self) -> list[dict[str, Any]]:
+        """The other shards' Status, read at most once per ``period_s`` whoever polls."""
+        assert self.peers is not None
+        async with self._peers_lock:
+            if time.monotonic() - self._peers_at >= self.period_s:
+                self._peers_view = await self.peers()
+                self._peers_at = time.monotonic()
+            return self._peers_view
+
+    async def snapshot(self, since_unix_s: float | None = None) -> dict[str, Any]:
         """What ``GET /api/status`` answers: the server's facts, its Status (ps), the other
-        shards' (sharded ps), the history (oldest first, cumulative counters) and, for a
-        shard, bytes/s pushed and pulled per key over the last ~10 samples."""
+        shards' (sharded ps), the history (oldest first, cumulative counters; only the
+        samples after ``since_unix_s`` when given) and, for a shard, bytes/s pushed and
+        pulled per key over the last ~10 samples."""
         out: dict[str, Any] = {
             "kind": self.kind,
             "version": paramserver.__version__,
@@ -278,13 +292,23 @@ class Dashboard:
         if self.status is not None:
             out["status"] = await self.status()
         if self.peers is not None:
-            out["shards"] = await self.peers()
-        out["history"] = list(self.history)
+            out["shards"] = await self._peer_view()
+        if since_unix_s is None:
+            out["history"] = list(self.history)
+        else:
+            out["history"] = [h for h in self.history if h["t"] > since_unix_s]
         return out
 
-    async def body(self) -> bytes:
-        """:meth:`snapshot` as compact JSON."""
-        return json.dumps(await self.snapshot(), separators=(",", ":")).encode()
+    async def body(self, query: str = "") -> bytes:
+        """:meth:`snapshot` as compact JSON; ``query`` is the request's query string
+        (``since=<Unix seconds>``: only the newer samples, what the page polls for).
+
+        Raises:
+            ValueError: ``since`` is not a number.
+        """
+        since = urllib.parse.parse_qs(query).get("since")
+        since_unix_s = float(since[0]) if since else None
+        return json.dumps(await self.snapshot(since_unix_s), separators=(",", ":")).encode()
 
 
 async def gather_peers(

@@ -26,6 +26,7 @@ const COLORS = ["#2f6fdf", "#e67e22", "#1e8449", "#c0392b", "#8e44ad", "#16a085"
 const shardHistory = new Map(); // shard index -> [[t, applied updates]]
 let polls = 0;
 let lastOk = 0;
+let history = []; // the server's samples, oldest first; later polls fetch only newer ones
 
 // ------------------------------------------------------------------ formatting
 function el(tag, attrs = {}, ...children) {
@@ -437,7 +438,8 @@ function render(data) {
 async function poll() {
   let data = null;
   try {
-    const resp = await fetch("/api/status", { cache: "no-store" });
+    const since = history.length ? `?since=${history[history.length - 1].t}` : "";
+    const resp = await fetch(`/api/status${since}`, { cache: "no-store" });
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     data = await resp.json();
   } catch (err) {
@@ -448,6 +450,10 @@ async function poll() {
     setTimeout(poll, POLL_MS);
   }
   if (data === null) return;
+  history = history.concat(data.history || []);
+  const keepS = (data.period_s || 1) * 300;
+  while (history.length && data.now_unix_s - history[0].t > keepS) history.shift();
+  data.history = history;
   render(data); // a rendering error is a page error (recorded in #errors)
   polls += 1;
   lastOk = Date.now();
