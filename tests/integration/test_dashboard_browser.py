@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,3 +196,86 @@ async def _page_of_a_digits_cluster(tmp_path: Path) -> None:
     copy_to = os.environ.get("PARAMSERVER_DASHBOARD_PNG")
     if copy_to:
         shutil.copyfile(png, copy_to)
+
+
+@pytest.mark.timeout(180)
+def test_sharded_rank_and_reduction_pages_render_without_errors(tmp_path: Path) -> None:
+    """The other pages, in the browser: a 2-shard cluster's page lists both shards (one row
+    each, from the shard map), a rank server's lists the transfer it did per tiers and path,
+    a reduction server's charts its RPCs; no page error, no console line."""
+    asyncio.run(_other_pages(tmp_path))
+
+
+async def _other_pages(tmp_path: Path) -> None:
+    import numpy as np
+
+    from paramserver.sharding import home_shard
+    from paramserver.spmd import SpmdParallelWorkers, Tier
+    from paramserver.spmd.layout import Layout
+    from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
+    from paramserver.worker_client import UpdateRule, connect
+
+    from .shard_helpers import running_cluster
+
+    async def page(url: str, name: str) -> Any:
+        rc, html, err = await run_chromium(
+            url,
+            tmp_path / name,
+            "--virtual-time-budget=2500",
+            "--enable-logging=stderr",
+            "--dump-dom",
+        )
+        assert rc == 0, err[-2000:]
+        console = [line for line in err.splitlines() if ":CONSOLE" in line]
+        assert not console, console
+        dom = parse_dom(html)
+        errors = dom.find(id="errors")
+        assert errors.attrs.get("data-count") == "0", f"page errors: {errors.text}"
+        assert int(dom.find(tag="body").attrs["data-polls"]) >= 1
+        return dom
+
+    async with running_cluster(2, consistency="asp", metrics_port=0) as shards:
+        async with connect(shards[0].address, "m0") as ps:
+            await ps.init({f"k{i}": np.zeros(4) for i in range(4)}, rule=UpdateRule("add"))
+            await ps.push({f"k{i}": np.ones(4) for i in range(4)})
+        dom = await page(f"http://127.0.0.1:{shards[1].metrics.port}/", "shards")  # type: ignore[union-attr]
+    rows = dom.find_all(class_="shard-row")
+    assert [r.attrs["data-shard"] for r in rows] == ["0", "1"]
+    applied = [int(r.find(data_field="applied_updates").attrs["data-value"]) for r in rows]
+    # One push of 4 keys: one applied update on each shard that is home to one of them.
+    homes = {home_shard(f"k{i}", 2) for i in range(4)}
+    assert applied == [1 if i in homes else 0 for i in range(2)]
+    assert dom.find(tag="svg", data_chart="shards").attrs["data-series"] == "2"
+
+    layout = Layout(0, num_layers=1, outer_dim=1, page_size=4, inner_dim=16, dtype="float16")
+    block_bytes = 4 * 16 * 2
+    cfg = RankServerConfig(
+        instance_id="page",
+        rank=0,
+        layout=layout,
+        host_blocks=4,
+        disk_blocks=4,
+        disk_dir=tmp_path / "disk",
+        metrics_port=0,
+    )
+    handle = await start_rank_server(cfg)
+    try:
+        async with SpmdParallelWorkers([handle.address], default_timeout_s=10) as g:
+            await g.write_blocks(0, Tier.G2, range(3), np.zeros((3, block_bytes), np.uint8))
+            await (await g.execute_local_transfer(Tier.G2, Tier.G3, range(3), range(3)))
+        base = f"http://127.0.0.1:{handle.metrics.port}"  # type: ignore[union-attr]
+        deadline = time.monotonic() + 15
+        while not (await get_json(f"{base}/api/status"))["history"][-1]["transfer_bytes"]:
+            assert time.monotonic() < deadline, "the rank server's sampler never saw it"
+            await asyncio.sleep(0.2)
+        dom = await page(f"{base}/", "rank")
+    finally:
+        await handle.stop(0.5)
+    (row,) = dom.find_all(class_="transfer-row")
+    assert row.attrs["data-transfer"] == "local G2->G3 local"
+    assert row.find(data_field="bytes").attrs["data-value"] == str(3 * block_bytes)
+    assert row.find(data_field="transfers").attrs["data-value"] == "1"
+
+    async with running_server(mode="reduce", metrics_port=0) as srv:
+        dom = await page(f"http://127.0.0.1:{srv.metrics.port}/", "reduce")  # type: ignore[union-attr]
+    assert dom.find(tag="svg", data_chart="rpcs") is not None
