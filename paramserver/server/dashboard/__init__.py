@@ -47,8 +47,10 @@ __all__ = [
     "ASSETS",
     "DEFAULT_HISTORY",
     "MAX_CHARTED_WORKERS",
+    "PEER_TIMEOUT_S",
     "Dashboard",
     "asset",
+    "gather_peers",
     "read_samples",
 ]
 
@@ -224,6 +226,7 @@ class Dashboard:
             maxlen=KEY_RATE_SAMPLES + 1
         )
         self._task: asyncio.Task[None] | None = None
+        self._sample_failed = False
         self._peers_lock = asyncio.Lock()
         self._peers_at = -float("inf")
         self._peers_view: list[dict[str, Any]] = []
@@ -251,6 +254,7 @@ class Dashboard:
         )
 
     async def stop(self) -> None:
+        """Stop sampling (the history stays readable)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -263,7 +267,11 @@ class Dashboard:
             try:
                 self.sample()
             except Exception:  # a collector failing must not end the history
-                logger.exception("dashboard sample failed")
+                if not self._sample_failed:  # its traceback once, not every second
+                    logger.exception("dashboard sample failed (later failures: DEBUG)")
+                else:
+                    logger.debug("dashboard sample failed", exc_info=True)
+                self._sample_failed = True
 
     async def _peer_view(self) -> list[dict[str, Any]]:
         """The other shards' Status, read at most once per ``period_s`` whoever polls."""
