@@ -42,11 +42,13 @@ from paramserver.security import (
     bind,
     client_security_from_args,
     open_channel,
+    peer_security,
 )
 from paramserver.server import local_link
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
 from paramserver.server.cut import shard_map_of
+from paramserver.server.dashboard import PEER_TIMEOUT_S, Dashboard, gather_peers
 from paramserver.server.engine import ServerEngine
 from paramserver.server.metrics import (
     MetricsServer,
@@ -60,6 +62,7 @@ from paramserver.server.reduction import SERVICE_NAME as REDUCTION_SERVICE_NAME
 from paramserver.server.reduction import ReductionEngine, add_reduction_service
 from paramserver.server.reshard import prepare_checkpoint_dir
 from paramserver.server.servicer import ParameterServerServicer, add_to_server
+from paramserver.server.status_view import status_to_dict
 from paramserver.server.wal import WriteAheadLog, replay_into
 from paramserver.sharding import ShardMap, parse_address
 
@@ -98,6 +101,8 @@ class ParameterServerDaemon:
         self.local_link: local_link.LocalLinkServer | None = None
         #: TLS / token settings from the config (None: plain text, no tokens; validated here).
         self.security: ServerSecurity | None = ServerSecurity.of_config(config)
+        #: Channels to the other shards, for the dashboard's cluster view (opened on first use).
+        self._peer_channels: dict[str, grpc.aio.Channel] = {}
 
     @property
     def address(self) -> str:
@@ -115,6 +120,7 @@ class ParameterServerDaemon:
         self._recover(engine)
         interceptors, self.metrics = metrics_for(engine, self._transport_stats)
         if self.metrics is not None:
+            self.metrics.dashboard = self._dashboard(self.metrics.registry)
             # Before the gRPC port: grpc.aio keeps a port bound by a server that never started
             # (even after stop), so a metrics port in use must fail before grpc binds anything.
             await self._start_metrics()
@@ -139,6 +145,8 @@ class ParameterServerDaemon:
             raise
         await server.start()
         self._server = server
+        if self.metrics is not None:
+            self.metrics.dashboard.info["address"] = self.address
         await self._start_local_link()
         self.shard_map = shard_map_of(self.config, self.address)
         engine.start()
@@ -235,6 +243,55 @@ class ParameterServerDaemon:
             return
         self.local_link = link
         self.servicer.sessions.local_link = link
+
+    def _dashboard(self, registry: Any) -> Dashboard:
+        """The metrics port's page of this shard: its Status and, in a sharded cluster, every
+        other shard's, read over gRPC from the shard map's addresses."""
+        cfg = self.config
+
+        async def status() -> dict[str, Any]:
+            if self.servicer is None:
+                return {}
+            from paramserver.api.v1 import parameter_server_pb2 as pb
+
+            return status_to_dict(await self.servicer.Status(pb.StatusRequest(), None))
+
+        async def read_peer(address: str) -> dict[str, Any]:
+            from paramserver.api.v1 import parameter_server_pb2 as pb
+
+            channel = self._peer_channels.get(address)
+            if channel is None:
+                client = peer_security(self.security, None) if self.security is not None else None
+                channel = self._peer_channels[address] = open_channel(address, client)
+            try:
+                stub = pb_grpc.ParameterServerStub(channel)
+                resp = await stub.Status(pb.StatusRequest(), timeout=PEER_TIMEOUT_S)
+            except BaseException:  # a fresh channel next time (the peer may have moved)
+                self._peer_channels.pop(address, None)
+                await channel.close()
+                raise
+            return status_to_dict(resp)
+
+        async def peers() -> list[dict[str, Any]]:
+            shard_map = self.shard_map
+            if shard_map is None:
+                return []
+            others = [(i, a) for i, a in enumerate(shard_map.addresses) if i != cfg.shard_index]
+            return await gather_peers(others, read_peer)
+
+        info = {
+            "mode": cfg.mode,
+            "shard_index": cfg.shard_index,
+            "num_shards": cfg.num_shards,
+            "address": "",  # set once the gRPC port is bound
+            "wal": cfg.wal,
+            "checkpoint_dir": cfg.checkpoint_dir or "",
+            "checkpoint_every_s": cfg.checkpoint_every_s,
+            "lease_ms": cfg.lease_ms,
+        }
+        return Dashboard(
+            "ps", registry, info=info, status=status, peers=peers if cfg.num_shards > 1 else None
+        )
 
     def _transport_stats(self) -> TransportStats:
         """The Session transport's state for the metrics endpoint (read at scrape time)."""
@@ -409,6 +466,9 @@ class ParameterServerDaemon:
                 await self.engine.wal.close()
         if self.metrics is not None:
             await self.metrics.stop()
+        channels, self._peer_channels = list(self._peer_channels.values()), {}
+        for channel in channels:
+            await channel.close()
 
     async def wait_closed(self) -> None:
         if self._server is not None:
@@ -555,7 +615,7 @@ def _retain_freed_memory(limit: int) -> str:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from paramserver.api.v1 import parameter_server_pb2 as pb
-    from paramserver.server.status_view import render_status, status_to_dict
+    from paramserver.server.status_view import render_status
 
     address = args.server or args.address
     if not address:
@@ -684,8 +744,8 @@ def add_subcommands(sub: Any) -> None:
     g.add_argument(
         "--metrics-port",
         type=int,
-        help="serve Prometheus metrics on this port of --host (0 = ephemeral; the bound port "
-        "is logged: 'metrics on http://HOST:PORT/metrics')",
+        help="serve Prometheus metrics (/metrics) and the dashboard (/) on this port of --host "
+        "(0 = ephemeral; the bound port is logged: 'metrics on http://HOST:PORT/metrics')",
     )
     add_server_security_flags(p)
     r = p.add_argument_group("reduction server (--mode reduce)")

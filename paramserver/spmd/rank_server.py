@@ -64,6 +64,7 @@ from paramserver.errors import (
     from_rpc_error,
 )
 from paramserver.security import ClientSecurity, ServerSecurity, bind, open_channel
+from paramserver.server.dashboard import Dashboard
 from paramserver.server.metrics import MetricsServer, auth_refusal_counter, enable_reflection
 from paramserver.spmd.errors import (
     BlockNotValid,
@@ -1498,7 +1499,18 @@ async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
         if config.metrics_port is not None:
             svc = servicer
             servicer.metrics = RankMetrics(lambda: (svc._failed, svc._inflight))
-            metrics = MetricsServer(servicer.metrics.registry, config.host, config.metrics_port)
+            registry = servicer.metrics.registry
+            blocks = {"G1": config.device_blocks, "G2": config.host_blocks}
+            blocks["G3"] = config.disk_blocks
+            info: dict[str, Any] = {
+                "instance_id": config.instance_id,
+                "rank": config.rank,
+                "tier_blocks": blocks,
+                "object_store": config.object_dir is not None,
+            }
+            metrics = MetricsServer(
+                registry, config.host, config.metrics_port, Dashboard("rank", registry, info=info)
+            )
             on_refusal = auth_refusal_counter(servicer.metrics.registry)
             # Before the gRPC port: grpc.aio keeps a port bound by a server that never started.
             await metrics.start()
@@ -1513,6 +1525,8 @@ async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
         port = bind(server, f"{config.host}:{config.port}", sec)
         host = config.host if config.host not in ("0.0.0.0", "::", "") else socket.gethostname()
         servicer.address = f"{host}:{port}"
+        if metrics is not None:
+            metrics.dashboard.info["address"] = servicer.address
         await server.start()
     except BaseException:
         if server is not None:
