@@ -44,19 +44,23 @@ def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
+def _check_length(what: str, text: str, limit: int, empty: str) -> None:
+    if not text:
+        raise InvalidArgument(empty)
+    if len(text) * 4 > limit and _utf8_len(text) > limit:  # (short text: no encoding)
+        raise InvalidArgument(
+            f"{what} {shown(text)!r} is {_utf8_len(text)} bytes of UTF-8; "
+            f"the limit is {limit} bytes"
+        )
+
+
 def check_key(key: str) -> None:
     """Refuse an empty key or one over :data:`MAX_KEY_BYTES`.
 
     Raises:
         InvalidArgument: (INVALID_ARGUMENT) naming the (shortened) key and the limit.
     """
-    if not key:
-        raise InvalidArgument("key must be a non-empty string")
-    if len(key) * 4 > MAX_KEY_BYTES and _utf8_len(key) > MAX_KEY_BYTES:
-        raise InvalidArgument(
-            f"key {shown(key)!r} is {_utf8_len(key)} bytes of UTF-8; "
-            f"the limit is {MAX_KEY_BYTES} bytes"
-        )
+    _check_length("key", key, MAX_KEY_BYTES, "key must be a non-empty string")
 
 
 def check_worker_name(name: str) -> None:
@@ -65,29 +69,22 @@ def check_worker_name(name: str) -> None:
     Raises:
         InvalidArgument: (INVALID_ARGUMENT) naming the (shortened) name and the limit.
     """
-    if not name:
-        raise InvalidArgument("worker_name must be non-empty")
-    if len(name) * 4 > MAX_WORKER_NAME_BYTES and _utf8_len(name) > MAX_WORKER_NAME_BYTES:
-        raise InvalidArgument(
-            f"worker name {shown(name)!r} is {_utf8_len(name)} bytes of UTF-8; "
-            f"the limit is {MAX_WORKER_NAME_BYTES} bytes"
-        )
+    _check_length("worker name", name, MAX_WORKER_NAME_BYTES, "worker_name must be non-empty")
 
 
 def check_worker_id(worker_id: str) -> None:
     """Refuse an empty worker id (the id Register returned) or one over
-    :data:`MAX_WORKER_ID_BYTES`.
+    :data:`MAX_WORKER_ID_BYTES` (no id the server makes is longer).
 
     Raises:
         InvalidArgument: (INVALID_ARGUMENT).
     """
-    if not worker_id:
-        raise InvalidArgument("worker_id must be non-empty: send the id Register returned")
-    if len(worker_id) * 4 > MAX_WORKER_ID_BYTES and _utf8_len(worker_id) > MAX_WORKER_ID_BYTES:
-        raise InvalidArgument(
-            f"worker_id {shown(worker_id)!r} is {_utf8_len(worker_id)} bytes; no worker id "
-            f"is longer than {MAX_WORKER_ID_BYTES} bytes"
-        )
+    _check_length(
+        "worker_id",
+        worker_id,
+        MAX_WORKER_ID_BYTES,
+        "worker_id must be non-empty: send the id Register returned",
+    )
 
 
 def cut_details(details: str) -> str:
