@@ -341,7 +341,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             return  # malformed: the assembler names it (MalformedStream) and allocates nothing
         value = self.core.store.get(header.key).value
         if header.role == tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
-            pushed = tensor.dtype_from_wire(header.dtype, header.key)
+            try:
+                pushed = tensor.dtype_from_wire(header.dtype, header.key)
+            except InvalidArgument:
+                return  # an unknown wire dtype: the assembler names it (MalformedStream)
             if pushed != value.dtype:
                 raise DTypeMismatch(
                     f"gradient for key {shown(header.key)!r} has dtype {pushed} (expected "

@@ -26,6 +26,7 @@ from paramserver.errors import (
     Aborted,
     AlreadyExists,
     DimensionMismatch,
+    DTypeMismatch,
     InvalidArgument,
     KeyNotFound,
     MalformedStream,
@@ -140,10 +141,12 @@ async def test_unknown_key_is_not_found_on_push_and_pull() -> None:
 
 
 async def test_wrong_dtype_is_invalid_argument() -> None:
+    """A gradient of the key's shape in another dtype is named a dtype mismatch
+    (``DTypeMismatch``, a ``DimensionMismatch``), naming both dtypes."""
     async with _cluster() as (_, a, _stub):
         await _refused(
             a.push({"w": ONES.astype(np.float32)}),
-            DimensionMismatch,
+            DTypeMismatch,
             grpc.StatusCode.INVALID_ARGUMENT,
             "float32",
             "float64",

@@ -118,7 +118,7 @@ async def test_checkpoint_while_big_pushes_apply_is_consistent(tmp_path: Path) -
                 # Counters decided on the loop against the values written by the threads.
                 applied = manifest["applied_updates"]
                 assert manifest["store"]["a"]["updates"] == applied
-                assert len(manifest["dedup"].get("w0", [])) == applied
+                assert len(manifest["dedup"].get(wid, [])) == applied  # per registration
                 assert np.array_equal(tensors["param/a"], np.full(N, float(applied), np.float32))
                 checked += 1
             await task
