@@ -42,6 +42,7 @@ from paramserver.sharding import parse_address
 from paramserver.worker_client.client import WorkerClient, connect
 from paramserver.worker_client.compression import Cast, Compression, TopK
 from paramserver.worker_client.local_cluster import start_servers, stop_servers
+from paramserver.worker_client.retry import RetryPolicy
 
 T = TypeVar("T")
 
@@ -211,6 +212,11 @@ class TrainConfig:
     framework: str = "numpy"
     #: TLS / token of the worker's channels (:class:`paramserver.security.ClientSecurity`).
     security: ClientSecurity | None = None
+    #: Fence a live registration of the same name: a restarted worker (an engine's retry of
+    #: worker i) takes its name over at once instead of waiting out the old lease.
+    replace: bool = False
+    #: Backoff for UNAVAILABLE while a shard restarts (None: the client's default, 30 s).
+    retry: RetryPolicy | None = None
 
 
 def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[str, Compression]:
@@ -279,6 +285,8 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         worker_name=f"worker-{cfg.worker_index}",
         compression=schemes,
         security=cfg.security,
+        replace=cfg.replace,
+        retry=cfg.retry,
     ) as ps:
         params = await ps.init(initial, rule=rule)
         keys = sorted(params)
