@@ -71,7 +71,6 @@ MANAGED_SERVE_FLAGS = frozenset(
         "--shard-addresses",
         "--checkpoint-dir",
         "--wal-dir",
-        "--restore-from",
     }
 )
 STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")

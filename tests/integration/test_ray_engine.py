@@ -254,3 +254,36 @@ def test_retried_worker_takes_its_name_over(cluster: LocalRayCluster, tmp_path: 
     assert result.ok, [w.error for w in result.workers]
     assert (marker_dir / "attempt-0").exists(), "worker 0's first attempt did not run"
     assert sorted(sh.applied_updates for sh in result.shards) == [0, 2]
+
+
+def test_ray_launch_command_runs_the_digits_job(cluster: LocalRayCluster, tmp_path: Path) -> None:
+    """``paramserver ray-launch`` (a driver process of its own) on the running cluster: 2
+    shards, 2 digits workers; it prints the job result as JSON and exits 0 (accuracy >= 0.93)."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    cmd = [
+        sys.executable,
+        "-m",
+        "paramserver",
+        "--log-level",
+        "WARNING",
+        "ray-launch",
+        *("--address", cluster.address, "--shards", "2", "--workers", "2"),
+        *("--base-port", str(free_port_pair()), "--state-dir", str(tmp_path / "state")),
+        *("--serve-args", "--consistency bsp", "--strategy", "STRICT_SPREAD"),
+        *("--name", "cli-job", "--timeout-s", "200"),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["ok"] is True
+    assert [w["index"] for w in result["workers"]] == [0, 1]
+    assert {s["node_ip"] for s in result["shards"]} == {HEAD_IP, NODE_IP}
+    assert result["metrics"]["test_accuracy"] >= 0.93
+    acked = sum(int(w["result"]["steps"]) for w in result["workers"])
+    assert [s["applied_updates"] for s in result["shards"]] == [acked, acked]
