@@ -361,7 +361,14 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         topk_ratio=args.topk_ratio,
         framework=args.framework,
         security=client_security_from_args(args, os.environ),
+        replace=args.replace,
+        retry=RetryPolicy(deadline_s=args.retry_deadline_s)
+        if args.retry_deadline_s is not None
+        else None,
     )
+    if args.retry_deadline_s is not None and not args.retry_deadline_s > 0:
+        print("paramserver worker: --retry-deadline-s must be > 0", file=sys.stderr)
+        return 2
     if cfg.num_workers < 1 or not 0 <= cfg.worker_index < cfg.num_workers:
         print(
             f"paramserver worker: --num-workers must be >= 1 and --worker-index in "
@@ -765,6 +772,19 @@ def add_subcommands(sub: Any) -> None:
     w.add_argument("--num-workers", type=int, required=True)
     w.add_argument("--no-eval", action="store_true", help="skip per-epoch test evaluation")
     w.add_argument("--slow-factor", type=float, default=1.0, help="straggler simulation: x slower")
+    w.add_argument(
+        "--replace",
+        action="store_true",
+        help="fence a live registration of this worker's name (a restarted worker: an "
+        "engine's retry of index i takes the name over at once instead of waiting out the "
+        "dead one's lease)",
+    )
+    w.add_argument(
+        "--retry-deadline-s",
+        type=float,
+        help="how long calls retry an unavailable server, e.g. while a shard restarts "
+        "(default 30)",
+    )
     _add_training_flags(w, epochs=10)
     add_client_security_flags(w)
     w.set_defaults(func=_cmd_worker)

@@ -251,10 +251,12 @@ def test_shards_workers_and_rank_servers_agree(values: Path) -> None:
             == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
         )
         assert wf["server"] in expected
+        assert "replace" in wf  # a retried index fences its dead predecessor's registration
+        assert float(wf["retry-deadline-s"]) == v["workers"]["retryDeadlineS"]
         for i in range(n):
             argv = [a.replace("$(WORKER_INDEX)", str(i)) for a in w["args"]]
             args = build_parser().parse_args(argv)
-            assert args.command == "worker" and args.worker_index == i
+            assert args.command == "worker" and args.worker_index == i and args.replace
         if v["workers"]["waitForShards"]:
             (init,) = spec["template"]["spec"]["initContainers"]
             script = init["command"][-1]
