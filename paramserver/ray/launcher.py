@@ -300,6 +300,7 @@ class ShardActor:
         )
         self._thread.start()
         self._daemon = ParameterServerDaemon(config)
+        self._stopped = False
         self._run(self._daemon.start(), timeout_s=120.0)
         assert self._daemon.engine is not None
         self.restored_applied_updates = self._daemon.engine.core.applied_updates
@@ -331,9 +332,11 @@ class ShardActor:
         )
 
     def stop(self, grace_s: float) -> None:
-        """Graceful stop: in-flight calls finish within ``grace_s``, a final checkpoint."""
-        if self._loop.is_closed():
+        """Graceful stop: in-flight calls finish within ``grace_s``, a final checkpoint
+        (once; later calls return at once)."""
+        if self._stopped:
             return
+        self._stopped = True
         self._run(self._daemon.stop(grace_s), timeout_s=grace_s + 60.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10.0)
@@ -592,7 +595,10 @@ class WorkerJob:
         metrics: dict[str, Any] = {}
         if isinstance(self.job, DigitsJob):
             evaluate = ray.remote(_evaluate_digits_main).options(num_cpus=0)
-            metrics = ray.get(evaluate.remote(self.shards.addresses, self.job), timeout=120)
+            try:
+                metrics = ray.get(evaluate.remote(self.shards.addresses, self.job), timeout=120)
+            except Exception as exc:  # the shards are unreachable: say so in the result
+                metrics = {"error": f"evaluation failed: {type(exc).__name__}: {exc}"}
         return JobResult(
             workers=[outcomes[i] for i in range(len(self.refs))],
             shards=self.shards.infos(),

@@ -52,11 +52,17 @@ def live(pids: set[int]) -> set[int]:
 
 
 class LocalRayCluster:
-    """``with LocalRayCluster(env) as cluster:`` -> ``cluster.address`` (``127.0.0.2:PORT``)."""
+    """``with LocalRayCluster(env) as cluster:`` -> ``cluster.address`` (``127.0.0.2:PORT``);
+    a driver needs ``cluster.auth_env`` in its environment."""
 
     def __init__(self, env: dict[str, str], num_cpus: int = 3, timeout_s: float = 180.0) -> None:
+        #: Ray's token authentication off for this loopback-only cluster: by default `ray
+        #: start --head` turns it on with the token in ~/.ray/auth_token, a file every Ray
+        #: user of this machine shares (and may rewrite while the cluster runs).
+        self.auth_env = {"RAY_AUTH_MODE": "disabled"}
         self.env = {
             **env,
+            **self.auth_env,
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_agent_register_timeout_ms": "180000",
             "RAY_raylet_start_wait_time_s": "180",
@@ -98,36 +104,47 @@ class LocalRayCluster:
     def log(self, name: str) -> str:
         return (self.temp_dir / f"{name}.log").read_text(errors="replace")[-3000:]
 
-    def start(self) -> LocalRayCluster:
-        try:
-            self._start(
-                "head",
-                [
-                    "--head",
-                    f"--node-ip-address={HEAD_IP}",
-                    f"--port={self.port}",
-                    f"--ray-client-server-port={free_port(HEAD_IP)}",
-                    f"--num-cpus={self.num_cpus}",
-                    "--object-store-memory=100000000",
-                    "--include-dashboard=false",
-                    "--disable-usage-stats",
-                    f"--temp-dir={self.temp_dir / 'ray'}",
-                ],
-            )
-            self._start(
-                "node",
-                [
-                    f"--address={self.address}",
-                    f"--node-ip-address={NODE_IP}",
-                    f"--num-cpus={self.num_cpus}",
-                    "--object-store-memory=100000000",
-                    "--disable-usage-stats",
-                ],
-            )
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def start(self, attempts: int = 2) -> LocalRayCluster:
+        """Start both nodes; under heavy load Ray's own start can fail (a raylet that gave
+        up waiting for its agents), so a failed start is stopped and tried once more."""
+        for attempt in range(attempts):
+            try:
+                self._start("head", ["--head", f"--port={self.port}", *self._node_args(HEAD_IP)])
+                self._start("node", [f"--address={self.address}", *self._node_args(NODE_IP)])
+                return self
+            except RuntimeError as exc:
+                left = self.stop()
+                if attempt == attempts - 1 or left:
+                    raise
+                print(f"\n[ray] cluster start failed, trying again: {exc}", flush=True)
+                self.procs = []
+                self.port = free_port(HEAD_IP)
+                self.address = f"{HEAD_IP}:{self.port}"
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _node_args(self, ip: str) -> list[str]:
+        """Every port given (none left for a node to pick and publish in a file the raylet
+        waits for: under load that wait can time out), no dashboard, no usage stats."""
+        args = [
+            f"--node-ip-address={ip}",
+            f"--num-cpus={self.num_cpus}",
+            "--object-store-memory=100000000",
+            "--disable-usage-stats",
+            f"--dashboard-agent-grpc-port={free_port(ip)}",
+            f"--dashboard-agent-listen-port={free_port(ip)}",
+            f"--metrics-export-port={free_port(ip)}",
+            f"--runtime-env-agent-port={free_port(ip)}",
+        ]
+        if ip == HEAD_IP:
+            args += [
+                f"--ray-client-server-port={free_port(ip)}",
+                "--include-dashboard=false",
+                f"--temp-dir={self.temp_dir / 'ray'}",
+            ]
+        return args
 
     def track(self) -> set[int]:
         """Record every live process of the cluster: the ``ray start`` process groups and all

@@ -67,12 +67,19 @@ def cluster() -> Iterator[LocalRayCluster]:
     )
     t0 = time.monotonic()
     with LocalRayCluster(env) as c:
+        saved = {k: os.environ.get(k) for k in c.auth_env}
+        os.environ.update(c.auth_env)  # this process is a driver of the cluster
         ray.init(address=c.address, log_to_driver=False)
         print(f"\n[ray] 2-node cluster up in {time.monotonic() - t0:.1f} s {c.start_s}")
         try:
             yield c
         finally:
             ray.shutdown()
+            for k, value in saved.items():
+                if value is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = value
             left = c.stop()
             assert not left, f"cluster processes still running after stop: {sorted(left)}"
 
@@ -266,6 +273,7 @@ def test_ray_launch_command_runs_the_digits_job(cluster: LocalRayCluster, tmp_pa
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env.update(cluster.auth_env)
     cmd = [
         sys.executable,
         "-m",
