@@ -26,15 +26,24 @@ def _load_function(spec: str) -> Any:
     return fn
 
 
-def _cmd_ray_launch(args: argparse.Namespace) -> int:
-    try:
-        import ray
-    except ImportError:
-        print("paramserver ray-launch: needs Ray: pip install 'paramserver[ray]'", file=sys.stderr)
-        return 2
-    from paramserver.ray.launcher import DigitsJob, RayJobConfig, launch
+#: RayJobConfig field -> the ray-launch flag that sets it (for error messages).
+_FLAG_OF = {
+    "num_shards": "--shards",
+    "num_workers": "--workers",
+    "base_port": "--base-port",
+    "worker_failure": "--worker-failure",
+    "shard_max_restarts": "--shard-max-restarts",
+    "worker_max_retries": "--worker-max-retries",
+    "start_timeout_s": "--start-timeout-s",
+    "job_timeout_s": "--timeout-s",
+    "retry_deadline_s": "--retry-deadline-s",
+    "serve_args": "--serve-args",
+    "strategy": "--strategy",
+}
 
-    cfg = RayJobConfig(
+
+def _job_config(args: argparse.Namespace, config_class: Any) -> Any:
+    return config_class(
         num_shards=args.shards,
         num_workers=args.workers,
         base_port=args.base_port,
@@ -51,6 +60,23 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
         retry_deadline_s=args.retry_deadline_s,
         name=args.name,
     )
+
+
+def _cmd_ray_launch(args: argparse.Namespace) -> int:
+    try:
+        import ray
+    except ImportError:
+        print("paramserver ray-launch: needs Ray: pip install 'paramserver[ray]'", file=sys.stderr)
+        return 2
+    from paramserver.ray.launcher import DigitsJob, RayJobConfig, launch
+
+    try:
+        cfg = _job_config(args, RayJobConfig)
+    except InvalidArgument as exc:  # named as the flags, not as the config's fields
+        message = exc.message
+        for field_name, flag in _FLAG_OF.items():
+            message = message.replace(field_name, flag)
+        raise InvalidArgument(message) from None
     job: Any
     if args.train:
         job = _load_function(args.train)

@@ -782,8 +782,7 @@ def add_subcommands(sub: Any) -> None:
     w.add_argument(
         "--retry-deadline-s",
         type=float,
-        help="how long calls retry an unavailable server, e.g. while a shard restarts "
-        "(default 30)",
+        help="how long calls retry an unavailable server, e.g. while a shard restarts (default 30)",
     )
     _add_training_flags(w, epochs=10)
     add_client_security_flags(w)

@@ -41,3 +41,18 @@ def test_job_config_refuses_bad_values(changes: dict[str, object], complaint: st
 
     with pytest.raises(InvalidArgument, match=complaint):
         RayJobConfig(**changes)  # type: ignore[arg-type]
+
+
+def test_ray_launch_names_the_flag_of_a_bad_value() -> None:
+    """A bad value ends `paramserver ray-launch` with exit 2 and one line naming the flag,
+    before any connection to a cluster."""
+    pytest.importorskip("ray", reason="paramserver.ray needs Ray: pip install 'paramserver[ray]'")
+    out = subprocess.run(
+        [sys.executable, "-m", "paramserver", "ray-launch", "--shards", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "--shards and --workers must be >= 1, got 0 and 4" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
