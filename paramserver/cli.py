@@ -42,11 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     # Imported here, not at module level, so `paramserver --help` stays cheap to reach.
+    from paramserver.ray import cli as ray_cli
     from paramserver.server import daemon, ops
     from paramserver.spmd import cli as spmd_cli
     from paramserver.worker_client import cluster_check, training
 
-    for module in (daemon, ops, training, cluster_check, spmd_cli):
+    for module in (daemon, ops, training, cluster_check, spmd_cli, ray_cli):
         module.add_subcommands(sub)
     for name, command in sub.choices.items():
         if name in LONG_RUNNING:  # also accepted after the subcommand

@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -542,7 +542,14 @@ def run_loop(main: Any, *, use_uvloop: bool = True) -> Any:
     return asyncio.run(main)
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConfig:
+    """The :class:`ServerConfig` of parsed ``paramserver serve`` flags over ``env``'s
+    ``PARAMSERVER_*`` variables (what ``serve`` runs; launchers that host a shard in-process,
+    such as :mod:`paramserver.ray`, build it the same way).
+
+    Raises:
+        InvalidArgument: a bad flag, or unreadable certificates or token file (INVALID_ARGUMENT).
+    """
     cli = {
         "host": args.host,
         "port": args.port,
@@ -590,10 +597,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "shared_memory": False if args.no_shared_memory else None,
         "malloc_retain_bytes": args.malloc_retain_bytes,
     }
+    config = ServerConfig.from_sources(cli, env)
+    ServerSecurity.of_config(config)
+    return config
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
     # Bad flags, unreadable certificates or token file: InvalidArgument here, before any
     # socket (the entry point prints one line and exits 2; paramserver.cli.run_command).
-    config = ServerConfig.from_sources(cli, os.environ)
-    ServerSecurity.of_config(config)
+    config = serve_config(args, os.environ)
     note = _retain_freed_memory(config.malloc_retain_bytes)
     daemon = run_daemon(config, port_file=args.port_file, notes=(note,))
     run_loop(daemon, use_uvloop=config.use_uvloop)

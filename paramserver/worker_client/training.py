@@ -42,6 +42,7 @@ from paramserver.sharding import parse_address
 from paramserver.worker_client.client import WorkerClient, connect
 from paramserver.worker_client.compression import Cast, Compression, TopK
 from paramserver.worker_client.local_cluster import start_servers, stop_servers
+from paramserver.worker_client.retry import RetryPolicy
 
 T = TypeVar("T")
 
@@ -211,6 +212,11 @@ class TrainConfig:
     framework: str = "numpy"
     #: TLS / token of the worker's channels (:class:`paramserver.security.ClientSecurity`).
     security: ClientSecurity | None = None
+    #: Fence a live registration of the same name: a restarted worker (an engine's retry of
+    #: worker i) takes its name over at once instead of waiting out the old lease.
+    replace: bool = False
+    #: Backoff for UNAVAILABLE while a shard restarts (None: the client's default, 30 s).
+    retry: RetryPolicy | None = None
 
 
 def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[str, Compression]:
@@ -279,6 +285,8 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         worker_name=f"worker-{cfg.worker_index}",
         compression=schemes,
         security=cfg.security,
+        replace=cfg.replace,
+        retry=cfg.retry,
     ) as ps:
         params = await ps.init(initial, rule=rule)
         keys = sorted(params)
@@ -353,7 +361,14 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         topk_ratio=args.topk_ratio,
         framework=args.framework,
         security=client_security_from_args(args, os.environ),
+        replace=args.replace,
+        retry=RetryPolicy(deadline_s=args.retry_deadline_s)
+        if args.retry_deadline_s is not None
+        else None,
     )
+    if args.retry_deadline_s is not None and not args.retry_deadline_s > 0:
+        print("paramserver worker: --retry-deadline-s must be > 0", file=sys.stderr)
+        return 2
     if cfg.num_workers < 1 or not 0 <= cfg.worker_index < cfg.num_workers:
         print(
             f"paramserver worker: --num-workers must be >= 1 and --worker-index in "
@@ -757,6 +772,18 @@ def add_subcommands(sub: Any) -> None:
     w.add_argument("--num-workers", type=int, required=True)
     w.add_argument("--no-eval", action="store_true", help="skip per-epoch test evaluation")
     w.add_argument("--slow-factor", type=float, default=1.0, help="straggler simulation: x slower")
+    w.add_argument(
+        "--replace",
+        action="store_true",
+        help="fence a live registration of this worker's name (a restarted worker: an "
+        "engine's retry of index i takes the name over at once instead of waiting out the "
+        "dead one's lease)",
+    )
+    w.add_argument(
+        "--retry-deadline-s",
+        type=float,
+        help="how long calls retry an unavailable server, e.g. while a shard restarts (default 30)",
+    )
     _add_training_flags(w, epochs=10)
     add_client_security_flags(w)
     w.set_defaults(func=_cmd_worker)

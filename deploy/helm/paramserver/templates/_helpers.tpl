@@ -1,0 +1,133 @@
+{{/* Name of the release's objects: <release>-paramserver (or the release name if it says so). */}}
+{{- define "paramserver.fullname" -}}
+{{- if contains "paramserver" .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-paramserver" .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "paramserver.labels" -}}
+app.kubernetes.io/name: paramserver
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "paramserver.selector" -}}
+app.kubernetes.io/name: paramserver
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Headless Service of the shards; pod i's stable name is <fullname>-shard-i.<this>. */}}
+{{- define "paramserver.shardService" -}}
+{{- printf "%s-shards" (include "paramserver.fullname" .) -}}
+{{- end -}}
+
+{{/* host:port of shard i (dict "root" $ "index" i). */}}
+{{- define "paramserver.shardAddress" -}}
+{{- $root := .root -}}
+{{- printf "%s-shard-%d.%s.%s.svc.%s:%d" (include "paramserver.fullname" $root) (int .index) (include "paramserver.shardService" $root) $root.Release.Namespace $root.Values.clusterDomain (int $root.Values.shards.port) -}}
+{{- end -}}
+
+{{/* Every shard's address in shard order, comma-separated (--shard-addresses). */}}
+{{- define "paramserver.shardAddresses" -}}
+{{- $root := . -}}
+{{- $out := list -}}
+{{- range $i := until (int .Values.shards.replicas) -}}
+{{- $out = append $out (include "paramserver.shardAddress" (dict "root" $root "index" $i)) -}}
+{{- end -}}
+{{- join "," $out -}}
+{{- end -}}
+
+{{/* Server-side TLS / token flags. */}}
+{{- define "paramserver.serverSecurityArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert=/etc/paramserver/tls/tls.crt
+- --tls-key=/etc/paramserver/tls/tls.key
+{{- if .Values.tls.mutual }}
+- --tls-ca=/etc/paramserver/tls/ca.crt
+{{- end }}
+{{- end }}
+{{- if .Values.auth.enabled }}
+- --auth-tokens=/etc/paramserver/auth/tokens
+{{- end }}
+{{- end -}}
+
+{{/* Client-side TLS / token flags (workers, probes). */}}
+{{- define "paramserver.clientSecurityArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-ca=/etc/paramserver/tls/ca.crt
+{{- if .Values.tls.mutual }}
+- --tls-cert=/etc/paramserver/tls/tls.crt
+- --tls-key=/etc/paramserver/tls/tls.key
+{{- end }}
+{{- end }}
+{{- if .Values.auth.enabled }}
+- --token-file=/etc/paramserver/auth/worker-token
+{{- end }}
+{{- end -}}
+
+{{- define "paramserver.securityVolumeMounts" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/paramserver/tls
+  readOnly: true
+{{- end }}
+{{- if .Values.auth.enabled }}
+- name: auth
+  mountPath: /etc/paramserver/auth
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "paramserver.securityVolumes" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.secretName is required when tls.enabled" .Values.tls.secretName }}
+{{- end }}
+{{- if .Values.auth.enabled }}
+- name: auth
+  secret:
+    secretName: {{ required "auth.secretName is required when auth.enabled" .Values.auth.secretName }}
+{{- end }}
+{{- end -}}
+
+{{- define "paramserver.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "paramserver.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/* Probe of a server on `port`, service `service`: gRPC health, or `paramserver health`
+     with TLS (kubelet's gRPC probes speak plain text). (dict "root" $ "port" p "service" s
+     "server" "host:port as named on the certificate") */}}
+{{- define "paramserver.healthProbe" -}}
+{{- $root := .root -}}
+{{- if $root.Values.tls.enabled }}
+exec:
+  command:
+    - paramserver
+    - health
+    - --server=127.0.0.1:{{ .port }}
+    - --tls-server-name={{ .serverName }}
+    - --service={{ .service }}
+    {{- with include "paramserver.clientSecurityArgs" $root | trim }}{{ . | nindent 4 }}{{- end }}
+{{- else }}
+grpc:
+  port: {{ .port }}
+  service: {{ .service | quote }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,298 @@
+"""The Helm chart (deploy/helm/paramserver), checked without a cluster.
+
+``helm lint --strict``; ``helm template`` for every value set in the chart's ``ci/`` folder;
+strict schema validation of every rendered object (``kubernetes-validate``, which ships the
+Kubernetes API schemas); and assertions on the rendered objects, each expected value derived
+from the objects themselves or from the value set (never from the templates): the shard
+address list is exactly the StatefulSet's stable DNS names behind its headless Service, ports
+agree between flags, container ports, Service and probes, the probes use the standard gRPC
+health service, the pod ordinal / Job completion index become --shard-index / --worker-index,
+the grace period outlasts --grace-s, and every rendered ``paramserver`` command line parses
+with the real CLI parser (and a shard's builds a valid server config).
+
+Needs helm (``PARAMSERVER_HELM``, ``helm`` on PATH, or the cache ``scripts/helm_check.sh``
+fills) and the ``helm`` extra (kubernetes-validate, PyYAML); skipped, saying so, otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="needs PyYAML: pip install 'paramserver[helm]'")
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="needs kubernetes-validate: pip install 'paramserver[helm]'"
+)
+
+pytestmark = [pytest.mark.helm, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "paramserver"
+VALUE_SETS = sorted((CHART / "ci").glob("*-values.yaml"))
+NAMESPACE = "ml"
+#: Oldest Kubernetes the chart supports (Chart.yaml kubeVersion; backoffLimitPerIndex) and the
+#: newest kubernetes-validate knows.
+K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+
+
+def find_helm() -> str | None:
+    given = os.environ.get("PARAMSERVER_HELM")
+    if given:
+        return given
+    on_path = shutil.which("helm")
+    if on_path:
+        return on_path
+    cache = Path(
+        os.environ.get("PARAMSERVER_TOOLS_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paramserver-tools"
+    )
+    found = sorted(cache.glob("helm-*/helm"))
+    return str(found[-1]) if found else None
+
+
+HELM = find_helm()
+if HELM is None:
+    pytest.skip(
+        "no helm binary (run scripts/helm_check.sh, which fetches one, or set PARAMSERVER_HELM)",
+        allow_module_level=True,
+    )
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    assert HELM is not None
+    return subprocess.run(
+        [HELM, *args], capture_output=True, text=True, timeout=60, check=check, env=os.environ
+    )
+
+
+def render(values: Path | None, *extra: str) -> list[dict[str, Any]]:
+    args = ["template", "rel", str(CHART), "--namespace", NAMESPACE, *extra]
+    if values is not None:
+        args += ["-f", str(values)]
+    out = helm(*args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def values_of(path: Path) -> dict[str, Any]:
+    """The chart's defaults overlaid with a value set (dicts merged, the rest replaced)."""
+
+    def merge(base: Any, over: Any) -> Any:
+        if isinstance(base, dict) and isinstance(over, dict):
+            return {k: merge(base.get(k), over[k]) if k in base else over[k] for k in over} | {
+                k: v for k, v in base.items() if k not in over
+            }
+        return over
+
+    return dict(
+        merge(
+            yaml.safe_load((CHART / "values.yaml").read_text()),
+            yaml.safe_load(path.read_text()) or {},
+        )
+    )
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def flags(args: list[str]) -> dict[str, str]:
+    """``--name=value`` / bare ``--name`` arguments -> {name: value}."""
+    out = {}
+    for a in args:
+        if a.startswith("--"):
+            name, _, value = a[2:].partition("=")
+            out[name] = value
+    return out
+
+
+def env_field(container: dict[str, Any], name: str) -> str:
+    (var,) = [e for e in container["env"] if e["name"] == name]
+    return str(var["valueFrom"]["fieldRef"]["fieldPath"])
+
+
+def probe_port_and_service(probe: dict[str, Any]) -> tuple[int, str, str]:
+    """(port, health service name, kind) of a probe: a gRPC probe, or the TLS exec form."""
+    if "grpc" in probe:
+        return int(probe["grpc"]["port"]), str(probe["grpc"].get("service", "")), "grpc"
+    cmd = probe["exec"]["command"]
+    assert cmd[:2] == ["paramserver", "health"], cmd
+    f = flags(cmd[2:])
+    return int(f["server"].rsplit(":", 1)[1]), f["service"], "exec"
+
+
+def test_lint_strict() -> None:
+    for values in [None, *VALUE_SETS]:
+        extra = [] if values is None else ["-f", str(values)]
+        result = helm("lint", "--strict", str(CHART), *extra, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_there_are_three_value_sets_at_least() -> None:
+    assert len(VALUE_SETS) >= 3, VALUE_SETS
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_rendered_objects_pass_strict_schema_validation(values: Path, version: str) -> None:
+    objs = render(values)
+    assert objs
+    for obj in objs:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}): {exc}")
+
+
+def test_schema_validation_catches_a_bad_object() -> None:
+    """The validator is not a no-op: an unknown field in a StatefulSet is refused."""
+    sts = by_kind(render(None), "StatefulSet")[0]
+    sts["spec"]["replicaCount"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, K8S_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=lambda p: p.stem)
+def test_shards_workers_and_rank_servers_agree(values: Path) -> None:
+    from paramserver.cli import build_parser
+    from paramserver.server.daemon import serve_config
+    from paramserver.sharding import parse_addresses
+
+    v = values_of(values)
+    objs = render(values)
+    services = {o["metadata"]["name"]: o for o in by_kind(objs, "Service")}
+    sets = {o["metadata"]["name"]: o for o in by_kind(objs, "StatefulSet")}
+    (shards,) = [
+        s
+        for s in sets.values()
+        if s["spec"]["template"]["spec"]["containers"][0]["name"] == "shard"
+    ]
+    svc = services[shards["spec"]["serviceName"]]
+    pod = shards["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    f = flags(c["args"])
+    replicas = shards["spec"]["replicas"]
+    assert replicas == v["shards"]["replicas"]
+
+    # Stable addresses: pod <sts>-<i> of a headless Service is <sts>-<i>.<svc>.<ns>.svc.<domain>.
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert shards["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    port = int(f["port"])
+    expected = [
+        f"{shards['metadata']['name']}-{i}.{svc['metadata']['name']}.{NAMESPACE}.svc."
+        f"{v['clusterDomain']}:{port}"
+        for i in range(replicas)
+    ]
+    assert f["shard-addresses"].split(",") == expected
+
+    # Ports agree: flag, container port, Service port (by name), probes.
+    (grpc_port,) = [p for p in c["ports"] if p["name"] == "grpc"]
+    assert grpc_port["containerPort"] == port == v["shards"]["port"]
+    (svc_port,) = [p for p in svc["spec"]["ports"] if p["name"] == "grpc"]
+    assert svc_port["port"] == port and svc_port["targetPort"] == "grpc"
+    kinds = set()
+    for probe_name in ("readinessProbe", "livenessProbe", "startupProbe"):
+        probe_port, service, kind = probe_port_and_service(c[probe_name])
+        kinds.add(kind)
+        assert probe_port == port
+        assert service in ("", "paramserver.api.v1.ParameterServer")
+    assert probe_port_and_service(c["readinessProbe"])[1] == "paramserver.api.v1.ParameterServer"
+    assert kinds == ({"exec"} if v["tls"]["enabled"] else {"grpc"})
+    if v["shards"]["metricsPort"]:
+        assert int(f["metrics-port"]) == v["shards"]["metricsPort"]
+        assert {p["name"] for p in svc["spec"]["ports"]} == {"grpc", "metrics"}
+    else:
+        assert "metrics-port" not in f
+
+    # Shard index from the pod ordinal; state on the pod's own volume.
+    assert f["shard-index"] == "$(SHARD_INDEX)"
+    assert env_field(c, "SHARD_INDEX") == "metadata.labels['apps.kubernetes.io/pod-index']"
+    (claim,) = shards["spec"]["volumeClaimTemplates"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
+    assert f["checkpoint-dir"].startswith(mount["mountPath"] + "/")
+    assert claim["spec"]["resources"]["requests"]["storage"] == v["shards"]["persistence"]["size"]
+    if v["shards"]["wal"]:
+        assert "wal" in f and f["wal-dir"].startswith(mount["mountPath"] + "/")
+    # Graceful stop within the pod's grace period: --grace-s, then the final checkpoint.
+    assert float(f["grace-s"]) == v["shards"]["graceS"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] > float(f["grace-s"])
+    assert f["consistency"] == v["consistency"]
+
+    # The rendered command line is what `paramserver serve` accepts, for every shard index.
+    for i in range(replicas):
+        argv = [a.replace("$(SHARD_INDEX)", str(i)) for a in c["args"]]
+        args = build_parser().parse_args(argv)
+        assert args.command == "serve"
+        if not v["tls"]["enabled"] and not v["auth"]["enabled"]:  # needs the files
+            config = serve_config(args, {})
+            assert config.shard_index == i
+            assert list(parse_addresses(config.shard_addresses)) == expected
+
+    jobs = by_kind(objs, "Job")
+    if v["workers"]["enabled"]:
+        (job,) = jobs
+        spec = job["spec"]
+        (w,) = spec["template"]["spec"]["containers"]
+        wf = flags(w["args"])
+        assert spec["completionMode"] == "Indexed"
+        n = v["workers"]["replicas"]
+        assert spec["completions"] == spec["parallelism"] == int(wf["num-workers"]) == n
+        assert spec["backoffLimitPerIndex"] == v["workers"]["backoffLimitPerIndex"]
+        assert spec["template"]["spec"]["restartPolicy"] == "Never"
+        assert wf["worker-index"] == "$(WORKER_INDEX)"
+        assert (
+            env_field(w, "WORKER_INDEX")
+            == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        )
+        assert wf["server"] in expected
+        assert "replace" in wf  # a retried index fences its dead predecessor's registration
+        assert float(wf["retry-deadline-s"]) == v["workers"]["retryDeadlineS"]
+        for i in range(n):
+            argv = [a.replace("$(WORKER_INDEX)", str(i)) for a in w["args"]]
+            args = build_parser().parse_args(argv)
+            assert args.command == "worker" and args.worker_index == i and args.replace
+        if v["workers"]["waitForShards"]:
+            (init,) = spec["template"]["spec"]["initContainers"]
+            script = init["command"][-1]
+            assert all(a in script for a in expected)
+    else:
+        assert not jobs
+
+    ranks = [s for s in sets.values() if s is not shards]
+    if v["rankServers"]["enabled"]:
+        assert len(ranks) == len(v["rankServers"]["instances"])
+        for sts in ranks:
+            (rc,) = sts["spec"]["template"]["spec"]["containers"]
+            rsvc = services[sts["spec"]["serviceName"]]
+            assert rsvc["spec"]["clusterIP"] == "None"
+            assert sts["spec"]["replicas"] == v["rankServers"]["ranks"]
+            rf = flags(rc["args"])
+            assert rf["rank"] == "$(RANK)"
+            assert env_field(rc, "RANK") == "metadata.labels['apps.kubernetes.io/pod-index']"
+            assert probe_port_and_service(rc["readinessProbe"])[0] == int(rf["port"])
+            args = build_parser().parse_args([a.replace("$(RANK)", "1") for a in rc["args"]])
+            assert args.command == "rank-server" and args.rank == 1
+    else:
+        assert not ranks
+
+
+@pytest.mark.parametrize(
+    ("setting", "complaint"),
+    [
+        ("consistency=xsp", "consistency"),
+        ("shards.replicas=0", "replicas"),
+        ("tls.enabled=true", "secretName"),
+        ("shards.port=70000", "port"),
+        ("shards.unknownKey=1", "unknownKey"),
+    ],
+)
+def test_schema_refuses_bad_values(setting: str, complaint: str) -> None:
+    result = helm("template", "rel", str(CHART), "--set", setting, check=False)
+    assert result.returncode != 0
+    assert complaint in result.stderr, result.stderr
