@@ -11,8 +11,8 @@ a table only brings its own bound:
   per id over the step and divided by the number of live workers (a mean over workers, as the
   dense BSP ``mean``; the live count, not the count of workers that pushed rows to this shard,
   so the result does not depend on how ids spread over shards), then applied once when every
-  live worker has clocked past t (:meth:`TableSet.close_steps`, called before every read and
-  on every clock).
+  live worker has clocked past t (:meth:`TableSet.close_steps`, called whenever the minimum
+  clock may have advanced).
 
 A push is decided in two steps so that the caller can log it in between: :meth:`TableSet.prepare`
 validates everything and changes nothing; :meth:`TableSet.commit` applies (or queues) it and
@@ -83,7 +83,8 @@ class TableStats:
     staleness_sum: int = 0
     applied_pushes: int = 0
     duplicate_pushes: int = 0
-    queued: dict[int, list[tuple[str, npt.NDArray[np.int64], np.ndarray]]] = field(
+    #: bsp: clock -> queued pushes (worker id, ids, float32 grads, server seconds).
+    queued: dict[int, list[tuple[str, npt.NDArray[np.int64], np.ndarray, float]]] = field(
         default_factory=dict
     )
 
@@ -215,7 +216,7 @@ class TableSet:
         if push.table.spec.consistency == "bsp":
             grads = np.array(push.grads, dtype=np.float32)  # own copy: buffers are not kept
             stats.queued.setdefault(push.clock, []).append(
-                (push.worker_name, push.ids.copy(), grads)
+                (push.worker_name, push.ids.copy(), grads, now_s)
             )
             outcome = RowPushOutcome(False, queued=True)
         else:
@@ -243,11 +244,14 @@ class TableSet:
         if len(seen) > ROW_DEDUP_WINDOW:
             seen.popitem(last=False)
 
-    def close_steps(self, min_clock: int, live_workers: int, *, now_s: float) -> int:
+    def close_steps(self, min_clock: int, live_workers: int) -> int:
         """Apply every queued bsp step t < ``min_clock``, in step order; returns steps closed.
 
         A step's pushes are summed per id and divided by ``live_workers`` (at least the number
-        of distinct workers that pushed in the step), then applied as one push.
+        of distinct workers that pushed in the step), then applied as one push, stamped with
+        the latest server time of its pushes (expiry). The shard's core calls this whenever
+        its minimum clock may have advanced (clock, leave, eviction), so the divisor is the
+        live count at that moment, on replay too.
         """
         closed = 0
         for name, stats in self.stats.items():
@@ -256,7 +260,8 @@ class TableSet:
             table = self.tables[name]
             for step in sorted(t for t in stats.queued if t < min_clock):
                 pushes = stats.queued.pop(step)
-                workers = max(live_workers, len({w for w, _, _ in pushes}), 1)
+                workers = max(live_workers, len({p[0] for p in pushes}), 1)
+                now_s = max(p[3] for p in pushes)
                 ids = np.concatenate([p[1] for p in pushes])
                 grads = np.concatenate([p[2] for p in pushes])
                 uniq, summed = coalesce(ids, grads)
@@ -284,10 +289,10 @@ class TableSet:
             stats = self.stats[name]
             queued = []
             for i, (step, pushes) in enumerate(sorted(stats.queued.items())):
-                for j, (worker, ids, grads) in enumerate(pushes):
+                for j, (worker, ids, grads, now_s) in enumerate(pushes):
                     arrays[f"table/{name}/queued/{i}/{j}/ids"] = ids
                     arrays[f"table/{name}/queued/{i}/{j}/grads"] = grads
-                    queued.append([step, worker, i, j])
+                    queued.append([step, worker, i, j, now_s])
             manifest["tables"][name] = {
                 "spec": table.spec.to_dict(),
                 "counters": {
@@ -328,12 +333,13 @@ class TableSet:
                 setattr(table, k, int(v))
             stats = self.stats[name]
             stats.newest_clock = int(entry.get("newest_clock", -1))
-            for step, worker, i, j in entry.get("queued", []):
+            for step, worker, i, j, now_s in entry.get("queued", []):
                 stats.queued.setdefault(int(step), []).append(
                     (
                         str(worker),
                         arrays[f"{prefix}queued/{i}/{j}/ids"],
                         arrays[f"{prefix}queued/{i}/{j}/grads"],
+                        float(now_s),
                     )
                 )
         self._dedup = {

@@ -748,6 +748,22 @@ class EmbeddingTable:
         a["rows"][where] = w.astype(self.spec.np_dtype)
 
     # ------------------------------------------------------------------ memory policy
+    def _expiry_mask(self, now_s: float, clock: int) -> npt.NDArray[np.bool_]:
+        s = self.spec
+        drop = np.zeros(self.n, bool)
+        if self.n == 0:
+            return drop
+        a = self._arrays
+        if s.expiry_clocks:
+            drop |= clock - a["last_clock"][: self.n] >= s.expiry_clocks
+        if s.expiry_s:
+            drop |= now_s - a["last_s"][: self.n] >= s.expiry_s
+        return drop
+
+    def would_expire(self, *, now_s: float, clock: int) -> bool:
+        """Whether :meth:`expire` with these arguments would drop a row (changes nothing)."""
+        return bool(self._expiry_mask(now_s, clock).any())
+
     def expire(self, *, now_s: float, clock: int) -> int:
         """Drop stored rows not pushed for ``expiry_clocks`` clocks or ``expiry_s`` seconds.
 
@@ -756,16 +772,9 @@ class EmbeddingTable:
         its initial row again. Returns the number of rows dropped (also added to
         :attr:`expired`).
         """
-        s = self.spec
-        if self.n == 0 or (s.expiry_clocks == 0 and s.expiry_s == 0):
-            return 0
-        a = self._arrays
-        drop = np.zeros(self.n, bool)
-        if s.expiry_clocks:
-            drop |= clock - a["last_clock"][: self.n] >= s.expiry_clocks
-        if s.expiry_s:
-            drop |= now_s - a["last_s"][: self.n] >= s.expiry_s
+        drop = self._expiry_mask(now_s, clock)
         count = int(np.count_nonzero(drop))
+        a = self._arrays
         if count:
             ids = self.ids_by_row()
             keep = np.flatnonzero(~drop)

@@ -47,6 +47,7 @@ from paramserver.errors import (
 from paramserver.security import ClientSecurity, open_channel
 from paramserver.server.optimizers import UpdateRule
 from paramserver.server.store import count_non_finite
+from paramserver.server.tables import TableSpec
 from paramserver.sharding import (
     ShardMap,
     TensorLayout,
@@ -61,6 +62,7 @@ from paramserver.sharding import (
 )
 from paramserver.worker_client.client import PushAck, WorkerClient
 from paramserver.worker_client.retry import RetryPolicy, call_with_retry
+from paramserver.worker_client.tables import RowPushAck, ShardedTables
 
 logger = logging.getLogger(__name__)
 
@@ -609,6 +611,37 @@ class ClusterWorkerClient(WorkerClient):
                 )
             )
         return out
+
+    # ------------------------------------------------------------------ embedding tables
+    async def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]:
+        """Declare the table on every shard (see :meth:`WorkerClient.init_table`)."""
+        if not self.sharded:
+            return await super().init_table(spec)
+        return await ShardedTables(self.shards, self._fan_out).init_table(spec)
+
+    async def pull_rows(
+        self, table: str, ids: Any, *, timeout_s: float | None = None, observer: bool = False
+    ) -> np.ndarray:
+        """Rows of ``ids`` in the caller's order, from their shards concurrently (see
+        :meth:`WorkerClient.pull_rows`)."""
+        if not self.sharded:
+            return await super().pull_rows(table, ids, timeout_s=timeout_s, observer=observer)
+        return await ShardedTables(self.shards, self._fan_out).pull_rows(
+            table, ids, timeout_s=timeout_s, observer=observer
+        )
+
+    async def push_rows(
+        self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
+    ) -> RowPushAck:
+        """Gradient rows split by shard and pushed concurrently, one request id for all
+        shards (see :meth:`WorkerClient.push_rows`)."""
+        if not self.sharded:
+            return await super().push_rows(table, ids, grads, timeout_s=timeout_s)
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        return await ShardedTables(self.shards, self._fan_out).push_rows(
+            table, ids, grads, request_id
+        )
 
     async def shard_statuses(self) -> list[pb.StatusResponse]:
         """Every shard's own status, in shard order."""

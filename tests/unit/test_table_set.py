@@ -54,11 +54,11 @@ def test_bsp_rows_are_the_mean_over_workers_applied_when_the_step_closes() -> No
     out = ts.commit(ts.prepare(c, a, 1, 0, "t", ids, ga), now_s=0.0)
     assert out.queued
     ts.commit(ts.prepare(c, b, 1, 0, "t", np.array([2], np.int64), gb), now_s=0.0)
-    assert ts.close_steps(c.min_clock(), 2, now_s=0.0) == 0  # step 0 still open
+    assert ts.close_steps(c.min_clock(), 2) == 0  # step 0 still open
     np.testing.assert_array_equal(ts.get("t").pull(np.array([1, 2], np.int64)), 0)
     c.clock(a, 0)
     c.clock(b, 0)
-    assert ts.close_steps(c.min_clock(), 2, now_s=0.0) == 1
+    assert ts.close_steps(c.min_clock(), 2) == 1
     # sum over the step / 2 live workers, then sgd lr 1
     np.testing.assert_array_equal(
         ts.get("t").pull(np.array([1, 2], np.int64)), [[-1.5, -1.5], [-6, -6]]
@@ -119,7 +119,7 @@ def test_state_round_trip_with_queued_steps() -> None:
     c.clock(a, 0)
     c.clock(b, 0)
     for s in (ts, other):
-        s.close_steps(c.min_clock(), 2, now_s=0.0)
+        s.close_steps(c.min_clock(), 2)
     np.testing.assert_array_equal(other.get("q").pull(np.array([4], np.int64)), [[-0.5, -0.5]])
     # untouched rows of u equal their initial rows
     fresh = np.array([59], np.int64)
