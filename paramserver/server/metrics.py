@@ -53,6 +53,7 @@ from paramserver.errors import Unavailable
 from paramserver.security import bind_failure_reason
 from paramserver.server.engine import ServerEngine
 from paramserver.server.observe import CURRENT_RPC, BucketCounts, ServingHooks
+from paramserver.server.table_metrics import TableCollector
 
 logger = logging.getLogger(__name__)
 
@@ -596,6 +597,7 @@ def new_registry(
     the Prometheus push/pull hooks on ``engine``."""
     registry = CollectorRegistry()
     registry.register(CoreCollector(engine, transport))
+    registry.register(TableCollector(engine))
     engine.hooks = PromServingHooks(registry)
     return registry, RpcMetrics(registry)
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from paramserver.errors import AlreadyExists, KeyNotFound, StaleUpdate
+from paramserver.errors import AlreadyExists, InvalidArgument, KeyNotFound, StaleUpdate
 from paramserver.server.consistency import Admission, ClusterState
 from paramserver.server.tables import (
     EmbeddingTable,
@@ -346,3 +346,74 @@ class TableSet:
             w: OrderedDict((int(rid), RowPushOutcome(True, queued=bool(q))) for rid, q in seen)
             for w, seen in manifest.get("dedup", {}).items()
         }
+
+
+# ------------------------------------------------------------------------------ reshard
+def merge_table_states(
+    parts: list[tuple[dict[str, np.ndarray], dict[str, Any]]],
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Merge the :meth:`TableSet.state` of every shard of a cluster into one (resharding).
+
+    Every id lives on exactly one shard, so the rows (and the frequency filter's counts) are a
+    disjoint union, sorted by id. Counters are summed; queued bsp steps and deduplication
+    windows are not carried (workers of the new cluster register afresh and redo the open
+    step, as for dense keys).
+
+    Raises:
+        InvalidArgument: the shards disagree on a table's declaration.
+    """
+    specs: dict[str, dict[str, Any]] = {}
+    counters: dict[str, dict[str, int]] = {}
+    fields: dict[str, dict[str, list[np.ndarray]]] = {}
+    for arrays, manifest in parts:
+        for name, entry in manifest.get("tables", {}).items():
+            if name in specs and specs[name] != entry["spec"]:
+                raise InvalidArgument(f"table {name!r}: shards disagree on its declaration")
+            specs[name] = entry["spec"]
+            total = counters.setdefault(name, {})
+            for k, v in entry.get("counters", {}).items():
+                total[k] = total.get(k, 0) + int(v)
+            prefix = f"table/{name}/"
+            per = fields.setdefault(name, {})
+            for key, arr in arrays.items():
+                rest = key[len(prefix) :]
+                if key.startswith(prefix) and "/" not in rest:
+                    per.setdefault(rest, []).append(arr)
+    out_arrays: dict[str, np.ndarray] = {}
+    out_manifest: dict[str, Any] = {"tables": {}, "dedup": {}}
+    for name, per in fields.items():
+        merged = {k: np.concatenate(v) for k, v in per.items()}
+        order = np.argsort(merged["ids"], kind="stable")
+        p_order = np.argsort(merged["pending_ids"], kind="stable")
+        for k, v in merged.items():
+            out_arrays[f"table/{name}/{k}"] = v[p_order if k.startswith("pending_") else order]
+        out_manifest["tables"][name] = {
+            "spec": specs[name],
+            "counters": counters[name],
+            "newest_clock": -1,
+            "queued": [],
+        }
+    return out_arrays, out_manifest
+
+
+def split_table_states(
+    arrays: dict[str, np.ndarray], manifest: dict[str, Any], num_shards: int
+) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]]:
+    """Place merged table state on ``num_shards`` shards by ``hash64(table, id) mod S``."""
+    from paramserver.server.tables import shard_of_ids
+
+    out: list[tuple[dict[str, np.ndarray], dict[str, Any]]] = [
+        ({}, {"tables": {}, "dedup": {}}) for _ in range(num_shards)
+    ]
+    for name, entry in manifest.get("tables", {}).items():
+        prefix = f"table/{name}/"
+        rows_shard = shard_of_ids(name, arrays[prefix + "ids"], num_shards)
+        pend_shard = shard_of_ids(name, arrays[prefix + "pending_ids"], num_shards)
+        for s in range(num_shards):
+            a, m = out[s]
+            for key, arr in arrays.items():
+                if key.startswith(prefix) and "/" not in key[len(prefix) :]:
+                    sel = pend_shard if key[len(prefix) :].startswith("pending_") else rows_shard
+                    a[key] = arr[sel == s]
+            m["tables"][name] = {**entry, "queued": []}
+    return out

@@ -513,6 +513,10 @@ class EmbeddingTable:
         if n > self._cap:
             self._alloc(max(n, 2 * self._cap))
 
+    def stored_bytes(self) -> int:
+        """Bytes of the stored rows and their optimizer state (the used part of each array)."""
+        return sum(int(a[: self.n].nbytes) for a in self._arrays.values())
+
     @property
     def rows(self) -> np.ndarray:
         """The stored rows, (n, dim) of the storage dtype (a view: do not keep it)."""
