@@ -187,3 +187,25 @@ async def test_sigkill_loses_no_acknowledged_row_push(tmp_path: Path) -> None:
     for ids, g in batches:
         oracle.push(ids, g, now_s=0.0, clock=0)
     assert got.tobytes() == oracle.pull(probe).tobytes()
+
+
+def test_sync_facade_rows() -> None:
+    from paramserver.worker_client import TableSpec, connect_sync
+
+    async def main() -> None:
+        async with running_server(consistency="asp") as d:
+
+            def blocking() -> np.ndarray:
+                with connect_sync(d.address, "s") as ps:
+                    ps.init_table(
+                        TableSpec(
+                            "t", 3, rule=TableRule("sgd", lr=1.0), initializer=Initializer("zeros")
+                        )
+                    )
+                    ps.push_rows("t", [5, 5, 1], np.ones((3, 3), np.float32))
+                    return ps.pull_rows("t", [1, 5, 9])
+
+            got = await asyncio.to_thread(blocking)
+            np.testing.assert_array_equal(got, [[-1] * 3, [-2] * 3, [0] * 3])
+
+    asyncio.run(main())
