@@ -36,16 +36,21 @@ def test_movielens_demo_short_run() -> None:
         "--batch-size",
         "1024",
     ]
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         cmd,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=280,
         env=dict(os.environ),
-        start_new_session=True,
+        start_new_session=True,  # its own process group: the servers it starts are reaped too
     )
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
+    try:
+        out, err = proc.communicate(timeout=280)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # stragglers of the group, if any
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, out + err
     assert len(re.findall(r"epoch \d: distributed test RMSE", out)) == 2
     m = re.search(
         r"distributed ([\d.]+) .* single-process ([\d.]+), per-movie-mean baseline ([\d.]+)", out
