@@ -351,3 +351,15 @@ def test_one_vs_three_shards_identical_rows() -> None:
     for s in range(3):
         got[shard == s] = three[s].pull(probe[shard == s])
     assert got.tobytes() == one.pull(probe).tobytes()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_coalesce_matches_add_at_on_skewed_batches(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ids = (rng.zipf(1.1, 3000) % 500).astype(np.int64)
+    g = rng.normal(size=(3000, 5)).astype(np.float32)
+    u, s = coalesce(ids, g)
+    want = np.zeros((500, 5), np.float64)
+    np.add.at(want, ids, g.astype(np.float64))
+    np.testing.assert_array_equal(u, np.unique(ids))
+    np.testing.assert_allclose(s, want[u], rtol=1e-5, atol=1e-5)
