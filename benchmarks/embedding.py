@@ -21,7 +21,8 @@ Systems, each config in its own subprocess(es):
 - ``torch_rpc``: PyTorch's "parameter server with distributed RPC" pattern: rank 0 holds the
   (10M, dim) tensor; trainers ``rpc_sync`` a pull and a push (index_add_) per round.
 - ``ray``: a Ray actor holding the dense numpy table (pushes summed as the numpy limit does);
-  trainers are Ray tasks calling ``pull`` and ``push`` on it (skipped with the reason when ray is not installed).
+  trainers are Ray tasks calling ``pull`` and ``push`` on it (skipped with the reason when
+  ray is not installed).
 
 Phase ``index`` times the id -> row index of the server (numpy open addressing) against a
 sorted array (``np.searchsorted``, new ids merged in) and a Python dict, inserting 8,192-id
