@@ -9,10 +9,10 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py scripts/gen_protos.py $(wildcard protos/paramserver/api/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,torch,plot]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,torch,plot,recsys]'
 	touch $(STAMP)
 
-install: $(STAMP)  ## virtual environment with the package (editable): dev, torch and plot extras
+install: $(STAMP)  ## virtual environment with the package (editable): dev, torch, plot and recsys extras
 
 protos: $(STAMP)  ## regenerate paramserver/api/v1 from protos/
 	$(BIN)/python scripts/gen_protos.py
