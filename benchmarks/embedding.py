@@ -76,7 +76,8 @@ def run_numpy(dim: int, phase_s: float) -> float:
         u, summed = coalesce(ids, grads)  # the server's own duplicate summing
         table[u] -= LR * summed
 
-    one(batches[0])
+    one(batches[0])  # warm-up: two whole rounds
+    one(batches[1])
     rounds, t0 = 0, time.monotonic()
     while time.monotonic() - t0 < phase_s:
         one(batches[rounds % len(batches)])
@@ -94,8 +95,9 @@ def _ps_worker(address: str, dim: int, index: int, phase_s: float, start: Any, o
         batches = zipf_batches(100 + index, 32)
         grads = np.ones((BATCH, dim), np.float32)
         async with connect(address, f"bench-{index}", session=False) as ps:
-            await ps.pull_rows("emb", batches[0])
-            await ps.push_rows("emb", batches[0], grads)
+            for ids in batches[:2]:  # warm-up: two whole rounds
+                await ps.pull_rows("emb", ids)
+                await ps.push_rows("emb", ids, grads)
             start.wait()
             rounds, t0 = 0, time.monotonic()
             while time.monotonic() - t0 < phase_s:
@@ -185,7 +187,9 @@ def _rpc_main(rank: int, world: int, dim: int, phase_s: float, port: int, out: A
     if rank != 0:
         batches = [torch.from_numpy(b) for b in zipf_batches(100 + rank, 32)]
         grads = torch.ones(BATCH, dim)
-        rpc.rpc_sync("ps", _rpc_pull, args=(batches[0],))
+        for ids in batches[:2]:  # warm-up: two whole rounds
+            rpc.rpc_sync("ps", _rpc_pull, args=(ids,))
+            rpc.rpc_sync("ps", _rpc_push, args=(ids, grads))
         rounds, t0 = 0, time.monotonic()
         while time.monotonic() - t0 < phase_s:
             ids = batches[rounds % len(batches)]
@@ -246,7 +250,9 @@ def run_ray(dim: int, workers: int, phase_s: float) -> float:
         def trainer(ps: Any, index: int, dim: int, phase_s: float) -> tuple[int, float]:
             batches = zipf_batches(100 + index, 32)
             grads = np.ones((BATCH, dim), np.float32)
-            ray.get(ps.pull.remote(batches[0]))
+            for ids in batches[:2]:  # warm-up: two whole rounds
+                ray.get(ps.pull.remote(ids))
+                ray.get(ps.push.remote(ids, grads))
             rounds, t0 = 0, time.monotonic()
             while time.monotonic() - t0 < phase_s:
                 ids = batches[rounds % len(batches)]
@@ -267,13 +273,20 @@ def run_ray(dim: int, workers: int, phase_s: float) -> float:
 def run_index(target_ids: int) -> list[dict[str, Any]]:
     from paramserver.server.tables import IdIndex
 
-    batches = zipf_batches(7, 4096)
+    batches = zipf_batches(7, 256)  # numpy's Zipf sampler is slow near a = 1: 256 batches, reused
     out = []
+
+    offsets = [np.int64(k * NUM_IDS) for k in range(64)]  # later passes: fresh ids, same skew
+
+    def stream() -> Any:
+        for off in offsets:
+            for b in batches:
+                yield b + off
 
     def numpy_hash() -> tuple[float, float, int]:
         index = IdIndex()
         t_ins = t_look = 0.0
-        for b in batches:
+        for b in stream():
             u = np.unique(b)
             t0 = time.perf_counter()
             fresh = u[index.lookup(u) < 0]
@@ -289,7 +302,7 @@ def run_index(target_ids: int) -> list[dict[str, Any]]:
     def sorted_array() -> tuple[float, float, int]:
         keys = np.zeros(0, np.int64)
         t_ins = t_look = 0.0
-        for b in batches:
+        for b in stream():
             u = np.unique(b)
             t0 = time.perf_counter()
             if keys.shape[0]:
@@ -310,7 +323,7 @@ def run_index(target_ids: int) -> list[dict[str, Any]]:
     def py_dict() -> tuple[float, float, int]:
         d: dict[int, int] = {}
         t_ins = t_look = 0.0
-        for b in batches:
+        for b in stream():
             t0 = time.perf_counter()
             for i in np.unique(b).tolist():
                 if i not in d:
@@ -339,7 +352,7 @@ def main() -> int:
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--phase-s", type=float, default=3.0)
-    ap.add_argument("--index-ids", type=int, default=1_000_000)
+    ap.add_argument("--index-ids", type=int, default=500_000)
     ap.add_argument("--quick", action="store_true", help="dim 64, W=1, 1 s phases")
     args = ap.parse_args()
     if args.quick:
