@@ -22,7 +22,12 @@ from paramserver.server.tables import (
     shard_of_ids,
 )
 
-torch = pytest.importorskip("torch")
+try:
+    import torch
+except ImportError:  # the torch comparisons skip; the numpy oracles still run
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 
 def _table(rule: TableRule, dim: int = 4, dtype: str = "float32", **kw: object) -> EmbeddingTable:
@@ -181,6 +186,7 @@ def _torch_run(
     return emb.weight.detach().numpy().copy()
 
 
+@needs_torch
 @pytest.mark.parametrize("kind", ["adagrad", "adam"])
 def test_rules_against_torch_optimizers(kind: str) -> None:
     """Adagrad vs torch.optim.Adagrad (sparse grads) and lazy adam vs torch.optim.SparseAdam.
@@ -204,6 +210,7 @@ def test_rules_against_torch_optimizers(kind: str) -> None:
     np.testing.assert_allclose(t.pull(np.arange(n, dtype=np.int64)), want, rtol=2e-5, atol=1e-6)
 
 
+@needs_torch
 def test_adagrad_sparse_touching_subsets_matches_torch() -> None:
     """Adagrad has no step count: any row subsets per push agree with torch exactly."""
     rng = np.random.default_rng(3)
