@@ -18,8 +18,9 @@ from paramserver.server.tables import (
     TableSpec,
 )
 from paramserver.worker_client import UpdateRule, connect
-from tests.integration.ps_helpers import ServerProcess, running_server
-from tests.integration.shard_helpers import running_cluster
+
+from .ps_helpers import ServerProcess, running_server
+from .shard_helpers import running_cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -209,3 +210,54 @@ def test_sync_facade_rows() -> None:
             np.testing.assert_array_equal(got, [[-1] * 3, [-2] * 3, [0] * 3])
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+async def test_sigkill_replays_bsp_row_steps_and_clocks(tmp_path: Path) -> None:
+    """A bsp table under WAL: queued row pushes and the clocks that close their steps replay to
+    the same rows (two workers, mean over them), including a step still open at the kill."""
+    spec = _spec(name="sync", rule=TableRule("sgd", lr=0.5), consistency="bsp")
+    args = ("--consistency", "asp", "--checkpoint-dir", str(tmp_path / "ck"), "--wal")
+    b = _batches(4, seed=6)
+    server = ServerProcess(tmp_path, *args)
+    try:
+        async with (
+            connect(server.address, "a", auto_reregister=False, heartbeat=False) as a,
+            connect(server.address, "b", auto_reregister=False, heartbeat=False) as w,
+        ):
+            await a.init_table(spec)
+            for step in range(2):  # two closed steps
+                await a.push_rows("sync", *b[2 * step])
+                await w.push_rows("sync", *b[2 * step + 1])
+                await a.clock()
+                await w.clock()
+            await a.push_rows("sync", *b[0])  # step 2: open (acknowledged, queued)
+            before = await a.pull_rows("sync", np.arange(5000), observer=True)
+            server.stop(signal.SIGKILL)
+    finally:
+        server.stop(signal.SIGKILL)
+    server = ServerProcess(tmp_path, *args)
+    try:
+        async with connect(server.address, "reader") as r:
+            probe = np.arange(5000, dtype=np.int64)
+            got = await r.pull_rows("sync", probe, observer=True)
+            info = (await r.status()).tables[0]
+    finally:
+        server.stop()
+    oracle = EmbeddingTable(spec)
+    for step in range(2):
+        ids = np.concatenate([b[2 * step][0], b[2 * step + 1][0]])
+        g = np.concatenate([b[2 * step][1], b[2 * step + 1][1]])
+        u, s = coalesce_sum(ids, g)
+        oracle.apply_coalesced(u, s / np.float32(2), now_s=0.0, clock=step)
+    assert got.tobytes() == before.tobytes()  # bit for bit what was acknowledged
+    np.testing.assert_allclose(got, oracle.pull(probe), rtol=1e-5, atol=1e-6)
+    assert info.queued_pushes == 1
+
+
+def coalesce_sum(ids: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-id sums in float64 then float32 (an independent reference of the server's sum)."""
+    u, inv = np.unique(ids, return_inverse=True)
+    out = np.zeros((u.shape[0], g.shape[1]), np.float64)
+    np.add.at(out, inv, g.astype(np.float64))
+    return u, out.astype(np.float32)

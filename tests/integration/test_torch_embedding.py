@@ -10,7 +10,8 @@ import pytest
 
 from paramserver.server.tables import Initializer, TableRule, TableSpec, initial_rows
 from paramserver.worker_client import connect, connect_sync
-from tests.integration.ps_helpers import running_server
+
+from .ps_helpers import running_server
 
 torch = pytest.importorskip("torch")
 from paramserver.torch_adapter import RemoteEmbedding, RemoteEmbeddingBag  # noqa: E402
