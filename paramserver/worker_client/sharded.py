@@ -571,7 +571,8 @@ class ClusterWorkerClient(WorkerClient):
         return self.clock_value
 
     async def status(self) -> pb.StatusResponse:
-        """The cluster's status: counters summed over shards, sliced keys shown whole."""
+        """The cluster's status: counters summed over shards, sliced keys shown whole, each
+        embedding table once (rows and counters summed, staleness the worst shard's)."""
         if not self.sharded:
             return await super().status()
         statuses = await self.shard_statuses()
@@ -599,6 +600,7 @@ class ClusterWorkerClient(WorkerClient):
                 updates[key] = min(updates.get(key, ki.updates), ki.updates)
                 dtypes[key] = ki.dtype
                 rules[key] = ki.rule
+        _merge_tables(out, statuses)
         del out.keys[:]
         for key, lay in layouts.items():
             out.keys.append(
@@ -654,3 +656,28 @@ class ClusterWorkerClient(WorkerClient):
 def connect_cluster(address: str, worker_name: str, **kwargs: Any) -> ClusterWorkerClient:
     """Open a session with the cluster that serves ``address`` (any shard): ``async with``."""
     return ClusterWorkerClient(address, worker_name, **kwargs)
+
+
+def _merge_tables(out: pb.StatusResponse, statuses: Sequence[pb.StatusResponse]) -> None:
+    """One ``TableInfo`` per table in ``out``: counters summed over the shards, staleness the
+    largest (max) and the push-weighted mean."""
+    merged: dict[str, Any] = {}
+    weights: dict[str, float] = {}
+    for st in statuses:
+        for info in st.tables:
+            name = info.spec.name
+            have = merged.get(name)
+            if have is None:
+                have = merged[name] = type(info)()
+                have.CopyFrom(info)
+                weights[name] = info.staleness_mean * info.pushes
+                continue
+            for f in ("rows", "pushes", "rows_pushed", "pulls", "rows_pulled", "filtered",
+                      "expired", "queued_pushes", "size_bytes"):  # fmt: skip
+                setattr(have, f, getattr(have, f) + getattr(info, f))
+            have.staleness_max = max(have.staleness_max, info.staleness_max)
+            weights[name] += info.staleness_mean * info.pushes
+    del out.tables[:]
+    for name, info in merged.items():
+        info.staleness_mean = weights[name] / info.pushes if info.pushes else 0.0
+        out.tables.append(info)

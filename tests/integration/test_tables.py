@@ -102,6 +102,8 @@ async def test_one_and_three_shards_give_identical_rows() -> None:
                 if shards == 3:
                     rows = [(await c.status()).tables[0].rows for c in w.shards]  # type: ignore[attr-defined]
                     assert all(r > 0 for r in rows)
+                    merged = (await w.status()).tables
+                    assert len(merged) == 1 and merged[0].rows == sum(rows)
     assert results[0].tobytes() == results[1].tobytes()
 
 
