@@ -17,7 +17,10 @@ Systems, each config in its own subprocess(es):
   ``rows[ids]``, then the server's duplicate summing (``paramserver.server.tables.coalesce``)
   and ``rows[u] -= lr * g``: the limit.
 - ``paramserver``: ``paramserver serve --consistency asp``, a table (sgd, zeros) and W worker
-  processes calling ``pull_rows`` / ``push_rows`` (plain gRPC streams), on uvloop.
+  processes calling ``pull_rows`` / ``push_rows`` over the plain gRPC streams
+  (``session=False``), on uvloop.
+- ``paramserver-session``: the same over the client's Session (moved to the server's same-host
+  local-link socket; ids, gradients and rows through its shared-memory segment).
 - ``torch_rpc``: PyTorch's "parameter server with distributed RPC" pattern: rank 0 holds the
   (10M, dim) tensor; trainers ``rpc_sync`` a pull and a push (index_add_) per round.
 - ``ray``: a Ray actor holding the dense numpy table (pushes summed as the numpy limit does);
@@ -86,7 +89,9 @@ def run_numpy(dim: int, phase_s: float) -> float:
 
 
 # ------------------------------------------------------------------------------ paramserver
-def _ps_worker(address: str, dim: int, index: int, phase_s: float, start: Any, out: Any) -> None:
+def _ps_worker(
+    address: str, dim: int, session: bool, index: int, phase_s: float, start: Any, out: Any
+) -> None:
     import uvloop
 
     from paramserver.worker_client import connect
@@ -94,7 +99,7 @@ def _ps_worker(address: str, dim: int, index: int, phase_s: float, start: Any, o
     async def main() -> tuple[int, float]:
         batches = zipf_batches(100 + index, 32)
         grads = np.ones((BATCH, dim), np.float32)
-        async with connect(address, f"bench-{index}", session=False) as ps:
+        async with connect(address, f"bench-{index}", session=session) as ps:
             for ids in batches[:2]:  # warm-up: two whole rounds
                 await ps.pull_rows("emb", ids)
                 await ps.push_rows("emb", ids, grads)
@@ -111,7 +116,7 @@ def _ps_worker(address: str, dim: int, index: int, phase_s: float, start: Any, o
     out.put(uvloop.run(main()))
 
 
-def run_paramserver(dim: int, workers: int, phase_s: float) -> float:
+def run_paramserver(dim: int, workers: int, phase_s: float, *, session: bool = False) -> float:
     from paramserver.server.tables import Initializer, TableRule, TableSpec
     from paramserver.worker_client import connect_sync
 
@@ -134,7 +139,7 @@ def run_paramserver(dim: int, workers: int, phase_s: float) -> float:
                     TableSpec("emb", dim, rule=TableRule("sgd", lr=LR),
                               initializer=Initializer("zeros"), num_embeddings=NUM_IDS)
                 )  # fmt: skip
-            return _run_procs(_ps_worker, (address, dim), workers, phase_s)
+            return _run_procs(_ps_worker, (address, dim, session), workers, phase_s)
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -348,7 +353,7 @@ def run_index(target_ids: int) -> list[dict[str, Any]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--systems", default="numpy,paramserver,torch_rpc,ray")
+    ap.add_argument("--systems", default="numpy,paramserver,paramserver-session,torch_rpc,ray")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--phase-s", type=float, default=3.0)
@@ -375,8 +380,12 @@ def main() -> int:
             for system in systems:
                 if system in ("numpy", "index"):
                     continue
-                runner = {"paramserver": run_paramserver, "torch_rpc": run_torch_rpc,
-                          "ray": run_ray}[system]  # fmt: skip
+                runner = {
+                    "paramserver": run_paramserver,
+                    "paramserver-session": lambda d, w, p: run_paramserver(d, w, p, session=True),
+                    "torch_rpc": run_torch_rpc,
+                    "ray": run_ray,
+                }[system]
                 try:
                     if system == "ray":
                         import ray  # noqa: F401
@@ -391,8 +400,8 @@ def main() -> int:
                                         "rows_per_s": round(rate)}  # fmt: skip
                 if dim in limits:
                     line["limit_ratio"] = round(rate / limits[dim], 3)
-                if system == "paramserver":
-                    mine = rate
+                if system.startswith("paramserver"):
+                    mine = rate if mine is None else max(mine, rate)
                 else:
                     peers[system] = rate
                 emit(**line)

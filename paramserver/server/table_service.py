@@ -65,11 +65,11 @@ class TableRpcs:
         return tpb.InitTableResponse(created=created, spec=rows_wire.spec_to_proto(stored))
 
     # ------------------------------------------------------------------ helpers
-    def _check_header(self, header: Any, *, push: bool) -> EmbeddingTable:
+    def _check_header(self, header: Any, *, push: bool, n: int | None = None) -> EmbeddingTable:
         table: EmbeddingTable = self.tables.get(header.table)
         spec = table.spec
         where = f"table {spec.name!r}"
-        n = int(header.num_ids)
+        n = int(header.num_ids) if n is None else n
         limits = table.limits
         if n > limits.max_ids:
             raise InvalidArgument(
@@ -140,20 +140,26 @@ class TableRpcs:
         )
         await self._chunks(it, receiver)
         ids, _ = receiver.finish()
-        ids = table.check_ids(ids)
-        await self._wait_rows(header.worker_id, table.spec.name, int(header.timeout_ms))
-        rows = table.pull(ids)
-        spec = table.spec
-        yield tpb.PullRowsResponse(
-            info=tpb.PullRowsInfo(
-                dtype=tensor.dtype_to_wire(spec.np_dtype),
-                dim=spec.dim,
-                num_ids=int(ids.shape[0]),
-                min_clock=self.engine.core.cluster.min_clock(),
-            )
-        )
+        info, rows = await self.pull_decoded(header, ids)
+        yield tpb.PullRowsResponse(info=info)
         for chunk in rows_wire.chunk_rows(None, rows):
             yield tpb.PullRowsResponse(chunk=chunk)
+
+    async def pull_decoded(self, header: Any, ids: np.ndarray) -> tuple[Any, np.ndarray]:
+        """A row pull of decoded ``ids`` (every transport shares it): checks, the table's
+        consistency wait, then the rows. Returns (PullRowsInfo, rows (n, dim))."""
+        table = self._check_header(header, push=False, n=int(ids.shape[0]))
+        checked = table.check_ids(ids)
+        await self._wait_rows(header.worker_id, table.spec.name, int(header.timeout_ms))
+        rows = table.pull(checked)
+        spec = table.spec
+        info = tpb.PullRowsInfo(
+            dtype=tensor.dtype_to_wire(spec.np_dtype),
+            dim=spec.dim,
+            num_ids=int(checked.shape[0]),
+            min_clock=self.engine.core.cluster.min_clock(),
+        )
+        return info, rows
 
     # ------------------------------------------------------------------ PushRows
     async def push_rows(self, request_iterator: AsyncIterator[Any]) -> Any:
@@ -168,6 +174,12 @@ class TableRpcs:
         receiver = rows_wire.RowsReceiver(where, int(header.num_ids), table.spec.dim, dtype)
         await self._chunks(it, receiver)
         ids, grads = receiver.finish()
+        return await self.push_decoded(header, ids, grads)
+
+    async def push_decoded(self, header: Any, ids: np.ndarray, grads: np.ndarray) -> Any:
+        """A row push of decoded arrays (every transport shares it): validate fully, log,
+        apply, make durable, acknowledge. Returns the PushRowsResponse."""
+        table = self._check_header(header, push=True, n=int(ids.shape[0]))
         engine = self.engine
         core = engine.core
         prepared = self.tables.prepare(

@@ -1,8 +1,10 @@
 """Embedding-table calls of the worker client: ``init_table``, ``pull_rows``, ``push_rows``.
 
 :class:`TableClientMixin` gives :class:`~paramserver.worker_client.client.WorkerClient` the
-calls on one shard, over the plain gRPC streams (``InitTable``, ``PullRows``, ``PushRows``;
-chunked as ``tables.proto`` describes). :class:`ShardedTables` splits a batch by shard
+calls on one shard: over the client's persistent Session when it is free (ids, gradients and
+rows inline when small, else through the same-host shared-memory segment; on the local link when
+the session moved there), otherwise over the ``PullRows`` / ``PushRows`` streams (chunked as
+``tables.proto`` describes). :class:`ShardedTables` splits a batch by shard
 ``hash64(table, id) mod S`` (vectorized), calls every shard concurrently and reassembles the
 rows in the caller's order; the cluster client uses it. See ``docs/embedding-tables.md``.
 
@@ -28,6 +30,7 @@ from paramserver import rows_wire, tensor
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import InvalidArgument, MalformedStream
 from paramserver.server.tables import TableSpec, shard_of_ids
+from paramserver.worker_client.fastpath import Fallback
 from paramserver.worker_client.retry import RETRYABLE
 
 __all__ = ["RowPushAck", "ShardedTables", "TableClientMixin", "check_ids", "check_rows"]
@@ -93,6 +96,14 @@ class TableClientMixin:
     wait_timeout_s: float | None
     _next_request_id: int
 
+    @property
+    def _row_bytes(self) -> dict[str, int]:
+        """Bytes of one row per table seen (sizes the shared-memory pull region up front)."""
+        cache: dict[str, int] | None = self.__dict__.get("_table_row_bytes")
+        if cache is None:
+            cache = self.__dict__["_table_row_bytes"] = {}
+        return cache
+
     async def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]:
         """Declare a table (first writer wins; the same declaration again is a no-op).
 
@@ -154,6 +165,23 @@ class TableClientMixin:
                 yield tpb.PullRowsRequest(chunk=chunk)
 
         async def attempt() -> np.ndarray:
+            fp = getattr(self, "fastpath", None)
+            if fp is not None and fp.usable:
+                header = tpb.RowsHeader(
+                    table=table,
+                    worker_id="" if observer else self.worker_id,
+                    num_ids=int(arr.shape[0]),
+                    timeout_ms=wait_ms,
+                )
+                try:
+                    done, rows = await fp.rows(
+                        header, arr, None, deadline_s, row_bytes=self._row_bytes.get(table)
+                    )
+                except Fallback:
+                    pass
+                else:
+                    self._row_bytes[table] = int(done.info.dim) * rows.dtype.itemsize
+                    return np.asarray(rows)
             stream = self.stub.PullRows(requests(), timeout=deadline_s)
             return await _read_rows(stream, table)
 
@@ -215,12 +243,25 @@ class TableClientMixin:
                 yield tpb.PushRowsRequest(chunk=chunk)
 
         deadline_s = timeout_s or self.rpc_timeout_s
+
+        async def attempt() -> Any:
+            fp = getattr(self, "fastpath", None)
+            if fp is not None and fp.usable:
+                header = tpb.RowsHeader(
+                    table=table,
+                    worker_id=self.worker_id,
+                    request_id=request_id,
+                    clock=self.clock_value,
+                )
+                try:
+                    return await fp.rows(header, arr, rows, deadline_s)
+                except Fallback:
+                    pass
+            return await self.stub.PushRows(requests(), timeout=deadline_s)
+
         me: Any = self  # a WorkerClient: its retry funnel
-        resp = await me._member_call(
-            lambda: self.stub.PushRows(requests(), timeout=deadline_s),
-            "push_rows",
-            _PUSH_RETRYABLE,
-        )
+        done = await me._member_call(attempt, "push_rows", _PUSH_RETRYABLE)
+        resp = done.pushed if hasattr(done, "pushed") else done
         return RowPushAck(
             duplicate=resp.duplicate,
             queued=resp.queued,
