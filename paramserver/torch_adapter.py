@@ -33,12 +33,18 @@ trainable parameter whose ``.grad`` is None (it took no part in the loss) is ref
 (``missing_grad="error"``, InvalidArgument naming it); ``"zeros"`` pushes a zero gradient
 instead (every key keeps receiving one update per worker per step, as BSP's synchronous
 aggregation expects) and ``"skip"`` leaves it out of the push.
+
+Embedding tables (``docs/embedding-tables.md``): :class:`RemoteEmbedding` and
+:class:`RemoteEmbeddingBag` are ``torch.nn.Embedding`` / ``EmbeddingBag`` whose rows live in a
+server table: forward pulls the batch's unique rows, backward pushes their sparse gradients
+(summed per id) for the table's server-side rule to apply.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import ml_dtypes
 import numpy as np
@@ -56,6 +62,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "MissingGrad",
+    "RemoteEmbedding",
+    "RemoteEmbeddingBag",
     "TorchWorker",
     "gradients",
     "init_from_module",
@@ -382,3 +390,116 @@ class TorchWorker:
     async def clock(self) -> int:
         """End the iteration (:meth:`WorkerClient.clock`); returns the new clock."""
         return await self.client.clock()
+
+
+# ------------------------------------------------------------------------------ embeddings
+class _RemoteRows(torch.nn.Module):
+    """Shared machinery of :class:`RemoteEmbedding` and :class:`RemoteEmbeddingBag`.
+
+    Forward pulls the batch's unique rows (``torch.unique``) as a leaf tensor of shape
+    (n_unique, dim); backward delivers that leaf's gradient, the sparse gradient of the table
+    already summed per id, and pushes it with ``push_rows``. With a blocking client
+    (:class:`~paramserver.worker_client.SyncWorkerClient`) both happen inside ``forward`` /
+    ``backward``. With the async client, ``await module.prefetch(ids)`` before forward and
+    ``await module.push_pending()`` after backward (forward then reads the prefetched rows).
+    """
+
+    def __init__(
+        self, client: Any, table: str, dim: int, *, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.client = client
+        self.table = table
+        self.dim = dim
+        self.dtype = dtype
+        self._async = inspect.iscoroutinefunction(getattr(client, "pull_rows", None))
+        self._prefetched: tuple[np.ndarray, np.ndarray] | None = None
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+
+    async def prefetch(self, ids: torch.Tensor | np.ndarray) -> None:
+        """Pull the unique rows of ``ids`` (async client) for the next forward."""
+        uniq = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
+        rows = await self.client.pull_rows(self.table, uniq)
+        self._prefetched = (uniq, np.asarray(rows))
+
+    async def push_pending(self) -> list[Any]:
+        """Push the row gradients the last backward passes produced (async client)."""
+        pending, self._pending = self._pending, []
+        return [await self.client.push_rows(self.table, u, g) for u, g in pending]
+
+    def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = ids.reshape(-1).to(torch.int64).cpu()
+        uniq_t, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        uniq = uniq_t.numpy()
+        if self._async:
+            cached = self._prefetched
+            if cached is None or not np.isin(uniq, cached[0], assume_unique=True).all():
+                raise InvalidArgument(
+                    f"table {self.table!r}: with an async client, await prefetch(ids) before "
+                    "forward (the forward's ids were not prefetched)"
+                )
+            where = np.searchsorted(cached[0], uniq)
+            rows = cached[1][where]
+        else:
+            rows = np.asarray(self.client.pull_rows(self.table, uniq))
+        weight = torch.from_numpy(np.ascontiguousarray(rows.astype(np.float32))).to(self.dtype)
+        if torch.is_grad_enabled():
+            weight.requires_grad_(True)
+            weight.register_hook(lambda g: self._on_grad(uniq, g))  # type: ignore[no-untyped-call]
+        return weight, inverse.reshape(ids.shape)
+
+    def _on_grad(self, uniq: np.ndarray, grad: torch.Tensor) -> None:
+        g = np.ascontiguousarray(grad.detach().to(torch.float32).cpu().numpy())
+        if self._async:
+            self._pending.append((uniq, g))
+        else:
+            self.client.push_rows(self.table, uniq, g)
+
+
+class RemoteEmbedding(_RemoteRows):
+    """``torch.nn.Embedding`` whose table lives on the parameter server.
+
+    Args:
+        client: A blocking client (``connect_sync``) or the async client (then use
+            :meth:`prefetch` / :meth:`push_pending`).
+        table: Table name (declared with ``init_table``; its rule updates the rows).
+        dim: Row width.
+        dtype: dtype of the rows handed to the model (the table's storage dtype is its own).
+
+    Forward: ``ids`` int64 tensor of any shape -> ``ids.shape + (dim,)``.
+    """
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        weight, local = self._rows(ids)
+        return torch.nn.functional.embedding(local, weight)
+
+
+class RemoteEmbeddingBag(_RemoteRows):
+    """``torch.nn.EmbeddingBag`` (``sum`` / ``mean``) whose table lives on the parameter server.
+
+    Args:
+        client, table, dim, dtype: As :class:`RemoteEmbedding`.
+        mode: ``"sum"`` or ``"mean"``.
+
+    Forward: ``ids`` 1-D with ``offsets`` (bag starts, 1-D, ``offsets[0] == 0``) -> (bags, dim);
+    or ``ids`` 2-D (bags of equal length) with ``offsets=None``. Semantics of
+    ``torch.nn.functional.embedding_bag``; empty bags give zeros.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        table: str,
+        dim: int,
+        *,
+        mode: str = "mean",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if mode not in ("sum", "mean"):
+            raise InvalidArgument(f"RemoteEmbeddingBag mode must be 'sum' or 'mean', got {mode!r}")
+        super().__init__(client, table, dim, dtype=dtype)
+        self.mode = mode
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        weight, local = self._rows(ids)
+        return torch.nn.functional.embedding_bag(local, weight, offsets, mode=self.mode)

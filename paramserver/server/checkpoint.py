@@ -162,7 +162,10 @@ class CheckpointManager:
         queued, release_after_step = core.bsp_queue_state()
         for n, update in enumerate(queued):  # never mutated once queued: no copy needed
             tensors[f"{_QUEUED_PREFIX}{n}"] = update.gradient
+        table_arrays, table_manifest = core.tables.state()  # copies (``table/...`` names)
+        tensors.update(table_arrays)
         manifest = self._manifest(core, tensors, meta)
+        manifest["tables"] = table_manifest
         manifest["bsp_queue"] = {
             "updates": [
                 {
@@ -299,6 +302,10 @@ class CheckpointManager:
     @staticmethod
     def _apply(core: ServerCore, tensors: dict[str, np.ndarray], manifest: dict[str, Any]) -> None:
         core.store = ParameterStore.from_state_dict(tensors, manifest["store"])
+        if "tables" in manifest:
+            core.tables.restore(
+                {k: v for k, v in tensors.items() if k.startswith("table/")}, manifest["tables"]
+            )
         core.applied_updates = int(manifest["applied_updates"])
         cluster = core.cluster
         cluster.epoch = int(manifest["membership_epoch"])

@@ -42,6 +42,9 @@ class ServerConfig:
             versions old (None: never drop).
         max_receive_message_bytes: gRPC receive limit per message (frames are ~1 MiB).
         max_tensor_bytes: Largest tensor accepted in one push/init (None: unlimited).
+        table_max_ids: Most ids one embedding-table pull or push may carry.
+        table_max_request_bytes: Most row bytes (ids x dim x itemsize) one embedding-table
+            pull or push may carry.
         offload_min_bytes: Pushes, pull snapshots and NaN scans of at least this many bytes
             run in a worker thread (off the event loop); smaller ones inline, where a thread
             hand-off (~0.1 ms each) would cost more than the numpy work it moves.
@@ -113,6 +116,8 @@ class ServerConfig:
     max_staleness: int | None = None
     max_receive_message_bytes: int = 4 * 1024 * 1024
     max_tensor_bytes: int | None = None
+    table_max_ids: int = 1 << 20
+    table_max_request_bytes: int = 256 << 20
     offload_min_bytes: int = 8 << 20
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 0
@@ -196,6 +201,8 @@ class ServerConfig:
             "max_inflight_pushes_per_worker",
             "max_inflight_pushes",
             "max_inflight_push_bytes",
+            "table_max_ids",
+            "table_max_request_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")

@@ -38,6 +38,8 @@ from paramserver.server.consistency import (
 from paramserver.server.observe import CoreObserver
 from paramserver.server.optimizers import UpdateRule
 from paramserver.server.store import Checked, ParameterStore
+from paramserver.server.table_set import TableSet
+from paramserver.server.tables import TableLimits
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,10 @@ class ServerCore:
             death_policy=config.policy,
         )
         self.store = ParameterStore()
+        #: Sparse embedding tables, each with its own consistency (docs/embedding-tables.md).
+        self.tables = TableSet(
+            TableLimits(max_ids=config.table_max_ids, max_bytes=config.table_max_request_bytes)
+        )
         self.aggregator: DistributedOptimizer | None = (
             DistributedOptimizer(Synchronous(), method=config.aggregation)
             if self.consistency is Consistency.BSP
@@ -457,6 +463,7 @@ class ServerCore:
     def _advance(self) -> None:
         """Close every BSP step below the live minimum clock, applying each aggregate once."""
         self._close_steps()
+        self.tables.close_steps(self.cluster.min_clock(), len(self.cluster.live_workers()))
         self._report_progress()
 
     def _close_steps(self) -> None:

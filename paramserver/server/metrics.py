@@ -54,6 +54,7 @@ from paramserver.security import bind_failure_reason
 from paramserver.server.dashboard import ASSETS, Dashboard, asset
 from paramserver.server.engine import ServerEngine
 from paramserver.server.observe import CURRENT_RPC, BucketCounts, ServingHooks
+from paramserver.server.table_metrics import TableCollector
 
 logger = logging.getLogger(__name__)
 
@@ -694,6 +695,7 @@ def new_registry(
     the Prometheus push/pull hooks on ``engine``."""
     registry = CollectorRegistry()
     registry.register(CoreCollector(engine, transport))
+    registry.register(TableCollector(engine))
     engine.hooks = PromServingHooks(registry)
     return registry, RpcMetrics(registry)
 

@@ -13,10 +13,11 @@ or, on load, ``paramserver serve --restore-from ckpt/shard-0,ckpt/shard-1,ckpt/s
 a shard whose own checkpoint directory is still empty writes its part of the cut there first.
 
 The resharded state is the cut's parameters, optimizer state and step (BSP) / minimum clock
-(SSP/ASP); worker registrations, push dedup tables and BSP gradients queued in the open step are
-not carried over (workers of the new cluster register afresh, start at the cut's clock and redo
-that step). Sources may also be directories holding
-``shard-*`` checkpoint directories (the layout this tool writes).
+(SSP/ASP), and every embedding table's rows, optimizer state and frequency-filter counts, each
+row moved to shard ``hash64(table, id) mod N``; worker registrations, push dedup tables and
+BSP gradients (dense or rows) queued in the open step are not carried over (workers of the new
+cluster register afresh, start at the cut's clock and redo that step). Sources may also be
+directories holding ``shard-*`` checkpoint directories (the layout this tool writes).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from paramserver.server.config import ServerConfig
 from paramserver.server.core import ServerCore
 from paramserver.server.optimizers import UpdateRule
 from paramserver.server.store import ParameterStore
+from paramserver.server.table_set import merge_table_states, split_table_states
 from paramserver.sharding import (
     DEFAULT_SLICE_BYTES,
     TensorLayout,
@@ -298,6 +300,19 @@ def load_model(cut: Cut) -> dict[str, LogicalEntry]:
     return merge_stores(stores)
 
 
+def load_tables(cut: Cut) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The cut's embedding tables merged into one (rows moved by id on the way out)."""
+    parts = []
+    for path in cut.paths:
+        try:
+            tensors, manifest = CheckpointManager(path.parent).load(path)
+        except CheckpointError as exc:
+            raise ReshardError(f"{path}: {exc}") from exc
+        tables = {k: v for k, v in tensors.items() if k.startswith("table/")}
+        parts.append((tables, manifest.get("tables", {})))
+    return merge_table_states(parts)
+
+
 def reshard(
     sources: Sequence[Path | str],
     num_shards: int,
@@ -342,6 +357,7 @@ def reshard(
     slice_bytes = int(slice_bytes or old.get("slice_bytes", DEFAULT_SLICE_BYTES))
     model = load_model(cut)
     placed = split_model(model, num_shards, slice_bytes)
+    tables = split_table_states(*load_tables(cut), num_shards)
     consistency = str(first.get("consistency", "bsp"))
     applied = max(int(m.get("applied_updates", 0)) for m in cut.manifests)
     epoch = max(int(m.get("membership_epoch", 0)) for m in cut.manifests) + 1
@@ -360,6 +376,7 @@ def reshard(
         )
         core = ServerCore(config)
         core.store = _store_of(placed[i])
+        core.tables.restore(*tables[i])
         core.applied_updates = applied
         core.cluster.epoch = epoch
         core.cluster.incarnations = incarnations

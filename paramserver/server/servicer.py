@@ -42,6 +42,7 @@ from paramserver.server.engine import InflightTicket, ServerEngine
 from paramserver.server.observe import observed_admit, observed_push, observed_snapshot
 from paramserver.server.optimizers import UpdateRule
 from paramserver.server.session_service import SessionService
+from paramserver.server.table_service import TableRpcs, table_infos
 from paramserver.sharding import shard_map_to_proto
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         self.sessions = SessionService(
             self, shared_memory=getattr(engine.config, "shared_memory", True)
         )
+        #: Embedding-table RPCs (their own push path: validate, log, apply, acknowledge).
+        self.table_rpcs = TableRpcs(engine)
 
     def _view(self) -> pb.ClusterView:
         view = pb.ClusterView()
@@ -583,6 +586,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             await _abort(context, exc, "Session")
 
     @grpc_errors
+    async def InitTable(self, request: Any, context: Any) -> Any:
+        return await self.table_rpcs.init_table(request)
+
+    @grpc_errors
+    async def PullRows(
+        self, request_iterator: AsyncIterator[Any], context: Any
+    ) -> AsyncIterator[Any]:
+        async for msg in self.table_rpcs.pull_rows(request_iterator):
+            yield msg
+
+    @grpc_errors
+    async def PushRows(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
+        return await self.table_rpcs.push_rows(request_iterator)
+
+    @grpc_errors
     async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
         seq = 0
 
@@ -652,6 +670,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             asyncio_tasks=len(asyncio.all_tasks()),
             rss_bytes=_rss_bytes(),
             allow_non_finite=self.engine.config.allow_non_finite,
+            tables=table_infos(core.tables),
             inflight_pushes=self.engine.backpressure.total,
             inflight_push_bytes=self.engine.backpressure.bytes,
             refused_backpressure=self.engine.backpressure.refused,

@@ -27,6 +27,7 @@ import numpy as np
 
 from paramserver import shm, tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
 from paramserver.server.engine import InflightTicket
 
@@ -210,6 +211,10 @@ class SessionService:
                 return resp
             if which == "shm_offer":
                 return pb.SessionResponse(seq=req.seq, shm=self._attach(session, req.shm_offer))
+            if which == "rows":
+                resp = pb.SessionResponse(seq=req.seq)
+                await self._rows(session, req.rows, resp.rows)
+                return resp
             raise MalformedStream(f"Session request {req.seq} has no body")
         except ParamServerError as exc:
             logger.debug("Session request %d refused: %s", req.seq, exc)
@@ -312,3 +317,56 @@ class SessionService:
                 )
             )
             offset = shm.align_up(offset + size)
+
+    async def _rows(self, session: _Session, req: pb.SessionRows, out: pb.SessionRowsDone) -> None:
+        """An embedding-table row pull or push (the servicer's table handlers decide)."""
+        rpcs = self.servicer.table_rpcs
+        header = req.header
+        tensors = [req.ids, req.grads] if req.push else [req.ids]
+        if req.ids.key != "ids" or (req.push and req.grads.key != "grads"):
+            raise MalformedStream("SessionRows tensors must be keyed 'ids' (and 'grads')")
+        ticket = InflightTicket(self.servicer.engine.backpressure)
+        try:
+            if req.push:
+                ticket.enter(header.worker_id)
+            arrays = self._decode(session, tensors, ticket)
+            ids = arrays["ids"]
+            if ids.dtype != np.int64 or ids.ndim != 1:
+                raise InvalidArgument(
+                    f"table {header.table!r}: ids must be int64 (n,), got {ids.dtype} "
+                    f"{tuple(ids.shape)}"
+                )
+            if req.push:
+                grads = arrays["grads"]
+                h = tpb.RowsHeader()
+                h.CopyFrom(header)
+                h.num_ids = ids.shape[0]
+                h.dim = grads.shape[1] if grads.ndim == 2 else 0
+                out.pushed.CopyFrom(await rpcs.push_decoded(h, ids, grads))
+                return
+        finally:
+            ticket.release()
+        info, rows = await rpcs.pull_decoded(header, ids)
+        out.info.CopyFrom(info)
+        nbytes = int(rows.nbytes)
+        mapping = session.mapping
+        wire_dtype = tensor.dtype_to_wire(rows.dtype)
+        if nbytes <= SMALL_INLINE_BYTES or (mapping is None and nbytes <= self.max_inline_bytes):
+            out.rows.CopyFrom(
+                pb.SessionTensor(
+                    key="rows", dtype=wire_dtype, shape=rows.shape, data=rows.tobytes()
+                )
+            )
+            return
+        if mapping is None or shm.align_up(nbytes) > mapping.pull.size_bytes:
+            out.needed_bytes = shm.align_up(nbytes)
+            return
+        np.copyto(mapping.pull.view(0, nbytes, rows.dtype, rows.shape), rows)
+        out.rows.CopyFrom(
+            pb.SessionTensor(
+                key="rows",
+                dtype=wire_dtype,
+                shape=rows.shape,
+                slot=pb.ShmSlot(offset_bytes=0, size_bytes=nbytes),
+            )
+        )

@@ -376,6 +376,7 @@ def replay_into(
     """
     from paramserver.server.core import ServerCore
     from paramserver.server.optimizers import UpdateRule
+    from paramserver.server.table_wal import TABLE_RECORDS, replay_table_record
 
     assert isinstance(core, ServerCore)
     t = time.monotonic() if now is None else now
@@ -425,6 +426,8 @@ def replay_into(
                 core.clock(record.clock.worker_id, record.clock.clock)
             elif which == "depart":
                 core.leave(record.depart.worker_id)
+            elif which in TABLE_RECORDS:
+                replay_table_record(core, record)
             else:
                 raise WalError(f"WAL record {record.sequence} has no body")
         except ParamServerError as exc:

@@ -49,6 +49,7 @@ from paramserver.worker_client.fastpath import Fallback, FastPath
 from paramserver.worker_client.pull_buffers import DEFAULT_MAX_BYTES, PullBuffers
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
 from paramserver.worker_client.session import ServiceSession
+from paramserver.worker_client.tables import TableClientMixin
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class ParameterServerStub(pb_grpc.ParameterServerStub):  # type: ignore[misc]
         )
 
 
-class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
+class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]):
     """One worker's session with a parameter-server shard.
 
     Args:

@@ -434,6 +434,93 @@ class FastPath:
             pulled = (await self._roundtrip(pb.SessionRequest(pull=req))).pull
             return await self._finish_pull(req, pulled, copy)
 
+    async def rows(
+        self,
+        header: Any,
+        ids: np.ndarray,
+        grads: np.ndarray | None,
+        deadline_s: float,
+        *,
+        row_bytes: int | None = None,
+    ) -> Any:
+        """One embedding-table row pull (``grads`` None) or push over the session.
+
+        Args:
+            header: The ``RowsHeader`` (table, worker id, request id, clock, timeout).
+            ids: int64 (n,).
+            grads: Push: (n, dim) gradient rows.
+            row_bytes: Pull: bytes of one row when known (sizes the pull region up front).
+
+        Returns:
+            The ``SessionRowsDone``; for a pull its ``rows`` decoded into a fresh array is
+            returned as ``(done, rows)``.
+
+        Raises:
+            Fallback, grpc.aio.AioRpcError: as :meth:`push`.
+        """
+        async with self._lock, self._deadline(deadline_s):
+            await self._ensure_open(header.worker_id)
+            request = pb.SessionRequest()
+            msg = request.rows
+            msg.header.CopyFrom(header)
+            msg.push = grads is not None
+            arrays = {"ids": ids} if grads is None else {"ids": ids, "grads": grads}
+            sizes = {k: a.nbytes for k, a in arrays.items()}
+            total = sum(sizes.values())
+            pull_bytes = 0 if grads is not None or row_bytes is None else ids.shape[0] * row_bytes
+            big = total > SMALL_INLINE_BYTES or pull_bytes > SMALL_INLINE_BYTES
+            if big and await self._ensure_segment(_need(sizes), pull_bytes):
+                seg = self._segment
+                assert seg is not None
+                offset = 0
+                for key, arr in arrays.items():
+                    np.copyto(seg.push.view(offset, arr.nbytes, arr.dtype, arr.shape), arr)
+                    getattr(msg, key).CopyFrom(
+                        pb.SessionTensor(
+                            key=key,
+                            dtype=tensor.dtype_to_wire(arr.dtype),
+                            shape=arr.shape,
+                            slot=pb.ShmSlot(offset_bytes=offset, size_bytes=arr.nbytes),
+                        )
+                    )
+                    offset = shm.align_up(offset + arr.nbytes)
+            elif total <= self.max_inline_bytes:
+                for key, arr in arrays.items():
+                    getattr(msg, key).CopyFrom(
+                        pb.SessionTensor(
+                            key=key,
+                            dtype=tensor.dtype_to_wire(arr.dtype),
+                            shape=arr.shape,
+                            data=arr.tobytes(),
+                        )
+                    )
+            else:
+                raise Fallback(f"row request of {total} bytes without shared memory")
+            done = (await self._roundtrip(request)).rows
+            if grads is not None:
+                return done
+            if done.needed_bytes:  # a pull changes nothing: ask again with a bigger region
+                if not await self._ensure_segment(_need(sizes), done.needed_bytes):
+                    raise Fallback(f"row pull of {done.needed_bytes} bytes without shared memory")
+                done = (await self._roundtrip(request)).rows
+                if done.needed_bytes:
+                    raise Fallback(f"row pull of {done.needed_bytes} bytes still does not fit")
+            t = done.rows
+            dtype = tensor.dtype_from_wire(t.dtype, "rows")
+            shape = tuple(t.shape)
+            if t.WhichOneof("payload") == "slot":
+                if self._segment is None:
+                    raise MalformedStream("rows in shared memory, but none is mapped")
+                rows = self._segment.pull.view(
+                    t.slot.offset_bytes, t.slot.size_bytes, dtype, shape
+                ).copy()
+            else:
+                nbytes = tensor.tensor_nbytes(shape, dtype)
+                if len(t.data) != nbytes:
+                    raise MalformedStream(f"rows: {len(t.data)} inline bytes, expected {nbytes}")
+                rows = np.frombuffer(t.data, dtype=dtype).reshape(shape).copy()
+            return done, rows
+
     async def push_pull(
         self,
         header: pb.PushHeader,

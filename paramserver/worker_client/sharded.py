@@ -47,6 +47,7 @@ from paramserver.errors import (
 from paramserver.security import ClientSecurity, open_channel
 from paramserver.server.optimizers import UpdateRule
 from paramserver.server.store import count_non_finite
+from paramserver.server.tables import TableSpec
 from paramserver.sharding import (
     ShardMap,
     TensorLayout,
@@ -61,6 +62,7 @@ from paramserver.sharding import (
 )
 from paramserver.worker_client.client import PushAck, WorkerClient
 from paramserver.worker_client.retry import RetryPolicy, call_with_retry
+from paramserver.worker_client.tables import RowPushAck, ShardedTables
 
 logger = logging.getLogger(__name__)
 
@@ -577,7 +579,8 @@ class ClusterWorkerClient(WorkerClient):
         return self.clock_value
 
     async def status(self) -> pb.StatusResponse:
-        """The cluster's status: counters summed over shards, sliced keys shown whole."""
+        """The cluster's status: counters summed over shards, sliced keys shown whole, each
+        embedding table once (rows and counters summed, staleness the worst shard's)."""
         if not self.sharded:
             return await super().status()
         statuses = await self.shard_statuses()
@@ -605,6 +608,7 @@ class ClusterWorkerClient(WorkerClient):
                 updates[key] = min(updates.get(key, ki.updates), ki.updates)
                 dtypes[key] = ki.dtype
                 rules[key] = ki.rule
+        _merge_tables(out, statuses)
         del out.keys[:]
         for key, lay in layouts.items():
             out.keys.append(
@@ -618,6 +622,37 @@ class ClusterWorkerClient(WorkerClient):
             )
         return out
 
+    # ------------------------------------------------------------------ embedding tables
+    async def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]:
+        """Declare the table on every shard (see :meth:`WorkerClient.init_table`)."""
+        if not self.sharded:
+            return await super().init_table(spec)
+        return await ShardedTables(self.shards, self._fan_out).init_table(spec)
+
+    async def pull_rows(
+        self, table: str, ids: Any, *, timeout_s: float | None = None, observer: bool = False
+    ) -> np.ndarray:
+        """Rows of ``ids`` in the caller's order, from their shards concurrently (see
+        :meth:`WorkerClient.pull_rows`)."""
+        if not self.sharded:
+            return await super().pull_rows(table, ids, timeout_s=timeout_s, observer=observer)
+        return await ShardedTables(self.shards, self._fan_out).pull_rows(
+            table, ids, timeout_s=timeout_s, observer=observer
+        )
+
+    async def push_rows(
+        self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
+    ) -> RowPushAck:
+        """Gradient rows split by shard and pushed concurrently, one request id for all
+        shards (see :meth:`WorkerClient.push_rows`)."""
+        if not self.sharded:
+            return await super().push_rows(table, ids, grads, timeout_s=timeout_s)
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        return await ShardedTables(self.shards, self._fan_out).push_rows(
+            table, ids, grads, request_id
+        )
+
     async def shard_statuses(self) -> list[pb.StatusResponse]:
         """Every shard's own status, in shard order."""
         if not self.sharded:
@@ -629,3 +664,28 @@ class ClusterWorkerClient(WorkerClient):
 def connect_cluster(address: str, worker_name: str, **kwargs: Any) -> ClusterWorkerClient:
     """Open a session with the cluster that serves ``address`` (any shard): ``async with``."""
     return ClusterWorkerClient(address, worker_name, **kwargs)
+
+
+def _merge_tables(out: pb.StatusResponse, statuses: Sequence[pb.StatusResponse]) -> None:
+    """One ``TableInfo`` per table in ``out``: counters summed over the shards, staleness the
+    largest (max) and the push-weighted mean."""
+    merged: dict[str, Any] = {}
+    weights: dict[str, float] = {}
+    for st in statuses:
+        for info in st.tables:
+            name = info.spec.name
+            have = merged.get(name)
+            if have is None:
+                have = merged[name] = type(info)()
+                have.CopyFrom(info)
+                weights[name] = info.staleness_mean * info.pushes
+                continue
+            for f in ("rows", "pushes", "rows_pushed", "pulls", "rows_pulled", "filtered",
+                      "expired", "queued_pushes", "size_bytes"):  # fmt: skip
+                setattr(have, f, getattr(have, f) + getattr(info, f))
+            have.staleness_max = max(have.staleness_max, info.staleness_max)
+            weights[name] += info.staleness_mean * info.pushes
+    del out.tables[:]
+    for name, info in merged.items():
+        info.staleness_mean = weights[name] / info.pushes if info.pushes else 0.0
+        out.tables.append(info)

@@ -23,7 +23,9 @@ import numpy as np
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import WaitTimeout
 from paramserver.server.optimizers import UpdateRule
+from paramserver.server.tables import TableSpec
 from paramserver.worker_client.client import PushAck, WorkerClient, connect
+from paramserver.worker_client.tables import RowPushAck
 
 T = TypeVar("T")
 
@@ -172,6 +174,22 @@ class SyncWorkerClient:
                 copy=copy,
             )
         )
+
+    def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]:
+        """:meth:`WorkerClient.init_table`, blocking."""
+        return self._run(self.client.init_table(spec))
+
+    def pull_rows(
+        self, table: str, ids: Any, *, timeout_s: float | None = None, observer: bool = False
+    ) -> np.ndarray:
+        """:meth:`WorkerClient.pull_rows`, blocking: (len(ids), dim) rows in the ids' order."""
+        return self._run(self.client.pull_rows(table, ids, timeout_s=timeout_s, observer=observer))
+
+    def push_rows(
+        self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
+    ) -> RowPushAck:
+        """:meth:`WorkerClient.push_rows`, blocking."""
+        return self._run(self.client.push_rows(table, ids, grads, timeout_s=timeout_s))
 
     def clock(self) -> int:
         return self._run(self.client.clock())

@@ -499,6 +499,10 @@ def check_demo_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if getattr(args, "model", "digits") == "movielens":
+        from paramserver.worker_client import movielens
+
+        return movielens.main(args)
     check_demo_args(args)
     curves: dict[str, list[tuple[float, float]]] = {}
     finals: dict[str, float] = {}
@@ -792,6 +796,17 @@ def add_subcommands(sub: Any) -> None:
         "demo", help="start a local cluster (1 server + N workers) training on digits"
     )
     _add_demo_flags(d, workers=4)
+    d.add_argument(
+        "--model",
+        choices=["digits", "movielens"],
+        default="digits",
+        help="digits (an MLP on scikit-learn's digits) or movielens (biased matrix "
+        "factorization on real MovieLens ratings with user and movie embedding tables on the "
+        "server; needs paramserver[recsys]; see docs/embedding-tables.md)",
+    )
+    from paramserver.worker_client.movielens import add_flags as _movielens_flags
+
+    _movielens_flags(d)
     d.set_defaults(func=_cmd_demo)
 
     t = sub.add_parser(

@@ -1,0 +1,372 @@
+"""Embedding tables, pure core: rules vs numpy oracles and torch, lazy init, filter, expiry,
+validation (docs/embedding-tables.md)."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from paramserver.errors import InvalidArgument
+from paramserver.server.tables import (
+    EmbeddingTable,
+    IdIndex,
+    Initializer,
+    TableLimits,
+    TableRule,
+    TableSpec,
+    coalesce,
+    initial_rows,
+    shard_of_ids,
+)
+
+try:
+    import torch
+except ImportError:  # the torch comparisons skip; the numpy oracles still run
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+
+def _table(rule: TableRule, dim: int = 4, dtype: str = "float32", **kw: object) -> EmbeddingTable:
+    return EmbeddingTable(TableSpec("emb", dim, dtype, rule, Initializer("normal", 0.1), 7, **kw))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- initial rows
+def test_initial_rows_pure_function_of_seed_and_id() -> None:
+    init = Initializer("uniform", 0.5)
+    ids = np.array([5, 1, 99, 1 << 40, 5], np.int64)
+    full = initial_rows(3, ids, 8, init)
+    # any subset, any order, gives the same rows; a different seed differs
+    np.testing.assert_array_equal(initial_rows(3, ids[::-1], 8, init), full[::-1])
+    np.testing.assert_array_equal(initial_rows(3, ids[2:3], 8, init), full[2:3])
+    np.testing.assert_array_equal(full[0], full[4])
+    assert not np.array_equal(initial_rows(4, ids, 8, init), full)
+    assert full.dtype == np.float32 and np.all(np.abs(full) <= 0.5)
+
+
+def test_initial_rows_distributions() -> None:
+    ids = np.arange(20000, dtype=np.int64)
+    u = initial_rows(1, ids, 16, Initializer("uniform", 1.0)).ravel()
+    assert abs(u.mean()) < 0.01 and abs(u.var() - 1.0 / 3.0) < 0.01
+    n = initial_rows(1, ids, 16, Initializer("normal", 2.0)).ravel()
+    assert abs(n.mean()) < 0.03 and abs(n.std() - 2.0) < 0.02
+    assert not initial_rows(1, ids[:4], 3, Initializer("zeros")).any()
+
+
+# ---------------------------------------------------------------------------- index
+def test_id_index_matches_a_dict() -> None:
+    rng = np.random.default_rng(0)
+    index = IdIndex(capacity=16)
+    oracle: dict[int, int] = {}
+    for _ in range(30):
+        cand = np.unique(rng.integers(0, 1 << 62, 200).astype(np.int64))
+        cand = np.concatenate([cand, rng.integers(0, 50, 20)]).astype(np.int64)
+        cand = np.unique(cand)
+        fresh = cand[index.lookup(cand) < 0]
+        vals = np.arange(len(oracle), len(oracle) + fresh.shape[0], dtype=np.int64)
+        index.insert(fresh, vals)
+        oracle.update(zip(fresh.tolist(), vals.tolist(), strict=True))
+    probe = np.concatenate([np.array(list(oracle), np.int64), rng.integers(0, 1 << 62, 500)])
+    want = np.array([oracle.get(int(i), -1) for i in probe], np.int64)
+    np.testing.assert_array_equal(index.lookup(probe), want)
+    assert index.size == len(oracle)
+
+
+def test_shard_of_ids_is_a_stable_partition() -> None:
+    ids = np.arange(10000, dtype=np.int64)
+    s = shard_of_ids("emb", ids, 3)
+    assert set(np.unique(s).tolist()) == {0, 1, 2}
+    assert np.all(np.bincount(s) > 3000)
+    np.testing.assert_array_equal(shard_of_ids("emb", ids[::-1], 3), s[::-1])
+    assert not np.array_equal(shard_of_ids("other", ids, 3), s)
+
+
+# ---------------------------------------------------------------------------- pull / push
+def test_pull_keeps_order_and_duplicates() -> None:
+    t = _table(TableRule("sgd", lr=1.0))
+    ids = np.array([3, 1, 3, 8], np.int64)
+    init = initial_rows(7, ids, 4, Initializer("normal", 0.1))
+    np.testing.assert_array_equal(t.pull(ids), init)
+    assert t.n == 0  # a pull stores nothing
+
+
+def test_coalesce_sums_duplicates() -> None:
+    ids = np.array([4, 2, 4, 4, 9], np.int64)
+    g = np.arange(10, dtype=np.float32).reshape(5, 2)
+    u, s = coalesce(ids, g)
+    np.testing.assert_array_equal(u, [2, 4, 9])
+    np.testing.assert_array_equal(s, [[2, 3], [0 + 4 + 6, 1 + 5 + 7], [8, 9]])
+
+
+def _oracle_step(
+    kind: str, w: np.ndarray, g: np.ndarray, st: dict[str, np.ndarray], r: TableRule
+) -> None:
+    """Independent per-row float64-free reference of one rule step (row by row, float32)."""
+    f = np.float32
+    if kind == "sgd":
+        w -= f(r.lr) * g
+    elif kind == "adagrad":
+        st["acc"] += g * g
+        w -= f(r.lr) * g / (np.sqrt(st["acc"]) + f(r.eps))
+    elif kind == "rowwise_adagrad":
+        st["acc"] += f(np.mean(g * g, dtype=np.float32))
+        w -= f(r.lr) * g / (np.sqrt(st["acc"]) + f(r.eps))
+    else:
+        st["t"] += 1
+        t = int(st["t"][0])
+        st["m"] = f(r.beta1) * st["m"] + f(1 - r.beta1) * g
+        st["v"] = f(r.beta2) * st["v"] + f(1 - r.beta2) * g * g
+        ss = r.lr * math.sqrt(1 - r.beta2**t) / (1 - r.beta1**t)
+        w -= f(ss) * st["m"] / (np.sqrt(st["v"]) + f(r.eps))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_rules_against_a_per_row_oracle(kind: str, dtype: str) -> None:
+    rule = TableRule(kind, lr=0.05)
+    t = _table(rule, dim=3, dtype=dtype)
+    rng = np.random.default_rng(1)
+    np_dtype = t.spec.np_dtype
+    init = Initializer("normal", 0.1)
+    rows: dict[int, np.ndarray] = {}
+    states: dict[int, dict[str, np.ndarray]] = {}
+    touched_before = None
+    for step in range(6):
+        ids = rng.integers(0, 12, 10).astype(np.int64)
+        g = rng.normal(size=(10, 3)).astype(np.float32)
+        if step == 5:
+            before = t.state_arrays()
+            touched_before = set(ids.tolist())
+        t.push(t.check_push(ids, g), g, now_s=0.0, clock=step)
+        for i in np.unique(ids).tolist():
+            gi = g[ids == i].sum(axis=0, dtype=np.float32)
+            if i not in rows:
+                rows[i] = initial_rows(7, np.array([i]), 3, init)[0].astype(np_dtype)
+                states[i] = {
+                    "acc": np.zeros(3 if kind == "adagrad" else 1, np.float32),
+                    "m": np.zeros(3, np.float32),
+                    "v": np.zeros(3, np.float32),
+                    "t": np.zeros(1, np.int64),
+                }
+            w = rows[i].astype(np.float32)
+            _oracle_step(kind, w, gi, states[i], rule)
+            rows[i] = w.astype(np_dtype)
+    all_ids = np.array(sorted(rows), np.int64)
+    got = t.pull(all_ids)
+    want = np.stack([rows[i] for i in all_ids.tolist()])
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=tol, atol=tol)
+    # rows the last push did not touch are bit-identical to before it
+    after = t.state_arrays()
+    assert touched_before is not None
+    for j, i in enumerate(before["ids"].tolist()):
+        if i not in touched_before:
+            k = int(np.flatnonzero(after["ids"] == i)[0])
+            assert after["rows"][k].tobytes() == before["rows"][j].tobytes()
+
+
+def _torch_run(
+    opt_name: str, ids_per_step: list[np.ndarray], grads: list[np.ndarray], w0: np.ndarray
+) -> np.ndarray:
+    emb = torch.nn.Embedding(w0.shape[0], w0.shape[1], sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(w0))
+    if opt_name == "adam":
+        opt: torch.optim.Optimizer = torch.optim.SparseAdam(emb.parameters(), lr=0.05)
+    else:
+        opt = torch.optim.Adagrad(emb.parameters(), lr=0.05)
+    for ids, g in zip(ids_per_step, grads, strict=True):
+        opt.zero_grad()
+        out = emb(torch.from_numpy(ids))
+        out.backward(torch.from_numpy(g))
+        opt.step()
+    return emb.weight.detach().numpy().copy()
+
+
+@needs_torch
+@pytest.mark.parametrize("kind", ["adagrad", "adam"])
+def test_rules_against_torch_optimizers(kind: str) -> None:
+    """Adagrad vs torch.optim.Adagrad (sparse grads) and lazy adam vs torch.optim.SparseAdam.
+
+    SparseAdam counts steps per parameter, the table per row; they agree when every push
+    touches the same rows, as here (duplicates inside each push included).
+    """
+    rng = np.random.default_rng(2)
+    n, dim = 6, 5
+    t = _table(TableRule(kind, lr=0.05), dim=dim)
+    w0 = initial_rows(7, np.arange(n, dtype=np.int64), dim, Initializer("normal", 0.1))
+    steps_ids, steps_g = [], []
+    for _ in range(5):
+        ids = np.concatenate([np.arange(n), rng.integers(0, n, 4)]).astype(np.int64)
+        rng.shuffle(ids)
+        g = rng.normal(size=(ids.shape[0], dim)).astype(np.float32)
+        steps_ids.append(ids)
+        steps_g.append(g)
+        t.push(t.check_push(ids, g), g, now_s=0.0, clock=0)
+    want = _torch_run(kind, steps_ids, steps_g, w0)
+    np.testing.assert_allclose(t.pull(np.arange(n, dtype=np.int64)), want, rtol=2e-5, atol=1e-6)
+
+
+@needs_torch
+def test_adagrad_sparse_touching_subsets_matches_torch() -> None:
+    """Adagrad has no step count: any row subsets per push agree with torch exactly."""
+    rng = np.random.default_rng(3)
+    t = _table(TableRule("adagrad", lr=0.05), dim=3)
+    w0 = initial_rows(7, np.arange(10, dtype=np.int64), 3, Initializer("normal", 0.1))
+    ids_l, g_l = [], []
+    for _ in range(6):
+        ids = rng.integers(0, 10, 7).astype(np.int64)
+        g = rng.normal(size=(7, 3)).astype(np.float32)
+        ids_l.append(ids)
+        g_l.append(g)
+        t.push(t.check_push(ids, g), g, now_s=0.0, clock=0)
+    np.testing.assert_allclose(
+        t.pull(np.arange(10, dtype=np.int64)),
+        _torch_run("adagrad", ids_l, g_l, w0),
+        rtol=2e-5,
+        atol=1e-6,
+    )
+
+
+# ---------------------------------------------------------------------------- memory policy
+def test_frequency_filter_closed_form() -> None:
+    """With min_pushes k and sgd, m pushes of g leave init - lr * g * max(0, m - k + 1)."""
+    k, lr = 3, 0.5
+    t = _table(TableRule("sgd", lr=lr), dim=2, min_pushes=k)
+    ids = np.array([10, 10], np.int64)  # one push counts once, duplicates or not
+    g = np.ones((2, 2), np.float32)
+    init = initial_rows(7, ids[:1], 2, Initializer("normal", 0.1))[0]
+    for m in range(1, 6):
+        res = t.push(ids, g, now_s=0.0, clock=m)
+        want = init - np.float32(lr) * 2 * max(0, m - k + 1)
+        np.testing.assert_allclose(t.pull(ids[:1])[0], want, rtol=1e-6)
+        assert res.filtered == (1 if m < k else 0)
+        assert t.n == (0 if m < k else 1)
+    assert t.filtered == k - 1
+
+
+def test_expiry_by_clocks_and_seconds_closed_form() -> None:
+    t = _table(TableRule("sgd", lr=1.0), dim=2, expiry_clocks=3)
+    g = np.ones((1, 2), np.float32)
+    t.push(np.array([1], np.int64), g, now_s=0.0, clock=0)
+    t.push(np.array([2], np.int64), g, now_s=0.0, clock=2)
+    assert t.expire(now_s=0.0, clock=2) == 0
+    assert t.expire(now_s=0.0, clock=3) == 1  # id 1: 3 - 0 >= 3
+    np.testing.assert_array_equal(
+        t.pull(np.array([1], np.int64)),
+        initial_rows(7, np.array([1]), 2, Initializer("normal", 0.1)),
+    )
+    assert t.n == 1 and t.expired == 1
+    assert t.expire(now_s=0.0, clock=5) == 1 and t.n == 0
+    ts = _table(TableRule("sgd", lr=1.0), dim=2, expiry_s=10.0)
+    ts.push(np.array([1, 2], np.int64), np.ones((2, 2), np.float32), now_s=100.0, clock=0)
+    ts.push(np.array([2], np.int64), g, now_s=105.0, clock=0)
+    assert ts.expire(now_s=109.9, clock=0) == 0
+    assert ts.expire(now_s=110.0, clock=0) == 1
+    np.testing.assert_allclose(
+        ts.pull(np.array([2], np.int64))[0],
+        initial_rows(7, np.array([2]), 2, Initializer("normal", 0.1))[0] - 2.0,
+        rtol=1e-6,
+    )
+
+
+# ---------------------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    ("ids", "grads", "needle"),
+    [
+        (np.array([1, -2]), np.zeros((2, 4), np.float32), "negative id -2"),
+        (np.array([1, 100]), np.zeros((2, 4), np.float32), "out of range [0, 100)"),
+        (np.array([1, 2]), np.zeros((2, 3), np.float32), "shape (2, 4)"),
+        (np.array([1, 2]), np.zeros((2, 4), np.float64), "must be float32, got float64"),
+        (np.array([1, 2]), np.array([[0, 0, 0, np.nan]] * 2, np.float32), "NaN/Inf"),
+        (np.array([1, 2]), np.array([[0, np.inf, 0, 0]] * 2, np.float32), "NaN/Inf"),
+        (np.arange(9), np.zeros((9, 4), np.float32), "limit of 8"),
+        (np.array([1.0, 2.0]), np.zeros((2, 4), np.float32), "integer"),
+    ],
+)
+def test_bad_input_names_the_table_and_changes_nothing(
+    ids: np.ndarray, grads: np.ndarray, needle: str
+) -> None:
+    t = EmbeddingTable(
+        TableSpec("clicks", 4, num_embeddings=100), TableLimits(max_ids=8, max_bytes=1 << 20)
+    )
+    t.push(np.array([1, 2], np.int64), np.ones((2, 4), np.float32), now_s=0.0, clock=0)
+    before = t.state_arrays()
+    with pytest.raises(InvalidArgument) as err:
+        t.check_push(ids, grads)
+    assert "table 'clicks'" in str(err.value) and needle in str(err.value)
+    after = t.state_arrays()
+    for k, v in before.items():
+        assert after[k].tobytes() == v.tobytes()
+
+
+def test_byte_limit() -> None:
+    t = EmbeddingTable(TableSpec("big", 64), TableLimits(max_ids=1 << 20, max_bytes=1000))
+    with pytest.raises(InvalidArgument, match=r"table 'big'.*bytes"):
+        t.check_ids(np.arange(4))
+
+
+def test_bad_spec() -> None:
+    with pytest.raises(InvalidArgument, match="dtype"):
+        TableSpec("x", 4, "float64")
+    with pytest.raises(InvalidArgument, match="table rule"):
+        TableRule("momentum")
+    with pytest.raises(InvalidArgument, match="min_pushes"):
+        TableSpec("x", 4, min_pushes=0)
+
+
+# ---------------------------------------------------------------------------- state, shards
+def test_state_round_trip_is_bit_exact() -> None:
+    t = _table(TableRule("adam", lr=0.1), dim=3, dtype="bfloat16", min_pushes=2)
+    rng = np.random.default_rng(4)
+    for c in range(4):
+        ids = rng.integers(0, 30, 20).astype(np.int64)
+        t.push(ids, rng.normal(size=(20, 3)).astype(np.float32), now_s=float(c), clock=c)
+    st = t.state_arrays()
+    assert st["rows"].dtype == np.dtype(ml_dtypes.bfloat16) and st["m"].dtype == np.float32
+    u = _table(TableRule("adam", lr=0.1), dim=3, dtype="bfloat16", min_pushes=2)
+    u.load_state_arrays(st)
+    for k, v in u.state_arrays().items():
+        assert v.tobytes() == st[k].tobytes(), k
+    probe = np.arange(40, dtype=np.int64)
+    assert u.pull(probe).tobytes() == t.pull(probe).tobytes()
+    g = np.ones((40, 3), np.float32)
+    t.push(probe, g, now_s=9.0, clock=9)
+    u.push(probe, g, now_s=9.0, clock=9)
+    assert u.pull(probe).tobytes() == t.pull(probe).tobytes()
+
+
+def test_one_vs_three_shards_identical_rows() -> None:
+    rule = TableRule("adam", lr=0.05)
+    one = _table(rule)
+    three = [_table(rule) for _ in range(3)]
+    rng = np.random.default_rng(5)
+    for c in range(5):
+        ids = rng.zipf(1.3, 64).astype(np.int64) % 1000
+        g = rng.normal(size=(64, 4)).astype(np.float32)
+        one.push(ids, g, now_s=0.0, clock=c)
+        shard = shard_of_ids("emb", ids, 3)
+        for s in range(3):
+            sel = shard == s
+            three[s].push(ids[sel], g[sel], now_s=0.0, clock=c)
+    probe = np.arange(1000, dtype=np.int64)
+    shard = shard_of_ids("emb", probe, 3)
+    got = np.empty((1000, 4), np.float32)
+    for s in range(3):
+        got[shard == s] = three[s].pull(probe[shard == s])
+    assert got.tobytes() == one.pull(probe).tobytes()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_coalesce_matches_add_at_on_skewed_batches(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ids = (rng.zipf(1.1, 3000) % 500).astype(np.int64)
+    g = rng.normal(size=(3000, 5)).astype(np.float32)
+    u, s = coalesce(ids, g)
+    want = np.zeros((500, 5), np.float64)
+    np.add.at(want, ids, g.astype(np.float64))
+    np.testing.assert_array_equal(u, np.unique(ids))
+    np.testing.assert_allclose(s, want[u], rtol=1e-5, atol=1e-5)
