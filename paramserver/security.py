@@ -139,6 +139,9 @@ RPC_ROLES: Mapping[str, Role] = MappingProxyType(
         _PS + "Leave": Role.WORKER,
         _PS + "Init": Role.WORKER,
         _PS + "Push": Role.WORKER,
+        _PS + "InitTable": Role.WORKER,
+        _PS + "PullRows": Role.WORKER,
+        _PS + "PushRows": Role.WORKER,
         _PS + "Pull": Role.WORKER,
         _PS + "Clock": Role.WORKER,
         _PS + "Session": Role.WORKER,  # persistent push/pull/clock stream (the worker fast path)
