@@ -209,6 +209,9 @@ class TrainConfig:
     compression: str = "none"
     topk_ratio: float = 0.1
     framework: str = "numpy"
+    #: Fence a live registration of this worker's name (a restarted worker) instead of
+    #: failing with AlreadyExists; the fenced process's next call is refused.
+    replace: bool = False
     #: TLS / token of the worker's channels (:class:`paramserver.security.ClientSecurity`).
     security: ClientSecurity | None = None
 
@@ -279,6 +282,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         worker_name=f"worker-{cfg.worker_index}",
         compression=schemes,
         security=cfg.security,
+        replace=cfg.replace,
     ) as ps:
         params = await ps.init(initial, rule=rule)
         keys = sorted(params)
@@ -352,6 +356,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         compression=args.compression,
         topk_ratio=args.topk_ratio,
         framework=args.framework,
+        replace=args.replace,
         security=client_security_from_args(args, os.environ),
     )
     if cfg.num_workers < 1 or not 0 <= cfg.worker_index < cfg.num_workers:
@@ -757,6 +762,15 @@ def add_subcommands(sub: Any) -> None:
     w.add_argument("--num-workers", type=int, required=True)
     w.add_argument("--no-eval", action="store_true", help="skip per-epoch test evaluation")
     w.add_argument("--slow-factor", type=float, default=1.0, help="straggler simulation: x slower")
+    w.add_argument(
+        "--replace",
+        action="store_true",
+        help=(
+            "take over the name worker-INDEX while an earlier registration of it is still live "
+            "(a restarted worker): the old registration is fenced (its next call is refused "
+            "with FAILED_PRECONDITION). Without it such a start exits 1 with AlreadyExists"
+        ),
+    )
     _add_training_flags(w, epochs=10)
     add_client_security_flags(w)
     w.set_defaults(func=_cmd_worker)
