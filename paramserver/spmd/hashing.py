@@ -202,10 +202,8 @@ def _canonical_array(arr: npt.NDArray[Any]) -> tuple[bytes, memoryview]:
         )
     little = dtype.newbyteorder("<")
     canon = np.asarray(arr.astype(little, order="C", copy=False))
-    if not canon.flags.c_contiguous:  # pragma: no cover - astype(order="C") is contiguous
-        canon = np.ascontiguousarray(canon)
-    flat = canon.reshape(-1).view(np.uint8)
-    return little.name.encode("ascii"), memoryview(flat).cast("B")
+    flat = canon.reshape(-1).view(np.uint8)  # astype(order="C") is C-contiguous: a view
+    return little.name.encode("ascii"), flat.data.cast("B")
 
 
 def object_key(rank: int, seq_hash: int) -> str:
