@@ -6,7 +6,8 @@
     ├── InvalidArgument                   (INVALID_ARGUMENT)
     │   ├── MalformedStream               frames missing / duplicated / out of order / wrong size
     │   ├── DimensionMismatch             dtype or shape disagrees with the key's
-    │   └── NonFiniteGradient             NaN/Inf in a gradient (default policy)
+    │   ├── NonFiniteGradient             NaN/Inf in a gradient (default policy)
+    │   └── ValueOutOfRange               an update whose result overflows the key's dtype
     ├── KeyNotFound                       (NOT_FOUND)
     ├── FailedPrecondition                (FAILED_PRECONDITION)
     │   ├── WorkerNotFound                unknown, evicted or fenced worker id
@@ -57,6 +58,11 @@ class DimensionMismatch(InvalidArgument):
 
 class NonFiniteGradient(InvalidArgument):
     """A gradient holding NaN or Inf, refused under the default policy."""
+
+
+class ValueOutOfRange(InvalidArgument):
+    """An update whose finite result lies outside the storage dtype's range (e.g. above
+    float16's 65504): refused, nothing applied, instead of storing Inf."""
 
 
 class KeyNotFound(ParamServerError):

@@ -300,7 +300,7 @@ class CoreCollector(Collector):
             "paramserver_dropped_updates",
             "Pushes (or queued BSP gradients) not applied, by reason: duplicate, stale "
             "(ASP max_staleness), stale_step, non_finite, invalid, unknown_key, aborted_step, "
-            "rejected",
+            "out_of_range, rejected",
             labels=[*names, "reason"],
         )
         for reason, n in obs.dropped_by_reason.items():

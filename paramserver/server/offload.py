@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.errors import Unavailable, WaitTimeout
+from paramserver.errors import Unavailable, ValueOutOfRange, WaitTimeout
 from paramserver.server.store import Checked, ParameterStore, count_non_finite
 
 __all__ = ["OFFLOAD_MIN_BYTES", "KeyGate", "Offload", "Reservation"]
@@ -282,6 +282,9 @@ class Offload:
                 await _in_thread(self._executor(), ParameterStore.apply_checked, checked)
             else:
                 ParameterStore.apply_checked(checked)
+        except ValueOutOfRange as exc:  # refused whole at apply time: nothing applied
+            logger.warning("%s", exc.message)
+            raise
         except Exception:
             logger.exception(
                 "applying a push to key(s) %s failed", ", ".join(repr(k) for k in res.keys)
