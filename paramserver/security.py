@@ -79,6 +79,7 @@ from typing import Any
 import grpc
 
 from paramserver.errors import InvalidArgument, Unavailable
+from paramserver.keepalive import CLIENT_KEEPALIVE_OPTIONS, with_keepalive
 
 __all__ = [
     "MIN_TOKEN_CHARS",
@@ -909,7 +910,7 @@ def open_channel(
 
     Must be called inside the event loop that uses the channel.
     """
-    opts = list(options)
+    opts = with_keepalive(options, CLIENT_KEEPALIVE_OPTIONS)
     if security is None or not security.enabled:
         return grpc.aio.insecure_channel(address, options=opts)
     if security.tls:

@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import InvalidArgument
+from paramserver.keepalive import SERVER_KEEPALIVE_OPTIONS
 from paramserver.memory import (
     DEFAULT_RETAIN_BYTES,
     MAX_RETAIN_BYTES,
@@ -124,6 +125,7 @@ class ParameterServerDaemon:
             options=[
                 ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
                 ("grpc.so_reuseport", 0),
+                *SERVER_KEEPALIVE_OPTIONS,
             ],
         )
         self.servicer = ParameterServerServicer(engine, self)
@@ -175,6 +177,7 @@ class ParameterServerDaemon:
             options=[
                 ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
                 ("grpc.so_reuseport", 0),
+                *SERVER_KEEPALIVE_OPTIONS,
             ],
         )
         reduction = add_reduction_service(server, self.config)
