@@ -147,6 +147,12 @@ _BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
 #: Trailing-metadata key carrying the exact error class name from server to client.
 ERROR_CLASS_METADATA_KEY = "paramserver-error-class"
 
+#: Initial-metadata key a server sends the moment it refuses a client stream (Push, Init)
+#: that the client is still writing: ``"<ErrorClass> <STATUS_CODE>"``. A client that sees it
+#: stops writing and half-closes, and then receives the refusal's status at once (the server
+#: sends it when the client's stream ends, so no write races the status: grpc/grpc#36066).
+REFUSAL_METADATA_KEY = "paramserver-refusal"
+
 
 def _all_subclasses(cls: type[ParamServerError]) -> dict[str, type[ParamServerError]]:
     out = {cls.__name__: cls}

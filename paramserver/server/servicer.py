@@ -36,6 +36,7 @@ from paramserver.server import wal
 from paramserver.server.consistency import Consistency
 from paramserver.server.cut import shard_map_of
 from paramserver.server.decompress import Encoded, decode
+from paramserver.server.early_refusal import announce_refusal, drain_request_stream
 from paramserver.server.engine import InflightTicket, ServerEngine
 from paramserver.server.observe import observed_admit, observed_push, observed_snapshot
 from paramserver.server.optimizers import UpdateRule
@@ -91,32 +92,14 @@ def grpc_errors(fn: F) -> F:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
+            await announce_refusal(context, request, exc)  # the client stops writing at once
             await _drain_request_stream(request)
             await _abort(context, exc, name)
 
     return wrapper  # type: ignore[return-value]
 
 
-#: Longest a refused client-streaming call keeps reading (and discarding) the client's frames.
-_DRAIN_S = 10.0
-
-
-async def _drain_request_stream(request: Any) -> None:
-    """Read and discard the rest of a client stream (Init, Push) before refusing it.
-
-    A status sent while the client is still writing can reach a grpc.aio client as INTERNAL
-    "Internal error from Core" instead of the real code (grpc/grpc#36066), e.g. a malformed
-    frame found early in a large push; so the stream is read to its end first, for at most
-    ``_DRAIN_S`` seconds. Unary requests (protobuf messages) are left alone.
-    """
-    if not hasattr(request, "__aiter__"):
-        return
-    try:
-        async with asyncio.timeout(_DRAIN_S):
-            async for _ in request:
-                pass
-    except Exception:  # a broken or cancelled stream, or the time ran out: refuse now
-        return
+_drain_request_stream = drain_request_stream  # (see paramserver.server.early_refusal)
 
 
 def _rss_bytes() -> int:
