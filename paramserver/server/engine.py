@@ -153,6 +153,9 @@ class ServerEngine(LeaseReaperBase):
         self.offload.close()
         await super().stop()
 
+    def _credit_stall(self, stall_s: float) -> None:
+        self.core.cluster.credit_leases(stall_s)
+
     async def _reap(self) -> None:
         changes = self.core.expire(self.now())
         if changes:
