@@ -39,6 +39,8 @@ def test_a_10s_keepalive_client_survives_a_90s_silent_bsp_wait(tmp_path: Path) -
             heartbeat=False,
             retry=no_retry,
             channel_options=KEEPALIVE_10S,
+            local_link=False,  # the wait must ride the HTTP/2 connection itself
+            session=False,
             wait_timeout_s=SILENT_WAIT_S + 60,
             rpc_timeout_s=SILENT_WAIT_S + 60,
         )
