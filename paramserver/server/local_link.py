@@ -55,11 +55,16 @@ TICKET_TTL_S = 30.0
 LOCAL_LINK_RPC = "LocalLink"
 #: Most tickets outstanding at once (a client asking again and again cannot grow the table).
 MAX_TICKETS = 4096
+#: Most tickets outstanding per worker id: a worker asking for more replaces its own oldest,
+#: so no worker can evict another worker's ticket by asking again and again.
+MAX_TICKETS_PER_WORKER = 4
 #: Seconds a new connection has to present its ticket.
 OPEN_DEADLINE_S = 10.0
 #: Largest frame (bytes) a connection may send before its ticket is redeemed: an open.
 PRE_TICKET_FRAME_BYTES = 4096
-#: Most connections at once that have not presented a ticket yet (more are closed at once).
+#: Most connections at once that have not presented a ticket yet. One more closes the *oldest*
+#: of them, never the newcomer: a worker presents its ticket at once, so a local process holding
+#: idle connections cannot keep a ticketed worker off the link.
 MAX_UNREDEEMED = 64
 #: Frames parsed ahead of the handler before the socket stops being read (back-pressure).
 _MAX_QUEUED = 8
@@ -306,6 +311,8 @@ class LocalLinkServer:
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
         self._unredeemed = 0  # connections that have not presented a valid ticket yet
+        #: Those connections, oldest first (the one closed when a newcomer exceeds the cap).
+        self._waiting: dict[_Connection, None] = {}
         #: Sessions served over the link so far, and refused connections (for tests/status).
         self.links_opened = 0
         self.links_refused = 0
@@ -327,11 +334,16 @@ class LocalLinkServer:
         """A fresh single-use ticket for ``worker_id`` (expired ones are dropped first)."""
         now = asyncio.get_running_loop().time()
         tickets = self._tickets
+        own = [t for t, (wid, _) in tickets.items() if wid == worker_id]
+        for t in own[: max(0, len(own) - MAX_TICKETS_PER_WORKER + 1)]:  # its own oldest
+            del tickets[t]
         if len(tickets) >= MAX_TICKETS // 2:
             for t in [t for t, (_, exp) in tickets.items() if exp <= now]:
                 del tickets[t]
-            while len(tickets) >= MAX_TICKETS:  # oldest first (dicts keep insertion order)
-                del tickets[next(iter(tickets))]
+            while len(tickets) >= MAX_TICKETS:  # the oldest of the worker holding the most
+                counts = collections.Counter(wid for wid, _ in tickets.values())
+                greedy = counts.most_common(1)[0][0]
+                del tickets[next(t for t, (wid, _) in tickets.items() if wid == greedy)]
         ticket = secrets.token_bytes(16)
         tickets[ticket] = (worker_id, now + TICKET_TTL_S)
         return pb.LocalLink(address=self.address, ticket=ticket)
@@ -357,14 +369,18 @@ class LocalLinkServer:
         CURRENT_RPC.set(LOCAL_LINK_RPC)
         self._connections.add(conn)
         self._unredeemed += 1
+        self._waiting[conn] = None
         redeemed = False
         try:
-            if self._unredeemed > MAX_UNREDEEMED:
+            if len(self._waiting) > MAX_UNREDEEMED:
+                oldest = next(iter(self._waiting))
+                del self._waiting[oldest]
                 self.links_refused += 1
                 logger.warning(
-                    "local link refused: %d connections without a ticket", MAX_UNREDEEMED
+                    "local link: %d connections without a ticket; the oldest is closed",
+                    MAX_UNREDEEMED,
                 )
-                return
+                oldest.abort()
             try:
                 first = await asyncio.wait_for(conn.read(), OPEN_DEADLINE_S)
             except TimeoutError:
@@ -379,6 +395,7 @@ class LocalLinkServer:
                 return
             redeemed = True
             self._unredeemed -= 1
+            self._waiting.pop(conn, None)
             conn.redeemed(self.max_frame_bytes)
             self.links_opened += 1
             await self.sessions.serve(_prepend(first, conn.read), conn.write)
@@ -394,6 +411,7 @@ class LocalLinkServer:
         finally:
             if not redeemed:
                 self._unredeemed -= 1
+                self._waiting.pop(conn, None)
             self._connections.discard(conn)
             conn._close()
 
