@@ -52,6 +52,7 @@ from prometheus_client.registry import Collector
 from paramserver.errors import Unavailable
 from paramserver.security import bind_failure_reason
 from paramserver.server.engine import ServerEngine
+from paramserver.server.http_security import HttpSecurity, authorized, unauthorized_response
 from paramserver.server.observe import CURRENT_RPC, BucketCounts, ServingHooks
 
 logger = logging.getLogger(__name__)
@@ -473,10 +474,18 @@ class MetricsServer:
         port: TCP port (0: ephemeral; :attr:`port` holds the bound one after :meth:`start`).
     """
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str,
+        port: int,
+        security: HttpSecurity | None = None,
+    ) -> None:
         self.registry = registry
         self.host = host
         self.port = port
+        #: TLS and bearer token of the endpoint (:mod:`paramserver.server.http_security`).
+        self.security = security
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -488,7 +497,11 @@ class MetricsServer:
         """
         try:
             self._server = await asyncio.start_server(
-                self._handle, self.host, self.port, limit=MAX_REQUEST_LINE_BYTES
+                self._handle,
+                self.host,
+                self.port,
+                limit=MAX_REQUEST_LINE_BYTES,
+                ssl=self.security.ssl_context() if self.security is not None else None,
             )
         except OSError as exc:
             address = f"{self.host}:{self.port}"
@@ -496,7 +509,8 @@ class MetricsServer:
                 f"could not bind metrics port {address}: {bind_failure_reason(address, exc)}"
             ) from None
         self.port = int(self._server.sockets[0].getsockname()[1])
-        logger.info("metrics on http://%s:%d/metrics", self.host, self.port)
+        scheme = "https" if self.security is not None and self.security.tls_cert else "http"
+        logger.info("metrics on %s://%s:%d/metrics", scheme, self.host, self.port)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -509,10 +523,12 @@ class MetricsServer:
         try:
             try:
                 request = await asyncio.wait_for(reader.readline(), 10.0)
-                for _ in range(MAX_HEADER_LINES):  # skip the headers (bounded)
+                headers: list[bytes] = []
+                for _ in range(MAX_HEADER_LINES):  # read the headers (bounded)
                     line = await asyncio.wait_for(reader.readline(), 10.0)
                     if line in (b"\r\n", b"\n", b""):
                         break
+                    headers.append(line)
             except ValueError:  # a line over MAX_REQUEST_LINE_BYTES (StreamReader's limit)
                 peer = writer.get_extra_info("peername")
                 logger.warning(
@@ -536,6 +552,10 @@ class MetricsServer:
                     async with asyncio.timeout(1.0):
                         while await reader.read(65536):
                             pass
+                return
+            if not authorized(self.security, headers):
+                writer.write(unauthorized_response())
+                await writer.drain()
                 return
             parts = request.decode("latin-1").split()
             path = parts[1] if len(parts) >= 2 else ""
@@ -582,11 +602,13 @@ def auth_refusal_counter(registry: CollectorRegistry) -> Callable[[str, str], No
     return count
 
 
-def rpc_metrics_server(host: str, port: int) -> tuple[RpcMetrics, MetricsServer]:
+def rpc_metrics_server(
+    host: str, port: int, security: HttpSecurity | None = None
+) -> tuple[RpcMetrics, MetricsServer]:
     """RPC counts and durations of any ``grpc.aio`` server (the interceptor) and an (unstarted)
     endpoint exposing them, in a registry of their own (``--mode reduce``)."""
     registry = CollectorRegistry()
-    return RpcMetrics(registry), MetricsServer(registry, host, port)
+    return RpcMetrics(registry), MetricsServer(registry, host, port, security)
 
 
 def new_registry(
@@ -609,4 +631,16 @@ def metrics_for(
     if cfg.metrics_port is None:
         return [], None
     registry, interceptor = new_registry(engine, transport)
-    return [interceptor], MetricsServer(registry, cfg.host, cfg.metrics_port)
+    return [interceptor], MetricsServer(
+        registry, cfg.metrics_host, cfg.metrics_port, metrics_security(cfg)
+    )
+
+
+def metrics_security(cfg: Any) -> HttpSecurity | None:
+    """The metrics endpoint's TLS and token from a config's ``metrics_token_file``,
+    ``metrics_tls_cert`` and ``metrics_tls_key`` (None when none is set)."""
+    return HttpSecurity.from_files(
+        getattr(cfg, "metrics_token_file", None),
+        getattr(cfg, "metrics_tls_cert", None),
+        getattr(cfg, "metrics_tls_key", None),
+    )
