@@ -41,6 +41,7 @@ from google.protobuf.message import DecodeError
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import MalformedStream, Unauthenticated
+from paramserver.security import CALLER_WORKER_NAME
 from paramserver.server.observe import CURRENT_RPC
 from paramserver.server.session_service import error_response
 
@@ -307,7 +308,8 @@ class LocalLinkServer:
         self.max_frame_bytes = max_frame_bytes
         self.address = f"@paramserver-{os.getpid()}-{secrets.token_hex(8)}"
         #: ticket -> (worker id, loop time it expires)
-        self._tickets: dict[bytes, tuple[str, float]] = {}
+        #: ticket -> (worker id, loop time it expires, worker name its token is bound to)
+        self._tickets: dict[bytes, tuple[str, float, str | None]] = {}
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
         self._unredeemed = 0  # connections that have not presented a valid ticket yet
@@ -334,22 +336,24 @@ class LocalLinkServer:
         """A fresh single-use ticket for ``worker_id`` (expired ones are dropped first)."""
         now = asyncio.get_running_loop().time()
         tickets = self._tickets
-        own = [t for t, (wid, _) in tickets.items() if wid == worker_id]
+        own = [t for t, (wid, _, _) in tickets.items() if wid == worker_id]
         for t in own[: max(0, len(own) - MAX_TICKETS_PER_WORKER + 1)]:  # its own oldest
             del tickets[t]
         if len(tickets) >= MAX_TICKETS // 2:
-            for t in [t for t, (_, exp) in tickets.items() if exp <= now]:
+            for t in [t for t, (_, exp, _) in tickets.items() if exp <= now]:
                 del tickets[t]
             while len(tickets) >= MAX_TICKETS:  # the oldest of the worker holding the most
-                counts = collections.Counter(wid for wid, _ in tickets.values())
+                counts = collections.Counter(wid for wid, _, _ in tickets.values())
                 greedy = counts.most_common(1)[0][0]
-                del tickets[next(t for t, (wid, _) in tickets.items() if wid == greedy)]
+                del tickets[next(t for t, (wid, _, _) in tickets.items() if wid == greedy)]
         ticket = secrets.token_bytes(16)
-        tickets[ticket] = (worker_id, now + TICKET_TTL_S)
+        # The identity of the token that asked (per-worker tokens) holds on the link too.
+        tickets[ticket] = (worker_id, now + TICKET_TTL_S, CALLER_WORKER_NAME.get())
         return pb.LocalLink(address=self.address, ticket=ticket)
 
     def _redeem(self, req: Any) -> str | None:
-        """Why the first message is refused (None: a valid ticket, now spent)."""
+        """Why the first message is refused (None: a valid ticket, now spent; the identity of
+        the token it was issued to then holds for this connection's task)."""
         if req is grpc.aio.EOF:
             return "closed before presenting a ticket"
         if req.WhichOneof("body") != "open" or not req.open.local_ticket:
@@ -357,11 +361,12 @@ class LocalLinkServer:
         entry = self._tickets.pop(req.open.local_ticket, None)
         if entry is None:
             return "unknown or already used local-link ticket"
-        worker_id, expires = entry
+        worker_id, expires, bound = entry
         if asyncio.get_running_loop().time() > expires:
             return "expired local-link ticket"
         if worker_id != req.open.worker_id:
             return "local-link ticket issued to another worker id"
+        CALLER_WORKER_NAME.set(bound)
         return None
 
     async def _serve(self, conn: _Connection) -> None:

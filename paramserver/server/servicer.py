@@ -32,6 +32,7 @@ from paramserver.errors import (
     MalformedStream,
     ParamServerError,
 )
+from paramserver.security import check_worker_identity
 from paramserver.server import wal
 from paramserver.server.consistency import Consistency
 from paramserver.server.cut import shard_map_of
@@ -176,6 +177,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
+        check_worker_identity(request.worker_name)  # (per-worker tokens: docs/security.md)
         rec = self.core.register(
             request.worker_name,
             self.engine.now(),
@@ -198,11 +200,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        check_worker_identity(request.worker_id)
         self.core.heartbeat(request.worker_id, self.engine.now())
         return pb.HeartbeatResponse(lease_ms=self.engine.config.lease_ms, view=self._view())
 
     @grpc_errors
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
+        check_worker_identity(request.worker_id)
         change = self.core.leave(request.worker_id)
         self.engine.notify()
         await self.engine.commit(
@@ -374,6 +378,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         """
         if not worker_id:
             raise InvalidArgument("push header needs a worker_id")
+        check_worker_identity(worker_id)
         if not grads:
             raise InvalidArgument("a push needs at least one gradient; it carried none")
         offload = self.engine.offload
@@ -454,6 +459,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         Raises:
             KeyNotFound (NOT_FOUND), WaitTimeout (DEADLINE_EXCEEDED), Aborted (ABORTED).
         """
+        check_worker_identity(worker_id)
         key_list = self.core.require_keys(keys)
         wait_ms = timeout_ms or self.engine.config.wait_timeout_ms
         await self.engine.wait_pull(worker_id, wait_ms / 1000.0)
@@ -508,6 +514,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
+        check_worker_identity(request.worker_id)
         new = self.core.clock(request.worker_id, request.clock)
         self.engine.notify()
         await self.engine.commit(

@@ -71,5 +71,5 @@ async def test_a_ticket_flood_by_one_worker_does_not_evict_another_workers_ticke
                 assert answer.WhichOneof("body") == "opened", answer
             finally:
                 writer.close()
-            held_by_b = sum(1 for wid, _ in link._tickets.values() if wid == b.worker_id)
+            held_by_b = sum(1 for wid, *_ in link._tickets.values() if wid == b.worker_id)
             assert held_by_b <= local_link.MAX_TICKETS_PER_WORKER
