@@ -7,7 +7,8 @@
     │   ├── MalformedStream               frames missing / duplicated / out of order / wrong size
     │   ├── DimensionMismatch             dtype or shape disagrees with the key's
     │   │   └── DTypeMismatch             the shape fits, the dtype does not (e.g. float64)
-    │   └── NonFiniteGradient             NaN/Inf in a gradient (default policy)
+    │   ├── NonFiniteGradient             NaN/Inf in a gradient (default policy)
+    │   └── ValueOutOfRange               an update whose result overflows the key's dtype
     ├── KeyNotFound                       (NOT_FOUND)
     ├── FailedPrecondition                (FAILED_PRECONDITION)
     │   ├── WorkerNotFound                unknown, evicted or fenced worker id
@@ -74,6 +75,11 @@ class DTypeMismatch(DimensionMismatch):
 
 class NonFiniteGradient(InvalidArgument):
     """A gradient holding NaN or Inf, refused under the default policy."""
+
+
+class ValueOutOfRange(InvalidArgument):
+    """An update whose finite result lies outside the storage dtype's range (e.g. above
+    float16's 65504): refused, nothing applied, instead of storing Inf."""
 
 
 class KeyNotFound(ParamServerError):
@@ -211,6 +217,12 @@ _BY_CODE: dict[grpc.StatusCode, type[ParamServerError]] = {
 
 #: Trailing-metadata key carrying the exact error class name from server to client.
 ERROR_CLASS_METADATA_KEY = "paramserver-error-class"
+
+#: Initial-metadata key a server sends the moment it refuses a client stream (Push, Init)
+#: that the client is still writing: ``"<ErrorClass> <STATUS_CODE>"``. A client that sees it
+#: stops writing and half-closes, and then receives the refusal's status at once (the server
+#: sends it when the client's stream ends, so no write races the status: grpc/grpc#36066).
+REFUSAL_METADATA_KEY = "paramserver-refusal"
 
 
 def _all_subclasses(cls: type[ParamServerError]) -> dict[str, type[ParamServerError]]:

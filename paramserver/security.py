@@ -65,12 +65,14 @@ import dataclasses
 import enum
 import errno
 import hmac
+import inspect
 import logging
 import os
 import socket
 import ssl
 import stat
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -78,9 +80,11 @@ from typing import Any
 
 import grpc
 
-from paramserver.errors import InvalidArgument, Unavailable
+from paramserver.errors import InvalidArgument, PermissionDenied, Unavailable
+from paramserver.keepalive import CLIENT_KEEPALIVE_OPTIONS, with_keepalive
 
 __all__ = [
+    "CALLER_WORKER_NAME",
     "MIN_TOKEN_CHARS",
     "OPEN_SERVICES",
     "RPC_ROLES",
@@ -94,12 +98,14 @@ __all__ = [
     "bearer_interceptors",
     "bind",
     "bind_failure_reason",
+    "check_worker_identity",
     "client_security_from_args",
     "endpoint_security",
     "open_channel",
     "peer_security",
     "server_security_from_args",
     "token_from_sources",
+    "worker_name_of_id",
 ]
 
 logger = logging.getLogger(__name__)
@@ -286,10 +292,20 @@ class TokenTable:
     """
 
     entries: tuple[tuple[str, Role], ...]
+    #: ``(token, worker name)`` of the tokens bound to one worker name (third field of a
+    #: ``worker`` line); such a token may only make calls naming that worker.
+    bound: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.entries:
             raise InvalidArgument("a token table needs at least one token")
+        known = {token for token, _ in self.entries}
+        roles = dict(self.entries)
+        for token, name in self.bound:
+            if token not in known or not name:
+                raise InvalidArgument("a bound worker name needs its token in the table")
+            if roles[token] is not Role.WORKER:
+                raise InvalidArgument("only worker tokens can be bound to a worker name")
         seen: set[str] = set()
         for token, _role in self.entries:
             if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
@@ -314,24 +330,32 @@ class TokenTable:
                 unknown role, a short or duplicate token, or no token at all.
         """
         entries: list[tuple[str, Role]] = []
+        bound: list[tuple[str, str]] = []
         for number, raw in enumerate(text.splitlines(), start=1):
             line = raw.split("#", 1)[0].strip()
             if not line:
                 continue
             parts = line.split()
-            if len(parts) != 2:
+            if len(parts) not in (2, 3):
                 raise InvalidArgument(
-                    f"{source} line {number}: expected 'ROLE TOKEN' (2 fields), got {len(parts)}"
+                    f"{source} line {number}: expected 'ROLE TOKEN' or 'worker TOKEN NAME' "
+                    f"(2 or 3 fields), got {len(parts)}"
                 )
             try:
                 role = Role.parse(parts[0])
             except ValueError as exc:
                 raise InvalidArgument(f"{source} line {number}: {exc}") from None
+            if len(parts) == 3:
+                if role is not Role.WORKER:
+                    raise InvalidArgument(
+                        f"{source} line {number}: only worker tokens take a worker name"
+                    )
+                bound.append((parts[1], parts[2]))
             entries.append((parts[1], role))
         if not entries:
             raise InvalidArgument(f"{source}: no 'ROLE TOKEN' line")
         try:
-            return cls(tuple(entries))
+            return cls(tuple(entries), tuple(bound))
         except InvalidArgument as exc:
             raise InvalidArgument(f"{source}: {exc.message}") from None
 
@@ -359,6 +383,47 @@ class TokenTable:
             if hmac.compare_digest(given, known.encode("utf-8")) and found is None:
                 found = role
         return found
+
+    def worker_name_of(self, token: str) -> str | None:
+        """The worker name ``token`` is bound to, or None (a role-only token, or unknown).
+        Compares with :func:`hmac.compare_digest` against every bound entry."""
+        given = token.encode("utf-8", "surrogatepass")
+        found: str | None = None
+        for known, name in self.bound:
+            if hmac.compare_digest(given, known.encode("utf-8")) and found is None:
+                found = name
+        return found
+
+
+#: The worker name the calling token is bound to, while a handler serves that call (None: a
+#: role-only token, an admin token, or no token check). Set by :class:`TokenAuthInterceptor`.
+CALLER_WORKER_NAME: ContextVar[str | None] = ContextVar(
+    "paramserver_caller_worker_name", default=None
+)
+
+
+def worker_name_of_id(worker: str) -> str:
+    """The worker name of a worker id ``"{name}#{incarnation}"`` (a name is returned as is)."""
+    name, sep, incarnation = worker.rpartition("#")
+    return name if sep and incarnation.isdigit() else worker
+
+
+def check_worker_identity(worker: str) -> None:
+    """Refuse a call naming ``worker`` (a worker name or id) unless the calling token may act
+    as it: a token bound to a worker name acts only as that worker; role-only and admin tokens
+    (and servers without tokens) act as any worker.
+
+    Raises:
+        PermissionDenied: the token is bound to another worker name (PERMISSION_DENIED).
+    """
+    bound = CALLER_WORKER_NAME.get()
+    if bound is None or not worker:
+        return
+    name = worker_name_of_id(worker)
+    if name != bound:
+        raise PermissionDenied(
+            f"this token is bound to worker {bound!r}; the call names worker {name!r}"
+        )
 
 
 def _bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
@@ -410,10 +475,15 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         service = method.lstrip("/").split("/", 1)[0]
         if service in OPEN_SERVICES:
             return await continuation(handler_call_details)
-        verdict = self._verdict(method, handler_call_details.invocation_metadata)
+        metadata = handler_call_details.invocation_metadata
+        verdict = self._verdict(method, metadata)
         handler = await continuation(handler_call_details)
-        if verdict is None or handler is None:
+        if handler is None:
             return handler
+        if verdict is None:
+            token = _bearer_token(metadata)
+            name = self.tokens.worker_name_of(token) if token is not None else None
+            return handler if name is None else _with_identity(handler, name)
         return self._refusal(handler, method, *verdict)
 
     def _verdict(
@@ -461,6 +531,44 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
         return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+
+
+def _with_identity(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
+    """``handler`` with :data:`CALLER_WORKER_NAME` set to ``name`` while it runs."""
+    kind = (handler.request_streaming, handler.response_streaming)
+    behavior = {
+        (False, False): handler.unary_unary,
+        (False, True): handler.unary_stream,
+        (True, False): handler.stream_unary,
+        (True, True): handler.stream_stream,
+    }[kind]
+    if inspect.isasyncgenfunction(behavior):
+
+        async def gen(request: Any, context: Any) -> Any:
+            CALLER_WORKER_NAME.set(name)
+            async for item in behavior(request, context):
+                yield item
+
+        wrapped: Any = gen
+    else:
+
+        async def call(request: Any, context: Any) -> Any:
+            CALLER_WORKER_NAME.set(name)
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+        wrapped = call
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[kind]
+    return make(wrapped, **kwargs)
 
 
 # --------------------------------------------------------------------------- server side
@@ -912,7 +1020,7 @@ def open_channel(
 
     Must be called inside the event loop that uses the channel.
     """
-    opts = list(options)
+    opts = with_keepalive(options, CLIENT_KEEPALIVE_OPTIONS)
     if security is None or not security.enabled:
         return grpc.aio.insecure_channel(address, options=opts)
     if security.tls:

@@ -516,6 +516,12 @@ class DistributedOptimizer:
         worker = self._active_worker(worker_id)
         worker.last_seen_s = max(worker.last_seen_s, now)
 
+    def credit_stall(self, stall_s: float) -> None:
+        """Move every worker's last sighting ``stall_s`` seconds later: the caller could not
+        hear anyone for that long (a stalled server), so it does not count as silence."""
+        for worker in self._workers.values():
+            worker.last_seen_s += stall_s
+
     def evict_stale_workers(self, max_age_ms: float, now: float) -> int:
         """Evict every worker (active or departed) not seen for more than ``max_age_ms``.
 

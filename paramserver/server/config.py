@@ -16,6 +16,7 @@ from typing import Any
 from paramserver.errors import InvalidArgument
 from paramserver.memory import DEFAULT_RETAIN_BYTES, check_limit
 from paramserver.server.consistency import Consistency, DeathPolicy
+from paramserver.server.http_security import DEFAULT_METRICS_HOST
 from paramserver.sharding import parse_addresses
 
 ENV_PREFIX = "PARAMSERVER_"
@@ -87,7 +88,12 @@ class ServerConfig:
         restore_from: Comma-separated checkpoint directories of an earlier cluster (any shard
             count): when ``checkpoint_dir`` holds no checkpoint yet, this shard's part of
             their newest common cut is resharded into it on start.
-        metrics_port: Serve Prometheus metrics on ``host:metrics_port`` (None: off; 0: any).
+        metrics_port: Serve Prometheus metrics on ``metrics_host:metrics_port`` (None: off;
+            0: any).
+        metrics_host: Interface of the metrics endpoint (default loopback, ``127.0.0.1``).
+        metrics_token_file: File with the bearer token every metrics request must present.
+        metrics_tls_cert: PEM certificate to serve the metrics over HTTPS (with the key).
+        metrics_tls_key: PEM private key of ``metrics_tls_cert``.
         shared_memory: Same-host data paths: accept workers' shared-memory segments for tensor
             bytes on the Session stream, and offer them the local-link socket for the Session
             itself (:mod:`paramserver.server.local_link`). False: gRPC only, as between hosts.
@@ -145,6 +151,10 @@ class ServerConfig:
     shard_map_epoch: int = 0
     restore_from: str | None = None
     metrics_port: int | None = None
+    metrics_host: str = DEFAULT_METRICS_HOST
+    metrics_token_file: str | None = None
+    metrics_tls_cert: str | None = None
+    metrics_tls_key: str | None = None
     shared_memory: bool = True
     tls_cert: str | None = None
     tls_key: str | None = None

@@ -262,6 +262,13 @@ class ClusterState:
         self.epoch += 1
         return MembershipChange(rec, "left")
 
+    def credit_leases(self, stall_s: float) -> None:
+        """Extend every live lease by ``stall_s`` seconds (the server was stalled that long, so
+        no worker could be heard; a lease measures the worker's silence, not the server's)."""
+        for rec in self.workers.values():
+            if rec.live:
+                rec.lease_expiry_s += stall_s
+
     def expire(self, now: float) -> list[MembershipChange]:
         """Evict every live worker whose lease lapsed at or before ``now``.
 

@@ -24,6 +24,7 @@ from paramserver.errors import (
     KeyNotFound,
     NonFiniteGradient,
     StaleUpdate,
+    ValueOutOfRange,
 )
 from paramserver.limits import check_key, shown
 from paramserver.server.aggregation import DistributedOptimizer, GradientUpdate, Synchronous
@@ -37,7 +38,7 @@ from paramserver.server.consistency import (
 )
 from paramserver.server.observe import CoreObserver
 from paramserver.server.optimizers import UpdateRule
-from paramserver.server.store import Checked, ParameterStore
+from paramserver.server.store import Checked, ParameterStore, out_of_range
 from paramserver.server.table_set import TableSet
 from paramserver.server.tables import TableLimits
 
@@ -96,6 +97,8 @@ class ServerCore:
         self.applied_updates = 0
         self.duplicate_pushes = 0
         self.rejected_pushes = 0
+        #: BSP aggregates not applied because their result would overflow the key's dtype.
+        self.rejected_aggregates = 0
         self.dropped_stale = 0
         self._dedup: dict[str, OrderedDict[int, PushResult]] = {}
         self._release_after_step: dict[str, int] = {}
@@ -329,7 +332,13 @@ class ServerCore:
         except InvalidArgument as exc:
             # Name the pushing worker too (cases/non-finite-gradient.md), same class and code.
             self.rejected_pushes += 1
-            self.observer.dropped("non_finite" if isinstance(exc, NonFiniteGradient) else "invalid")
+            self.observer.dropped(
+                "non_finite"
+                if isinstance(exc, NonFiniteGradient)
+                else "out_of_range"
+                if isinstance(exc, ValueOutOfRange)
+                else "invalid"
+            )
             raise type(exc)(f"push from worker {rec.worker_id!r}: {exc.message}") from exc
         except Exception as exc:
             self.rejected_pushes += 1
@@ -488,6 +497,7 @@ class ServerCore:
                     {key: agg.gradient for key, agg in aggregates.items()},
                     allow_non_finite=self.config.allow_non_finite,
                 )
+                checked = self._drop_out_of_range(step, checked)
                 if self.step_applier is None:
                     self.store.apply_checked(checked)
                 else:
@@ -504,6 +514,23 @@ class ServerCore:
                 if wclock <= closed + 1:
                     self.aggregator.evict_worker(wid)
                     del self._release_after_step[wid]
+
+    def _drop_out_of_range(self, step: int, checked: list[Checked]) -> list[Checked]:
+        """A closing BSP step's aggregates less those whose result would overflow their key's
+        dtype (:func:`~paramserver.server.store.out_of_range`): each such key keeps its value
+        for this step, is counted (``rejected_aggregates``, dropped reason ``out_of_range``)
+        and logged; the other keys, the clocks and the workers' state go on as usual (the
+        pushes were acknowledged when queued, so there is no caller to refuse)."""
+        kept: list[Checked] = []
+        for entry, grad in checked:
+            refusal = out_of_range(entry, grad)
+            if refusal is None:
+                kept.append((entry, grad))
+                continue
+            self.rejected_aggregates += 1
+            self.observer.dropped("out_of_range")
+            logger.warning("BSP step %d: %s", step, refusal.message)
+        return kept
 
     # ------------------------------------------------------------------ reads
     @property

@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import InvalidArgument, StorageError, StorageFull, storage_error
+from paramserver.keepalive import SERVER_KEEPALIVE_OPTIONS
 from paramserver.memory import (
     DEFAULT_RETAIN_BYTES,
     MAX_RETAIN_BYTES,
@@ -56,6 +57,7 @@ from paramserver.server.metrics import (
     auth_refusal_counter,
     enable_reflection,
     metrics_for,
+    metrics_security,
     rpc_metrics_server,
 )
 from paramserver.server.reduction import SERVICE_NAME as REDUCTION_SERVICE_NAME
@@ -131,6 +133,7 @@ class ParameterServerDaemon:
             options=[
                 ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
                 ("grpc.so_reuseport", 0),
+                *SERVER_KEEPALIVE_OPTIONS,
             ],
         )
         self.servicer = ParameterServerServicer(engine, self)
@@ -189,7 +192,7 @@ class ParameterServerDaemon:
         interceptors: list[Any] = []
         if self.config.metrics_port is not None:
             rpc_metrics, self.metrics = rpc_metrics_server(
-                self.config.host, self.config.metrics_port
+                self.config.metrics_host, self.config.metrics_port, metrics_security(self.config)
             )
             await self._start_metrics()  # before the gRPC port (see start())
             interceptors.append(rpc_metrics)
@@ -200,6 +203,7 @@ class ParameterServerDaemon:
             options=[
                 ("grpc.max_receive_message_length", self.config.max_receive_message_bytes),
                 ("grpc.so_reuseport", 0),
+                *SERVER_KEEPALIVE_OPTIONS,
             ],
         )
         reduction = add_reduction_service(server, self.config)
@@ -590,6 +594,10 @@ def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "shard_map_epoch": args.shard_map_epoch,
         "restore_from": args.restore_from,
         "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host,
+        "metrics_token_file": args.metrics_token_file,
+        "metrics_tls_cert": args.metrics_tls_cert,
+        "metrics_tls_key": args.metrics_tls_key,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "tls_ca": args.tls_ca,
@@ -756,9 +764,22 @@ def add_subcommands(sub: Any) -> None:
     g.add_argument(
         "--metrics-port",
         type=int,
-        help="serve Prometheus metrics (/metrics) and the dashboard (/) on this port of --host "
-        "(0 = ephemeral; the bound port is logged: 'metrics on http://HOST:PORT/metrics')",
+        help="serve Prometheus metrics (/metrics) and the dashboard (/) on this port of "
+        "--metrics-host (0 = ephemeral; the bound port is logged: "
+        "'metrics on http://HOST:PORT/metrics')",
     )
+    g.add_argument(
+        "--metrics-host",
+        help="interface of the metrics endpoint (default 127.0.0.1, loopback only; 0.0.0.0 "
+        "exposes it, e.g. to a Prometheus in another container)",
+    )
+    g.add_argument(
+        "--metrics-token-file",
+        help="file holding a bearer token every metrics request must present "
+        "(Authorization: Bearer TOKEN; others get 401)",
+    )
+    g.add_argument("--metrics-tls-cert", help="PEM certificate: serve the metrics over HTTPS")
+    g.add_argument("--metrics-tls-key", help="PEM private key of --metrics-tls-cert")
     add_server_security_flags(p)
     r = p.add_argument_group("reduction server (--mode reduce)")
     r.add_argument(

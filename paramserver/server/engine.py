@@ -165,6 +165,9 @@ class ServerEngine(LeaseReaperBase):
         self.offload.close()
         await super().stop()
 
+    def _credit_stall(self, stall_s: float) -> None:
+        self.core.cluster.credit_leases(stall_s)
+
     async def _reap(self) -> None:
         if self.storage_failure is not None:
             return  # serving nothing; a restart replays the log

@@ -41,6 +41,7 @@ from google.protobuf.message import DecodeError
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import MalformedStream, Unauthenticated
+from paramserver.security import CALLER_WORKER_NAME
 from paramserver.server.observe import CURRENT_RPC
 from paramserver.server.session_service import error_response
 
@@ -55,11 +56,16 @@ TICKET_TTL_S = 30.0
 LOCAL_LINK_RPC = "LocalLink"
 #: Most tickets outstanding at once (a client asking again and again cannot grow the table).
 MAX_TICKETS = 4096
+#: Most tickets outstanding per worker id: a worker asking for more replaces its own oldest,
+#: so no worker can evict another worker's ticket by asking again and again.
+MAX_TICKETS_PER_WORKER = 4
 #: Seconds a new connection has to present its ticket.
 OPEN_DEADLINE_S = 10.0
 #: Largest frame (bytes) a connection may send before its ticket is redeemed: an open.
 PRE_TICKET_FRAME_BYTES = 4096
-#: Most connections at once that have not presented a ticket yet (more are closed at once).
+#: Most connections at once that have not presented a ticket yet. One more closes the *oldest*
+#: of them, never the newcomer: a worker presents its ticket at once, so a local process holding
+#: idle connections cannot keep a ticketed worker off the link.
 MAX_UNREDEEMED = 64
 #: Frames parsed ahead of the handler before the socket stops being read (back-pressure).
 _MAX_QUEUED = 8
@@ -302,10 +308,13 @@ class LocalLinkServer:
         self.max_frame_bytes = max_frame_bytes
         self.address = f"@paramserver-{os.getpid()}-{secrets.token_hex(8)}"
         #: ticket -> (worker id, loop time it expires)
-        self._tickets: dict[bytes, tuple[str, float]] = {}
+        #: ticket -> (worker id, loop time it expires, worker name its token is bound to)
+        self._tickets: dict[bytes, tuple[str, float, str | None]] = {}
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
         self._unredeemed = 0  # connections that have not presented a valid ticket yet
+        #: Those connections, oldest first (the one closed when a newcomer exceeds the cap).
+        self._waiting: dict[_Connection, None] = {}
         #: Sessions served over the link so far, and refused connections (for tests/status).
         self.links_opened = 0
         self.links_refused = 0
@@ -327,17 +336,24 @@ class LocalLinkServer:
         """A fresh single-use ticket for ``worker_id`` (expired ones are dropped first)."""
         now = asyncio.get_running_loop().time()
         tickets = self._tickets
+        own = [t for t, (wid, _, _) in tickets.items() if wid == worker_id]
+        for t in own[: max(0, len(own) - MAX_TICKETS_PER_WORKER + 1)]:  # its own oldest
+            del tickets[t]
         if len(tickets) >= MAX_TICKETS // 2:
-            for t in [t for t, (_, exp) in tickets.items() if exp <= now]:
+            for t in [t for t, (_, exp, _) in tickets.items() if exp <= now]:
                 del tickets[t]
-            while len(tickets) >= MAX_TICKETS:  # oldest first (dicts keep insertion order)
-                del tickets[next(iter(tickets))]
+            while len(tickets) >= MAX_TICKETS:  # the oldest of the worker holding the most
+                counts = collections.Counter(wid for wid, _, _ in tickets.values())
+                greedy = counts.most_common(1)[0][0]
+                del tickets[next(t for t, (wid, _, _) in tickets.items() if wid == greedy)]
         ticket = secrets.token_bytes(16)
-        tickets[ticket] = (worker_id, now + TICKET_TTL_S)
+        # The identity of the token that asked (per-worker tokens) holds on the link too.
+        tickets[ticket] = (worker_id, now + TICKET_TTL_S, CALLER_WORKER_NAME.get())
         return pb.LocalLink(address=self.address, ticket=ticket)
 
     def _redeem(self, req: Any) -> str | None:
-        """Why the first message is refused (None: a valid ticket, now spent)."""
+        """Why the first message is refused (None: a valid ticket, now spent; the identity of
+        the token it was issued to then holds for this connection's task)."""
         if req is grpc.aio.EOF:
             return "closed before presenting a ticket"
         if req.WhichOneof("body") != "open" or not req.open.local_ticket:
@@ -345,11 +361,12 @@ class LocalLinkServer:
         entry = self._tickets.pop(req.open.local_ticket, None)
         if entry is None:
             return "unknown or already used local-link ticket"
-        worker_id, expires = entry
+        worker_id, expires, bound = entry
         if asyncio.get_running_loop().time() > expires:
             return "expired local-link ticket"
         if worker_id != req.open.worker_id:
             return "local-link ticket issued to another worker id"
+        CALLER_WORKER_NAME.set(bound)
         return None
 
     async def _serve(self, conn: _Connection) -> None:
@@ -357,14 +374,18 @@ class LocalLinkServer:
         CURRENT_RPC.set(LOCAL_LINK_RPC)
         self._connections.add(conn)
         self._unredeemed += 1
+        self._waiting[conn] = None
         redeemed = False
         try:
-            if self._unredeemed > MAX_UNREDEEMED:
+            if len(self._waiting) > MAX_UNREDEEMED:
+                oldest = next(iter(self._waiting))
+                del self._waiting[oldest]
                 self.links_refused += 1
                 logger.warning(
-                    "local link refused: %d connections without a ticket", MAX_UNREDEEMED
+                    "local link: %d connections without a ticket; the oldest is closed",
+                    MAX_UNREDEEMED,
                 )
-                return
+                oldest.abort()
             try:
                 first = await asyncio.wait_for(conn.read(), OPEN_DEADLINE_S)
             except TimeoutError:
@@ -379,6 +400,7 @@ class LocalLinkServer:
                 return
             redeemed = True
             self._unredeemed -= 1
+            self._waiting.pop(conn, None)
             conn.redeemed(self.max_frame_bytes)
             self.links_opened += 1
             await self.sessions.serve(_prepend(first, conn.read), conn.write)
@@ -394,6 +416,7 @@ class LocalLinkServer:
         finally:
             if not redeemed:
                 self._unredeemed -= 1
+                self._waiting.pop(conn, None)
             self._connections.discard(conn)
             conn._close()
 

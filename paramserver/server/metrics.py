@@ -53,6 +53,7 @@ from paramserver.errors import Unavailable
 from paramserver.security import bind_failure_reason
 from paramserver.server.dashboard import ASSETS, Dashboard, asset
 from paramserver.server.engine import ServerEngine
+from paramserver.server.http_security import HttpSecurity, authorized, unauthorized_response
 from paramserver.server.observe import CURRENT_RPC, BucketCounts, ServingHooks
 from paramserver.server.table_metrics import TableCollector
 
@@ -370,7 +371,7 @@ class CoreCollector(Collector):
             "paramserver_dropped_updates",
             "Pushes (or queued BSP gradients) not applied, by reason: duplicate, stale "
             "(ASP max_staleness), stale_step, non_finite, invalid, unknown_key, aborted_step, "
-            "rejected",
+            "out_of_range, rejected",
             labels=[*names, "reason"],
         )
         for reason, n in obs.dropped_by_reason.items():
@@ -552,12 +553,15 @@ class MetricsServer:
         host: str,
         port: int,
         dashboard: Dashboard | None = None,
+        security: HttpSecurity | None = None,
     ) -> None:
         self.registry = registry
         self.host = host
         self.port = port
         #: The page and JSON at ``/`` and ``/api/status`` (RPC counts only, when not given).
         self.dashboard = dashboard if dashboard is not None else Dashboard("reduce", registry)
+        #: TLS and bearer token of the endpoint (:mod:`paramserver.server.http_security`).
+        self.security = security
         self._server: asyncio.Server | None = None
 
     async def _route(self, method: str, path: str, query: str = "") -> tuple[str, str, bytes]:
@@ -585,7 +589,11 @@ class MetricsServer:
         """
         try:
             self._server = await asyncio.start_server(
-                self._handle, self.host, self.port, limit=MAX_REQUEST_LINE_BYTES
+                self._handle,
+                self.host,
+                self.port,
+                limit=MAX_REQUEST_LINE_BYTES,
+                ssl=self.security.ssl_context() if self.security is not None else None,
             )
         except OSError as exc:
             address = f"{self.host}:{self.port}"
@@ -594,10 +602,13 @@ class MetricsServer:
             ) from None
         self.port = int(self._server.sockets[0].getsockname()[1])
         await self.dashboard.start()
+        scheme = "https" if self.security is not None and self.security.tls_cert else "http"
         logger.info(
-            "metrics on http://%s:%d/metrics, dashboard on http://%s:%d/",
+            "metrics on %s://%s:%d/metrics, dashboard on %s://%s:%d/",
+            scheme,
             self.host,
             self.port,
+            scheme,
             self.host,
             self.port,
         )
@@ -614,10 +625,12 @@ class MetricsServer:
         try:
             try:
                 request = await asyncio.wait_for(reader.readline(), 10.0)
-                for _ in range(MAX_HEADER_LINES):  # skip the headers (bounded)
+                headers: list[bytes] = []
+                for _ in range(MAX_HEADER_LINES):  # read the headers (bounded)
                     line = await asyncio.wait_for(reader.readline(), 10.0)
                     if line in (b"\r\n", b"\n", b""):
                         break
+                    headers.append(line)
             except ValueError:  # a line over MAX_REQUEST_LINE_BYTES (StreamReader's limit)
                 peer = writer.get_extra_info("peername")
                 logger.warning(
@@ -641,6 +654,10 @@ class MetricsServer:
                     async with asyncio.timeout(1.0):
                         while await reader.read(65536):
                             pass
+                return
+            if not authorized(self.security, headers):
+                writer.write(unauthorized_response())
+                await writer.drain()
                 return
             parts = request.decode("latin-1").split()
             method = parts[0] if parts else ""
@@ -681,11 +698,13 @@ def auth_refusal_counter(registry: CollectorRegistry) -> Callable[[str, str], No
     return count
 
 
-def rpc_metrics_server(host: str, port: int) -> tuple[RpcMetrics, MetricsServer]:
+def rpc_metrics_server(
+    host: str, port: int, security: HttpSecurity | None = None
+) -> tuple[RpcMetrics, MetricsServer]:
     """RPC counts and durations of any ``grpc.aio`` server (the interceptor) and an (unstarted)
     endpoint exposing them, in a registry of their own (``--mode reduce``)."""
     registry = CollectorRegistry()
-    return RpcMetrics(registry), MetricsServer(registry, host, port)
+    return RpcMetrics(registry), MetricsServer(registry, host, port, security=security)
 
 
 def new_registry(
@@ -709,4 +728,16 @@ def metrics_for(
     if cfg.metrics_port is None:
         return [], None
     registry, interceptor = new_registry(engine, transport)
-    return [interceptor], MetricsServer(registry, cfg.host, cfg.metrics_port)
+    return [interceptor], MetricsServer(
+        registry, cfg.metrics_host, cfg.metrics_port, security=metrics_security(cfg)
+    )
+
+
+def metrics_security(cfg: Any) -> HttpSecurity | None:
+    """The metrics endpoint's TLS and token from a config's ``metrics_token_file``,
+    ``metrics_tls_cert`` and ``metrics_tls_key`` (None when none is set)."""
+    return HttpSecurity.from_files(
+        getattr(cfg, "metrics_token_file", None),
+        getattr(cfg, "metrics_tls_cert", None),
+        getattr(cfg, "metrics_tls_key", None),
+    )

@@ -101,6 +101,7 @@ DROP_REASONS = (
     "invalid",  # wrong dtype/shape or another malformed gradient
     "unknown_key",  # a key never declared
     "aborted_step",  # BSP step aborted by fail_fast: its queued gradients dropped
+    "out_of_range",  # an update (or BSP aggregate) whose result overflows the key's dtype
     "rejected",  # any other refusal
 )
 

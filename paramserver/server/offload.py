@@ -46,16 +46,22 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.errors import Unavailable, WaitTimeout
+from paramserver.errors import Unavailable, ValueOutOfRange, WaitTimeout
 from paramserver.server.store import Checked, ParameterStore, count_non_finite
 
-__all__ = ["OFFLOAD_MIN_BYTES", "KeyGate", "Offload", "Reservation"]
+__all__ = ["OFFLOAD_MIN_BYTES", "OFFLOAD_MIN_KEYS", "KeyGate", "Offload", "Reservation"]
 
 logger = logging.getLogger(__name__)
 
 OFFLOAD_MIN_BYTES: int = 8 << 20  # ServerConfig.offload_min_bytes's default
 """Gradients (summed over one push) and pull snapshots of at least this many bytes run in a
 worker thread; smaller ones run inline on the loop (a thread hop costs more than they do)."""
+
+OFFLOAD_MIN_KEYS: int = 1024
+"""Pushes of at least this many keys run their NaN/Inf scan and apply in a worker thread
+whatever their size: the per-key work of a 100,000-key push would otherwise hold the event loop
+for seconds (heartbeats unread, leases lapsing). The thread shares the GIL with the loop, which
+gets it back every switch interval (5 ms by default), so the loop keeps serving."""
 
 #: Longest a push waits for a checkpoint's quiet period before it is refused (UNAVAILABLE).
 ADMIT_WAIT_S = 60.0
@@ -226,6 +232,8 @@ class Offload:
     def worth_a_thread(self, grads: Mapping[str, np.ndarray]) -> bool:
         """The gradients are big enough (in total) for :meth:`all_finite` to scan them in a
         worker thread; below that it returns False at once."""
+        if len(grads) >= OFFLOAD_MIN_KEYS:
+            return True
         return sum(int(getattr(a, "nbytes", 0)) for a in grads.values()) >= self.min_bytes
 
     async def all_finite(self, grads: Mapping[str, np.ndarray]) -> bool:
@@ -237,7 +245,7 @@ class Offload:
         arrays = list(grads.values())
         if not all(isinstance(a, np.ndarray) for a in arrays):
             return False
-        if sum(int(a.nbytes) for a in arrays) < self.min_bytes:
+        if len(arrays) < OFFLOAD_MIN_KEYS and sum(int(a.nbytes) for a in arrays) < self.min_bytes:
             return False
         pool = self._executor()
         loop = asyncio.get_running_loop()
@@ -254,6 +262,8 @@ class Offload:
         """
         loop = asyncio.get_running_loop()
         nbytes = sum(int(grad.nbytes) for _, grad in checked)
+        if len(checked) >= OFFLOAD_MIN_KEYS:
+            nbytes = max(nbytes, self.min_bytes)  # many keys: a thread, whatever the bytes
         if nbytes < self.min_bytes and self.gate.idle(entry.key for entry, _ in checked):
             # Small, and no earlier holder of these keys is unfinished: apply inline, now.
             # No reservation is needed: nothing else runs on the loop before this returns
@@ -282,6 +292,9 @@ class Offload:
                 await _in_thread(self._executor(), ParameterStore.apply_checked, checked)
             else:
                 ParameterStore.apply_checked(checked)
+        except ValueOutOfRange as exc:  # refused whole at apply time: nothing applied
+            logger.warning("%s", exc.message)
+            raise
         except Exception:
             logger.exception(
                 "applying a push to key(s) %s failed", ", ".join(repr(k) for k in res.keys)

@@ -638,3 +638,64 @@ def _apply_whole(
     _STEPS[rule.kind](rule, work, g, st, s, t)
     if work is not param:
         np.copyto(param, work, casting="unsafe")
+
+
+# ------------------------------------------------------------------ storage range (overflow)
+_HALF_STORAGE: Final[tuple[np.dtype[Any], ...]] = FLOAT_DTYPES[:2]
+
+
+def storage_range(dtype: np.dtype[Any]) -> float:
+    """Largest finite magnitude of a floating storage ``dtype`` (65504 for float16)."""
+    return float(ml_dtypes.finfo(dtype).max)  # type: ignore[no-untyped-call]
+
+
+def overflowing_elements(
+    rule: UpdateRule, param: Array, grad: Array, state: Mapping[str, Array]
+) -> int:
+    """Elements that :func:`apply_update` would turn non-finite although the parameter element
+    and the gradient element are finite: a result outside the storage dtype's range.
+
+    Nothing is modified: the update is computed block by block on copies (block-sized
+    temporaries). Checked where the arithmetic is wider than the storage, which is where a
+    finite result can overflow on the final cast: float16/bfloat16 parameters under every rule
+    (the rules compute in float32), and ``assign``/``add`` of an aggregate wider than the
+    parameter (float64 into float32). Same-dtype float32/float64 arithmetic is not checked.
+
+    Args:
+        rule, param, grad, state: As for :func:`apply_update`.
+
+    Returns:
+        The number of such elements (0: the update stays in range).
+    """
+    if param.dtype not in FLOAT_DTYPES or param.size == 0:
+        return 0
+    half = param.dtype in _HALF_STORAGE
+    if not half and (
+        grad.dtype.itemsize <= param.dtype.itemsize or rule.kind not in ("assign", "add")
+    ):
+        return 0
+    flat_p = param.reshape(-1)
+    flat_g = grad.reshape(-1)
+    names = [name for name in state if name != "step"]
+    flat_state = {name: state[name].reshape(-1) for name in names}
+    t = int(state["step"]) + 1 if "step" in state else 0
+    work = np.dtype(np.float64) if grad.dtype == np.float64 else np.dtype(np.float32)
+    bad = 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for start in range(0, flat_p.size, BLOCK_ELEMENTS):
+            stop = min(start + BLOCK_ELEMENTS, flat_p.size)
+            p0 = flat_p[start:stop]
+            g = flat_g[start:stop]
+            if rule.kind == "assign":
+                out = g.astype(work)
+            elif rule.kind == "add":
+                out = p0.astype(work) + g.astype(work)
+            else:
+                out = p0.astype(np.float32)
+                st = {name: a[start:stop].copy() for name, a in flat_state.items()}
+                scratch = [np.empty_like(out), np.empty_like(out)]
+                _STEPS[rule.kind](rule, out, g.astype(np.float32), st, scratch, t)
+            stored = out.astype(param.dtype)
+            inputs_finite = np.isfinite(p0) & np.isfinite(g)
+            bad += int(np.count_nonzero(inputs_finite & ~np.isfinite(stored)))
+    return bad

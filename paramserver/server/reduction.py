@@ -616,6 +616,9 @@ class ReductionEngine(LeaseReaperBase):
             reject_non_finite=not config.allow_non_finite,
         )
 
+    def _credit_stall(self, stall_s: float) -> None:
+        self.coordinator.optimizer.credit_stall(stall_s)
+
     async def _reap(self) -> None:
         if self.coordinator.expire(self.now()):
             self.notify()

@@ -34,10 +34,12 @@ from paramserver.errors import (
     ParamServerError,
 )
 from paramserver.limits import cut_details, shown
+from paramserver.security import check_worker_identity
 from paramserver.server import wal
 from paramserver.server.consistency import Consistency
 from paramserver.server.cut import shard_map_of
 from paramserver.server.decompress import Encoded, decode
+from paramserver.server.early_refusal import announce_refusal, drain_request_stream
 from paramserver.server.engine import InflightTicket, ServerEngine
 from paramserver.server.observe import observed_admit, observed_push, observed_snapshot
 from paramserver.server.optimizers import UpdateRule
@@ -97,32 +99,14 @@ def grpc_errors(fn: F) -> F:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
+            await announce_refusal(context, request, exc)  # the client stops writing at once
             await _drain_request_stream(request)
             await _abort(context, exc, name)
 
     return wrapper  # type: ignore[return-value]
 
 
-#: Longest a refused client-streaming call keeps reading (and discarding) the client's frames.
-_DRAIN_S = 10.0
-
-
-async def _drain_request_stream(request: Any) -> None:
-    """Read and discard the rest of a client stream (Init, Push) before refusing it.
-
-    A status sent while the client is still writing can reach a grpc.aio client as INTERNAL
-    "Internal error from Core" instead of the real code (grpc/grpc#36066), e.g. a malformed
-    frame found early in a large push; so the stream is read to its end first, for at most
-    ``_DRAIN_S`` seconds. Unary requests (protobuf messages) are left alone.
-    """
-    if not hasattr(request, "__aiter__"):
-        return
-    try:
-        async with asyncio.timeout(_DRAIN_S):
-            async for _ in request:
-                pass
-    except Exception:  # a broken or cancelled stream, or the time ran out: refuse now
-        return
+_drain_request_stream = drain_request_stream  # (see paramserver.server.early_refusal)
 
 
 def _rss_bytes() -> int:
@@ -207,6 +191,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
+        check_worker_identity(request.worker_name)  # (per-worker tokens: docs/security.md)
         self.engine.check_serving()
         seq = 0
 
@@ -242,6 +227,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        check_worker_identity(request.worker_id)
         self.core.heartbeat(request.worker_id, self.engine.now())
         return pb.HeartbeatResponse(lease_ms=self.engine.config.lease_ms, view=self._view())
 
@@ -255,6 +241,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
                 wal_pb.WalRecord(depart=wal_pb.WalDepart(worker_id=request.worker_id, why="left"))
             )
 
+        check_worker_identity(request.worker_id)
         self.engine.check_serving()
         change = self.core.leave(request.worker_id, log=log)
         self.engine.notify()
@@ -444,6 +431,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         """
         if not worker_id:
             raise InvalidArgument("push header needs a worker_id")
+        check_worker_identity(worker_id)
         if not grads:
             raise InvalidArgument("a push needs at least one gradient; it carried none")
         offload = self.engine.offload
@@ -533,6 +521,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         Raises:
             KeyNotFound (NOT_FOUND), WaitTimeout (DEADLINE_EXCEEDED), Aborted (ABORTED).
         """
+        check_worker_identity(worker_id)
         key_list = self.core.require_keys(keys)
         wait_ms = timeout_ms or self.engine.config.wait_timeout_ms
         await self.engine.wait_pull(worker_id, wait_ms / 1000.0)
@@ -602,6 +591,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
+        check_worker_identity(request.worker_id)
         seq = 0
 
         def log() -> None:

@@ -29,7 +29,9 @@ from paramserver import shm, tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
+from paramserver.security import check_worker_identity
 from paramserver.server.engine import InflightTicket
+from paramserver.server.slicing import SLICE_KEYS
 
 if TYPE_CHECKING:
     from paramserver.server.local_link import LocalLinkServer
@@ -159,6 +161,7 @@ class SessionService:
 
     # ------------------------------------------------------------------ negotiation
     def _open(self, session: _Session, req: pb.SessionRequest) -> pb.SessionResponse:
+        check_worker_identity(req.open.worker_id)
         session.worker_id = req.open.worker_id
         opened = pb.SessionOpened(max_inline_bytes=self.max_inline_bytes)
         if req.open.HasField("shm"):
@@ -224,15 +227,19 @@ class SessionService:
             err = ParamServerError(f"internal error in Session: {exc!r}")
             return error_response(req.seq, err)
 
-    def _decode(
+    async def _decode(
         self, session: _Session, tensors: Sequence[pb.SessionTensor], ticket: Any
     ) -> dict[str, np.ndarray]:
         """Gradients of a push: inline bytes copied into writeable arrays, shared-memory slots
-        as views of the push region (checked against it first)."""
+        as views of the push region (checked against it first). Yields to the event loop
+        every :data:`~paramserver.server.slicing.SLICE_KEYS` tensors, so a push of many keys
+        never holds the loop (heartbeats, other workers) for long."""
         out: dict[str, np.ndarray] = {}
         limit = self.servicer.engine.config.max_tensor_bytes
         keep_copies = self.servicer.core.aggregator is not None  # BSP queues the arrays
-        for t in tensors:
+        for i, t in enumerate(tensors):
+            if i and not i % SLICE_KEYS:
+                await asyncio.sleep(0)
             key = t.key
             if not key:
                 raise MalformedStream("Session tensor with an empty key")
@@ -275,7 +282,7 @@ class SessionService:
         ticket = InflightTicket(self.servicer.engine.backpressure)
         try:
             ticket.enter(header.worker_id)
-            grads = self._decode(session, push.tensors, ticket)
+            grads = await self._decode(session, push.tensors, ticket)
             return await self.servicer.apply_push_header(header, grads)
         finally:
             ticket.release()
@@ -329,7 +336,7 @@ class SessionService:
         try:
             if req.push:
                 ticket.enter(header.worker_id)
-            arrays = self._decode(session, tensors, ticket)
+            arrays = await self._decode(session, tensors, ticket)
             ids = arrays["ids"]
             if ids.dtype != np.int64 or ids.ndim != 1:
                 raise InvalidArgument(

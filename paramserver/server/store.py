@@ -27,6 +27,7 @@ from paramserver.errors import (
     KeyConflict,
     KeyNotFound,
     NonFiniteGradient,
+    ValueOutOfRange,
 )
 from paramserver.limits import check_key, shown
 from paramserver.server.optimizers import (
@@ -36,6 +37,8 @@ from paramserver.server.optimizers import (
     UpdateRule,
     apply_update,
     init_state,
+    overflowing_elements,
+    storage_range,
 )
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "Entry",
     "ParameterStore",
     "count_non_finite",
+    "out_of_range",
 ]
 
 # A numpy scalar (what numpy reductions return for ``()`` shapes) is taken as a 0-d array.
@@ -130,6 +134,22 @@ def count_non_finite(grad: Array) -> int:
     for start in range(0, flat.size, BLOCK_ELEMENTS):
         finite += int(np.count_nonzero(np.isfinite(flat[start : start + BLOCK_ELEMENTS])))
     return int(flat.size - finite)
+
+
+def out_of_range(entry: Entry, grad: Array) -> ValueOutOfRange | None:
+    """The refusal of an update of ``entry`` by ``grad`` whose finite result would not fit the
+    key's dtype (see :func:`~paramserver.server.optimizers.overflowing_elements`), or None.
+
+    The error names the key, the rule, the element count and the dtype's range.
+    """
+    bad = overflowing_elements(entry.rule, entry.value, grad, entry.state)
+    if not bad:
+        return None
+    limit = storage_range(entry.value.dtype)
+    return ValueOutOfRange(
+        f"update of key {entry.key!r} (rule {entry.rule.kind!r}) would put {bad} element(s) "
+        f"outside the range of {entry.value.dtype} [-{limit:g}, {limit:g}]; nothing applied"
+    )
 
 
 class ParameterStore:
@@ -349,7 +369,7 @@ class ParameterStore:
         entry, array = self._validate(
             key, grad, allow_non_finite=allow_non_finite, allow_aggregate=True
         )
-        entry.apply(array)
+        self.apply_checked([(entry, array)])
 
     def apply_many(
         self, grads: Mapping[str, ArrayOrScalar], *, allow_non_finite: bool = False
@@ -400,7 +420,17 @@ class ParameterStore:
 
         Touches only the entries' arrays (never the key table), so it may run in a worker
         thread while no one else reads or writes those keys.
+
+        Raises:
+            ValueOutOfRange: (INVALID_ARGUMENT) an update's result would overflow its key's
+                dtype (:func:`out_of_range`); checked for every key before any is applied, so
+                nothing is applied.
         """
+        checked = list(checked)
+        for entry, grad in checked:
+            refusal = out_of_range(entry, grad)
+            if refusal is not None:
+                raise refusal
         for entry, grad in checked:
             entry.apply(grad)
 

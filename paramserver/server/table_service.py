@@ -28,6 +28,7 @@ from paramserver.errors import (
     Unavailable,
     WaitTimeout,
 )
+from paramserver.security import check_worker_identity
 from paramserver.server.engine import ServerEngine
 from paramserver.server.table_wal import record_expire_rows, record_init_table, record_push_rows
 from paramserver.server.tables import EmbeddingTable
@@ -149,6 +150,7 @@ class TableRpcs:
     async def pull_decoded(self, header: Any, ids: np.ndarray) -> tuple[Any, np.ndarray]:
         """A row pull of decoded ``ids`` (every transport shares it): checks, the table's
         consistency wait, then the rows. Returns (PullRowsInfo, rows (n, dim))."""
+        check_worker_identity(header.worker_id)
         table = self._check_header(header, push=False, n=int(ids.shape[0]))
         checked = table.check_ids(ids)
         await self._wait_rows(header.worker_id, table.spec.name, int(header.timeout_ms))
@@ -180,6 +182,7 @@ class TableRpcs:
     async def push_decoded(self, header: Any, ids: np.ndarray, grads: np.ndarray) -> Any:
         """A row push of decoded arrays (every transport shares it): validate fully, log,
         apply, make durable, acknowledge. Returns the PushRowsResponse."""
+        check_worker_identity(header.worker_id)
         table = self._check_header(header, push=True, n=int(ids.shape[0]))
         engine = self.engine
         core = engine.core

@@ -41,6 +41,9 @@ class LeaseReaperBase(ABC):
         self._reaper: asyncio.Task[None] | None = None
         #: Set at graceful shutdown: waits end at once with UNAVAILABLE.
         self.shutting_down = False
+        #: Reaper ticks that found this server stalled, and the seconds credited to leases.
+        self.stalls = 0
+        self.stalled_s = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -68,10 +71,42 @@ class LeaseReaperBase(ABC):
     async def _reap(self) -> None:
         """One sweep: evict the workers whose lease lapsed at ``self.now()`` (and notify)."""
 
+    @abstractmethod
+    def _credit_stall(self, stall_s: float) -> None:
+        """Extend every live lease by ``stall_s`` seconds: the server itself could not hear
+        anyone for that long (see :meth:`_reap_forever`)."""
+
     async def _reap_forever(self) -> None:
+        """Sweep every tick; a tick that runs late is a server stall, not the workers' silence.
+
+        When a tick wakes more than one tick late, this process did not run for that long
+        (SIGSTOP, a long GC or disk stall, a request that held the loop): heartbeats sent
+        meanwhile are still waiting in the sockets. Leases measure a worker's silence, not
+        the server's, so every live lease is extended by the lateness
+        (:meth:`_credit_stall`) and the sweep is skipped for this tick, which lets the loop read
+        the backlog first. A worker is evicted only after ``lease_ms`` of its own silence.
+        """
+        loop = asyncio.get_running_loop()
         tick_s = min(self.config.lease_ms / 1000.0 / 8.0, 0.25)
+        lease_s = self.config.lease_ms / 1000.0
+        due = loop.time() + tick_s
         while True:
-            await asyncio.sleep(tick_s)
+            await asyncio.sleep(max(due - loop.time(), 0.0))
+            late_s = loop.time() - due
+            if late_s > tick_s:
+                self.stalls += 1
+                self.stalled_s += late_s
+                self._credit_stall(late_s)
+                self._reaper_logger.log(
+                    logging.WARNING if late_s > lease_s / 4 else logging.DEBUG,
+                    "%s: this server did not run for %.3f s (stalled); every lease is "
+                    "extended by that much and the sweep waits a tick for the heartbeats",
+                    self._reaper_label,
+                    late_s,
+                )
+                due = loop.time() + tick_s
+                continue
+            due = loop.time() + tick_s
             try:
                 await self._reap()
             except Exception:  # pragma: no cover - a bug; keep serving

@@ -10,11 +10,24 @@ Python's salted ``hash()``::
     H(tokens, parent) = u64_le( BLAKE2b-64( person = b"paramserver-seq1",
                                             data   = tag || prefix || len || body ) )
 
-    tag    = b"T" for token ids, b"B" for raw bytes (content hashes)
+    tag    = b"T" for token ids, b"B" for raw bytes, b"A" for arrays (content hashes)
     prefix = b"\\x00"                          for the first block of a sequence (no parent)
              b"\\x01" || u64_le(parent)        otherwise
     len    = u64_le(number of tokens)         (or of bytes for content hashes)
     body   = each token id as u64 little-endian, in order (or the raw bytes)
+
+An array's content hash (tag ``b"A"``) hashes its *logical* value, never its memory: ``len`` is
+the byte count of its element data and ``body`` is its canonical encoding::
+
+    body = u64_le(len(name)) || name || u64_le(ndim) || u64_le(dim) for each dim || data
+
+    name = the dtype's name in ASCII ("float32", "int64", "bfloat16", "bool", ...)
+    data = the elements in little-endian byte order, C (row-major) order
+
+so a big-endian or Fortran-ordered copy of an array has the same key as the original, while
+equal bytes of another dtype or shape (the zeros of float32 (4,), int32 (4,) and float32 (2, 2))
+get distinct keys. Bytes-like input keeps the raw-bytes definition (tag ``b"B"``), so keys of
+byte strings stored by earlier versions are unchanged.
 
 ``u64_le`` is the 8-byte little-endian encoding; the 8-byte digest read little-endian is the
 hash, an integer in ``[0, 2**64)``. Object keys are ``"{rank}/{sequence_hash:016x}"``.
@@ -24,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -67,7 +81,9 @@ def _encode_tokens(token_ids: TokenIds) -> bytes:
     return np.array(values, dtype="<u8").tobytes()
 
 
-def _digest(tag: bytes, parent_hash: int | None, length: int, body: bytes | memoryview) -> int:
+def _digest(
+    tag: bytes, parent_hash: int | None, length: int, *body: bytes | bytearray | memoryview
+) -> int:
     h = hashlib.blake2b(digest_size=8, person=HASH_PERSON)
     h.update(tag)
     if parent_hash is None:
@@ -77,7 +93,8 @@ def _digest(tag: bytes, parent_hash: int | None, length: int, body: bytes | memo
             raise InvalidArgument(f"parent hash must lie in [0, 2**64), got {parent_hash}")
         h.update(b"\x01" + parent_hash.to_bytes(8, "little"))
     h.update(length.to_bytes(8, "little"))
-    h.update(body)
+    for part in body:
+        h.update(part)
     return int.from_bytes(h.digest(), "little")
 
 
@@ -128,18 +145,65 @@ def sequence_hashes(
     return out
 
 
-def content_hash(data: bytes | bytearray | memoryview, parent_hash: int | None = None) -> int:
-    """Sequence hash of a block known only by its bytes (domain-separated from token hashes).
+def content_hash(
+    data: bytes | bytearray | memoryview | npt.NDArray[Any], parent_hash: int | None = None
+) -> int:
+    """Sequence hash of a block known only by its contents (domain-separated from token hashes).
+
+    Byte strings are hashed as they are. Arrays (and typed buffers, e.g. a ``memoryview`` of an
+    array) are hashed by a canonical encoding of their logical value — dtype name, shape and the
+    elements as little-endian C-order bytes (module docstring) — so byte order and memory layout
+    never change the key, and dtype and shape always do.
 
     Args:
-        data: the block's raw bytes.
+        data: the block: ``bytes``, ``bytearray``, a byte ``memoryview``, or a numpy array of a
+            numeric dtype (bool, integers, floats, complex, ``ml_dtypes`` floats such as
+            bfloat16), any shape, any byte order, any memory layout.
         parent_hash: hash of the previous block, or ``None``.
 
     Returns:
         An integer in ``[0, 2**64)``.
+
+    Raises:
+        InvalidArgument: ``data`` is neither bytes-like nor an array, or the array's dtype has
+            no canonical encoding (object, string, datetime, structured) (INVALID_ARGUMENT).
     """
-    view = memoryview(data).cast("B")
-    return _digest(b"B", parent_hash, view.nbytes, view)
+    if isinstance(data, bytes | bytearray):
+        return _digest(b"B", parent_hash, len(data), data)
+    if isinstance(data, memoryview):
+        if data.format in ("B", "b", "c") and data.ndim <= 1 and data.contiguous:
+            view = data.cast("B")
+            return _digest(b"B", parent_hash, view.nbytes, view)
+        try:
+            data = np.asarray(data)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"content_hash: unsupported buffer ({exc})") from None
+    if not isinstance(data, np.ndarray):
+        raise InvalidArgument(
+            f"content_hash takes bytes, bytearray, memoryview or a numpy array, "
+            f"got {type(data).__name__}"
+        )
+    name, elements = _canonical_array(data)
+    header = bytearray(len(name).to_bytes(8, "little") + name)
+    header += data.ndim.to_bytes(8, "little")
+    for dim in data.shape:
+        header += int(dim).to_bytes(8, "little")
+    return _digest(b"A", parent_hash, elements.nbytes, bytes(header), elements)
+
+
+def _canonical_array(arr: npt.NDArray[Any]) -> tuple[bytes, memoryview]:
+    """(dtype name, little-endian C-order element bytes) of ``arr``."""
+    dtype = arr.dtype
+    extension = dtype.type.__module__.startswith("ml_dtypes")
+    if dtype.fields is not None or (dtype.kind not in "biufc" and not extension):
+        raise InvalidArgument(
+            f"content_hash: dtype {dtype} has no canonical encoding "
+            "(use a bool, integer, float or complex array, or bytes)"
+        )
+    little = dtype.newbyteorder("<")
+    canon = np.asarray(arr.astype(little, order="C", copy=False))
+    flat = canon.reshape(-1).view(np.uint8)  # astype(order="C") is C-contiguous: a view
+    return little.name.encode("ascii"), flat.data.cast("B")
 
 
 def object_key(rank: int, seq_hash: int) -> str:

@@ -63,6 +63,7 @@ from paramserver.errors import (
     ResourceExhausted,
     from_rpc_error,
 )
+from paramserver.keepalive import SERVER_KEEPALIVE_OPTIONS
 from paramserver.security import ClientSecurity, ServerSecurity, bind, open_channel
 from paramserver.server.dashboard import Dashboard
 from paramserver.server.metrics import MetricsServer, auth_refusal_counter, enable_reflection
@@ -1516,7 +1517,7 @@ async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
             await metrics.start()
         server = grpc.aio.server(
             interceptors=sec.interceptors(on_refusal) if sec is not None else None,
-            options=CHANNEL_OPTIONS,
+            options=[*CHANNEL_OPTIONS, *SERVER_KEEPALIVE_OPTIONS],
         )
         spmd_pb2_grpc.add_RankServerServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()

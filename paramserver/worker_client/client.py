@@ -22,6 +22,7 @@ cached across event loops: the channel is created in ``__aenter__`` on the runni
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.api.v1 import tensor_pb2
 from paramserver.errors import (
+    REFUSAL_METADATA_KEY,
     AlreadyExists,
     InvalidArgument,
     MalformedStream,
@@ -458,20 +460,33 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         """One attempt of a push over its own Push stream (chunked frames, any size,
         compressed gradients too)."""
 
-        def messages() -> Iterator[pb.PushRequest | bytes]:
-            yield pb.PushRequest(header=header())
-            for key, key_parts in parts.items():
-                for part in key_parts:
-                    # Wire bytes of the frames (paramserver.wire: the payload copied once).
-                    yield from tensor.encode_frame_bytes(
-                        key,
-                        part.array,
-                        _SEND_CHUNK_BYTES,
-                        role=part.role,
-                        dense_shape=part.dense_shape,
-                    )
+        async def attempt() -> pb.PushResponse:
+            refused = asyncio.Event()
 
-        return lambda: self.stub.Push(messages(), timeout=deadline_s)
+            def messages() -> Iterator[pb.PushRequest | bytes]:
+                yield pb.PushRequest(header=header())
+                for key, key_parts in parts.items():
+                    for part in key_parts:
+                        # Wire bytes of the frames (paramserver.wire: the payload copied once).
+                        for frame in tensor.encode_frame_bytes(
+                            key,
+                            part.array,
+                            _SEND_CHUNK_BYTES,
+                            role=part.role,
+                            dense_shape=part.dense_shape,
+                        ):
+                            if refused.is_set():
+                                return  # half-close: the refusal's status follows at once
+                            yield frame
+
+            call = self.stub.Push(messages(), timeout=deadline_s)
+            watch = asyncio.ensure_future(_watch_refusal(call, refused))
+            try:
+                return await call
+            finally:
+                watch.cancel()
+
+        return attempt
 
     async def pull(
         self,
@@ -697,6 +712,17 @@ def normalized_tensors(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
             raise InvalidArgument(f"tensor keys must be non-empty strings, got {key!r}")
         out[key] = tensor.normalize(value, key)
     return out
+
+
+async def _watch_refusal(call: Any, refused: asyncio.Event) -> None:
+    """Set ``refused`` when the server announces a refusal of the stream being written
+    (:data:`~paramserver.errors.REFUSAL_METADATA_KEY` in the initial metadata)."""
+    try:
+        metadata = await call.initial_metadata()
+    except Exception:  # the call failed: its own await reports that
+        return
+    if any(key == REFUSAL_METADATA_KEY for key, _ in metadata or ()):
+        refused.set()
 
 
 def connect(address: str, worker_name: str, **kwargs: Any) -> WorkerClient:

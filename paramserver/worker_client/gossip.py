@@ -54,6 +54,7 @@ from paramserver.errors import (
     ParamServerError,
     WorkerNotFound,
 )
+from paramserver.keepalive import SERVER_KEEPALIVE_OPTIONS
 from paramserver.security import (
     ClientSecurity,
     ServerSecurity,
@@ -247,7 +248,7 @@ class GossipWorker:
         sec = self.endpoint_security
         server = grpc.aio.server(
             interceptors=sec.interceptors() if sec is not None else None,
-            options=[("grpc.so_reuseport", 0)],
+            options=[("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS],
         )
         pb_grpc.add_PushSumPeerServicer_to_server(_PushSumEndpoint(self), server)
         try:

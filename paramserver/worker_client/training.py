@@ -210,11 +210,11 @@ class TrainConfig:
     compression: str = "none"
     topk_ratio: float = 0.1
     framework: str = "numpy"
+    #: Fence a live registration of this worker's name (a restarted worker) instead of
+    #: failing with AlreadyExists; the fenced process's next call is refused.
+    replace: bool = False
     #: TLS / token of the worker's channels (:class:`paramserver.security.ClientSecurity`).
     security: ClientSecurity | None = None
-    #: Fence a live registration of the same name: a restarted worker (an engine's retry of
-    #: worker i) takes its name over at once instead of waiting out the old lease.
-    replace: bool = False
     #: Backoff for UNAVAILABLE while a shard restarts (None: the client's default, 30 s).
     retry: RetryPolicy | None = None
 
@@ -360,8 +360,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         compression=args.compression,
         topk_ratio=args.topk_ratio,
         framework=args.framework,
-        security=client_security_from_args(args, os.environ),
         replace=args.replace,
+        security=client_security_from_args(args, os.environ),
         retry=RetryPolicy(deadline_s=args.retry_deadline_s)
         if args.retry_deadline_s is not None
         else None,
@@ -779,9 +779,12 @@ def add_subcommands(sub: Any) -> None:
     w.add_argument(
         "--replace",
         action="store_true",
-        help="fence a live registration of this worker's name (a restarted worker: an "
-        "engine's retry of index i takes the name over at once instead of waiting out the "
-        "dead one's lease)",
+        help=(
+            "take over the name worker-INDEX while an earlier registration of it is still live "
+            "(a restarted worker, or an engine's retry of index i): the old registration is "
+            "fenced (its next call is refused with FAILED_PRECONDITION). Without it such a "
+            "start exits 1 with AlreadyExists"
+        ),
     )
     w.add_argument(
         "--retry-deadline-s",

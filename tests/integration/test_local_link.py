@@ -314,16 +314,16 @@ async def test_connections_without_a_ticket_are_capped(monkeypatch: pytest.Monke
     async with running_server(consistency="asp") as daemon:
         assert daemon.local_link is not None
         idle = [await _raw(daemon) for _ in range(3)]
-        reader, writer = await _raw(daemon)  # the 4th is closed at once
-        assert await asyncio.wait_for(_answer(reader), 5.0) is None
-        for _r, w in [*idle, (reader, writer)]:
-            w.close()
-        # once those are gone, a ticketed client gets its link
-        await eventually(lambda: not daemon.local_link._connections)  # type: ignore[union-attr]
+        await eventually(lambda: len(daemon.local_link._waiting) == 3)  # type: ignore[union-attr]
+        reader, writer = await _raw(daemon)  # a 4th: the oldest idle one is closed
+        assert await asyncio.wait_for(_answer(idle[0][0]), 5.0) is None
+        # and a ticketed client gets its link while the others still hold theirs
         async with _client(daemon, "w0") as ps:
             await ps.init({"w": np.zeros(2, np.float32)}, rule=ADD)
             await ps.push({"w": np.ones(2, np.float32)})
             assert ps.fastpath is not None and ps.fastpath.on_local_link
+        for _r, w in [*idle, (reader, writer)]:
+            w.close()
 
 
 async def test_a_protocol_violation_is_invalid_argument_and_final() -> None:

@@ -135,6 +135,26 @@ async def test_small_free_apply_runs_inline() -> None:
     assert offload.offloaded == 0
 
 
+async def test_a_push_of_many_small_keys_runs_in_a_thread_not_on_the_loop() -> None:
+    """Issue 19 item 1 (docs/robustness.md): per-key work of a many-key push would hold the
+    event loop; from OFFLOAD_MIN_KEYS keys it is applied in a worker thread."""
+    from paramserver.server.offload import OFFLOAD_MIN_KEYS
+
+    store = ParameterStore()
+    keys = [f"k{i}" for i in range(OFFLOAD_MIN_KEYS)]
+    for key in keys:
+        store.init(key, np.zeros(2, np.float32), UpdateRule("add"))
+    offload = Offload(lambda: store)
+    grads = {key: np.ones(2, np.float32) for key in keys}
+    assert offload.worth_a_thread(grads) and await offload.all_finite(grads)
+    done = offload.apply(store.check_many(grads))
+    assert not done.done()  # scheduled, not run inline
+    await asyncio.wait_for(asyncio.shield(done), 30)
+    assert offload.offloaded == 1
+    assert all(store.get(key).value.tolist() == [1.0, 1.0] for key in keys)
+    offload.close()
+
+
 async def test_gate_fifo_and_release_before_prev_defers() -> None:
     gate = KeyGate()
     r1 = gate.reserve(["a"])

@@ -81,7 +81,8 @@ def test_token_file_roles_comments_and_rotation() -> None:
     [
         ("", "no 'ROLE TOKEN' line"),
         ("# only a comment\n", "no 'ROLE TOKEN' line"),
-        (f"worker {WORKER} extra\n", "line 1: expected 'ROLE TOKEN'"),
+        (f"worker {WORKER} extra more\n", "line 1: expected 'ROLE TOKEN'"),
+        (f"admin {WORKER} alice\n", "line 1: only worker tokens take a worker name"),
         (f"worker\nadmin {ADMIN}\n", "line 1: expected 'ROLE TOKEN'"),
         (f"root {ADMIN}\n", "line 1: unknown role 'root'"),
         ("worker short\n", "at least|>= 16"),

@@ -219,3 +219,72 @@ def test_faults_parse() -> None:
         Faults.parse("explode")
     with pytest.raises(InvalidArgument):
         Faults.parse("io_delay_ms=x")
+
+
+# ------------------------------------------------- canonical content hashes (issue 19, item 5)
+
+
+def _array_reference(arr: np.ndarray, parent: int | None = None) -> int:
+    """The documented array encoding, transcribed independently (module docstring)."""
+    name = {"f": "float", "i": "int", "u": "uint"}[arr.dtype.kind] + str(arr.dtype.itemsize * 8)
+    data = b"".join(
+        np.array(x, dtype=arr.dtype.newbyteorder("<")).tobytes() for x in arr.ravel(order="C")
+    )
+    header = len(name).to_bytes(8, "little") + name.encode()
+    header += arr.ndim.to_bytes(8, "little")
+    header += b"".join(d.to_bytes(8, "little") for d in arr.shape)
+    prefix = b"\x00" if parent is None else b"\x01" + parent.to_bytes(8, "little")
+    digest = hashlib.blake2b(
+        b"A" + prefix + len(data).to_bytes(8, "little") + header + data,
+        digest_size=8,
+        person=b"paramserver-seq1",
+    ).digest()
+    return int.from_bytes(digest, "little")
+
+
+def test_content_hash_of_an_array_matches_the_documented_encoding() -> None:
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert content_hash(arr) == _array_reference(arr)
+    assert content_hash(arr, 7) == _array_reference(arr, 7)
+
+
+def test_content_hash_ignores_byte_order_and_memory_layout() -> None:
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4) * 1.5
+    key = content_hash(arr)
+    assert content_hash(arr.astype(">f4")) == key
+    assert content_hash(np.asfortranarray(arr)) == key
+    assert content_hash(np.asfortranarray(arr.astype(">f4"))) == key
+    assert content_hash(memoryview(arr)) == key
+    strided = np.zeros((3, 8), np.float32)
+    strided[:, ::2] = arr
+    assert content_hash(strided[:, ::2]) == key
+    bf = np.arange(4, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    assert content_hash(bf.astype(bf.dtype.newbyteorder(">"))) == content_hash(bf)
+
+
+def test_content_hash_separates_dtype_and_shape() -> None:
+    keys = {
+        content_hash(np.zeros(4, np.float32)),
+        content_hash(np.zeros(4, np.int32)),
+        content_hash(np.zeros((2, 2), np.float32)),
+        content_hash(np.zeros(4, np.float32).tobytes()),
+        content_hash(np.zeros((), np.float32)),
+        content_hash(np.zeros(0, np.float32)),
+    }
+    assert len(keys) == 6
+
+
+def test_content_hash_of_bytes_is_unchanged() -> None:
+    assert content_hash(b"abc") == _reference(b"B", None, b"abc", 3)
+    assert (
+        content_hash(bytearray(b"abc")) == content_hash(memoryview(b"abc")) == content_hash(b"abc")
+    )
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["text", 12, [1.0, 2.0], np.array(["a"]), np.array([object()]), np.zeros(2, "M8[s]")],
+)
+def test_content_hash_of_bad_input_is_invalid_argument(bad: object) -> None:
+    with pytest.raises(InvalidArgument, match="content_hash"):
+        content_hash(bad)  # type: ignore[arg-type]
