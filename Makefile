@@ -3,16 +3,22 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Extras beyond the default `demo` (scikit-learn) and `dev` (tests, lint): torch, plot, bench, all.
+EXTRAS ?=
+comma := ,
+PIP_EXTRAS := demo,dev$(if $(strip $(EXTRAS)),$(comma)$(strip $(EXTRAS)))
 
 .PHONY: install protos demo test test-fast lint typecheck format bench clean compose-ci
 
 $(STAMP): pyproject.toml setup.py scripts/gen_protos.py $(wildcard protos/paramserver/api/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,torch,plot]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[$(PIP_EXTRAS)]'
+	echo '$(PIP_EXTRAS)' > $(STAMP)
 
-install: $(STAMP)  ## virtual environment with the package (editable): dev, torch and plot extras
+install: $(STAMP)  ## venv with the package (editable) + demo and dev extras; more: EXTRAS=torch,plot
+	@grep -qxF '$(PIP_EXTRAS)' $(STAMP) || { \
+	  $(BIN)/python -m pip install --quiet -e '.[$(PIP_EXTRAS)]' && echo '$(PIP_EXTRAS)' > $(STAMP); }
 
 protos: $(STAMP)  ## regenerate paramserver/api/v1 from protos/
 	$(BIN)/python scripts/gen_protos.py
@@ -23,8 +29,8 @@ demo: $(STAMP)  ## the main job: 1 server + 4 workers on 127.0.0.1 training on d
 test: $(STAMP)  ## the whole test suite (unit + integration), on asyncio and uvloop
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)  ## unit tests only
-	$(BIN)/python -m pytest -q tests/unit
+test-fast: $(STAMP)  ## every test not marked slow (no subprocess-heavy ones)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)  ## ruff lint + format check + mypy --strict
 	$(BIN)/ruff check .
