@@ -276,6 +276,11 @@ def split(array: np.ndarray, layout: TensorLayout) -> dict[str, np.ndarray]:
     Raises:
         DimensionMismatch: the array's dtype or shape is not the layout's (INVALID_ARGUMENT).
     """
+    if array.dtype != layout.dtype and tuple(array.shape) == layout.shape:
+        raise DimensionMismatch(
+            f"dtype mismatch for key {layout.key!r}: expected {layout.dtype}, got {array.dtype} "
+            "(cast it, or push with cast=True)"
+        )
     if array.dtype != layout.dtype or tuple(array.shape) != layout.shape:
         raise DimensionMismatch(
             f"key {layout.key!r}: array is {array.dtype}{list(array.shape)}, layout is "

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from paramserver.errors import InvalidArgument, Unavailable, WaitTimeout
+from paramserver.errors import InvalidArgument, Unavailable
 from paramserver.security import (
     ClientSecurity,
     add_client_security_flags,
@@ -39,7 +39,7 @@ from paramserver.security import (
 )
 from paramserver.server.optimizers import UpdateRule
 from paramserver.sharding import parse_address
-from paramserver.worker_client.client import WorkerClient, connect
+from paramserver.worker_client.client import connect
 from paramserver.worker_client.compression import Cast, Compression, TopK
 from paramserver.worker_client.local_cluster import start_servers, stop_servers
 
@@ -227,33 +227,6 @@ def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[s
     return dict.fromkeys(keys, scheme)
 
 
-async def wait_for_workers(ps: WorkerClient, n: int, timeout_s: float) -> None:
-    """Start barrier: wait until ``n`` workers are live so every worker starts at clock 0.
-
-    A worker that polls late may never see all ``n`` live: under ASP the others start the
-    moment they see ``n`` and may finish and leave within one poll interval. Updates applied
-    already mean they did see ``n`` (this worker, registered before polling, among them), so
-    the barrier is over for this worker too.
-
-    Raises:
-        WaitTimeout: fewer than ``n`` workers registered within ``timeout_s`` (DEADLINE_EXCEEDED).
-    """
-    deadline = time.monotonic() + timeout_s
-    delay = 0.01
-    while True:
-        view = (await ps.heartbeat()).view
-        if view.live_workers >= n:
-            return
-        if (await ps.status()).applied_updates > 0:
-            return  # the others passed it and trained (and may have left)
-        if time.monotonic() >= deadline:
-            raise WaitTimeout(
-                f"start barrier: {view.live_workers} of {n} workers registered after {timeout_s} s"
-            )
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.2)
-
-
 def _emit(event: dict[str, Any]) -> None:
     print(json.dumps(event), flush=True)
 
@@ -282,7 +255,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     ) as ps:
         params = await ps.init(initial, rule=rule)
         keys = sorted(params)
-        await wait_for_workers(ps, cfg.num_workers, cfg.start_timeout_s)
+        await ps.wait_for_workers(cfg.num_workers, timeout_s=cfg.start_timeout_s)
         t_train = time.monotonic()
         start: dict[str, Any] = {"event": "start", "worker": cfg.worker_index}
         if cfg.evaluate:

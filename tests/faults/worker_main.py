@@ -42,7 +42,6 @@ from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import WorkerNotFound
 from paramserver.worker_client import UpdateRule, connect
-from paramserver.worker_client.training import wait_for_workers
 
 #: Least-squares problem of ``bsp-train``: dimension, examples per worker per step, step size.
 DIM, BATCH, LR, MOMENTUM = 6, 16, 0.05, 0.9
@@ -110,7 +109,7 @@ async def bsp_train(args: argparse.Namespace) -> None:
     rule = UpdateRule("sgd", lr=LR, momentum=MOMENTUM)
     async with connect(args.server, f"trainer-{args.index}", rpc_timeout_s=10.0) as ps:
         await ps.init({"w": initial_w()}, rule)
-        await wait_for_workers(ps, args.workers, 60.0)
+        await ps.wait_for_workers(args.workers, timeout_s=60.0)
         for step in range(args.steps):
             w = (await ps.pull(["w"]))["w"]
             x, y = batch(args.seed, step, args.index)
@@ -128,7 +127,7 @@ async def asp_add(args: argparse.Namespace) -> None:
             {"onehot": np.zeros(size, np.float64), "total": np.zeros((), np.int64)},
             UpdateRule("add"),
         )
-        await wait_for_workers(ps, args.workers, 60.0)
+        await ps.wait_for_workers(args.workers, timeout_s=60.0)
         for j in range(args.pushes):
             index = args.index * args.pushes + j
             onehot = np.zeros(size, np.float64)
