@@ -527,8 +527,8 @@ def _demo_run(
             servers, addresses = start_servers(
                 server_cmd, args.shards, Path(tmp), env=env, slice_bytes=args.slice_bytes
             )
-        except RuntimeError as exc:  # its own error line is already on stderr
-            raise Unavailable(f"the demo's parameter server did not start: {exc}") from None
+        except Unavailable as exc:  # its own error line is already on stderr
+            raise Unavailable(f"the demo's parameter server did not start: {exc.message}") from None
         workers: list[subprocess.Popen[str]] = []
         try:
             address = addresses[0]  # any shard: workers fetch the shard map from it
