@@ -175,7 +175,7 @@ class ClusterWorkerClient(WorkerClient):
             raise self._combine(dict(failed))
         self.shards = clients
         await self._align_clocks()
-        logger.info(
+        logger.debug(
             "worker %s joined a cluster of %d shards (epoch %d) at clock %d",
             self.worker_name,
             shard_map.num_shards,
@@ -241,7 +241,7 @@ class ClusterWorkerClient(WorkerClient):
         target = max(c.clock_value for c in self.shards)
         lagging = [c for c in self.shards if c.clock_value < target]
         if lagging:
-            logger.info(
+            logger.debug(
                 "worker %s: clocking %d shard(s) forward to clock %d",
                 self.worker_name,
                 len(lagging),

@@ -32,6 +32,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from paramserver.errors import InvalidArgument, Unavailable
+from paramserver.logs import resolve_log_format
 from paramserver.security import (
     ClientSecurity,
     add_client_security_flags,
@@ -211,6 +212,8 @@ class TrainConfig:
     framework: str = "numpy"
     #: TLS / token of the worker's channels (:class:`paramserver.security.ClientSecurity`).
     security: ClientSecurity | None = None
+    #: Progress on stdout: ``text`` (one readable line per event) or ``json`` (one object).
+    progress: str = "text"
 
 
 def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[str, Compression]:
@@ -227,14 +230,39 @@ def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[s
     return dict.fromkeys(keys, scheme)
 
 
-def _emit(event: dict[str, Any]) -> None:
-    print(json.dumps(event), flush=True)
+def _emit(event: dict[str, Any], progress: str = "json") -> None:
+    """Print one progress event: a JSON object, or with ``progress="text"`` a line such as
+    ``worker 0: epoch 3/10  loss 0.2120  test accuracy 0.9500  clock 33  [1.2 s]``."""
+    print(json.dumps(event) if progress == "json" else progress_line(event), flush=True)
+
+
+def progress_line(event: Mapping[str, Any]) -> str:
+    """The human-readable form of a ``start`` / ``epoch`` / ``done`` progress event."""
+    who = f"worker {event.get('worker', '?')}:"
+    acc = event.get("test_accuracy")
+    acc_text = f"  test accuracy {acc:.4f}" if isinstance(acc, float) else ""
+    kind = event.get("event")
+    if kind == "start":
+        return f"{who} every worker registered, training starts{acc_text}"
+    if kind == "epoch":
+        epochs = f"/{event['epochs']}" if "epochs" in event else ""
+        return (
+            f"{who} epoch {event['epoch']}{epochs}  loss {event['loss']:.4f}{acc_text}  "
+            f"clock {event['clock']}  [{event.get('train_elapsed_s', 0.0):.1f} s]"
+        )
+    if kind == "done":
+        return (
+            f"{who} done after {event['steps']} steps in {event['elapsed_s']:.1f} s, "
+            f"test accuracy {event['test_accuracy']:.4f}"
+        )
+    return f"{who} " + "  ".join(f"{k} {v}" for k, v in event.items() if k != "worker")
 
 
 async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
-    """Train on slice ``worker_index::num_workers``; emits JSON lines on stdout: a ``start``
-    event once every worker is registered (with the initial test accuracy when evaluating), one
-    ``epoch`` event per epoch (``train_elapsed_s``: seconds since ``start``), and ``done``.
+    """Train on slice ``worker_index::num_workers``; prints progress on stdout (JSON lines
+    with ``progress="json"``, else readable lines): a ``start`` event once every worker is
+    registered (with the initial test accuracy when evaluating), one ``epoch`` event per epoch
+    (``train_elapsed_s``: seconds since ``start``), and ``done``.
 
     Returns:
         The final summary: ``{"event": "done", "worker": i, "test_accuracy": a, ...}``.
@@ -260,7 +288,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         start: dict[str, Any] = {"event": "start", "worker": cfg.worker_index}
         if cfg.evaluate:
             start["test_accuracy"] = model.accuracy(params, data.x_test, data.y_test)
-        _emit(start)
+        _emit(start, cfg.progress)
         acc = float("nan")
         for epoch in range(cfg.epochs):
             rng = np.random.default_rng([cfg.seed, epoch, cfg.worker_index])
@@ -283,6 +311,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
                 "event": "epoch",
                 "worker": cfg.worker_index,
                 "epoch": epoch + 1,
+                "epochs": cfg.epochs,
                 "loss": float(np.mean(losses)),
                 "clock": ps.clock_value,
                 "elapsed_s": round(time.monotonic() - t0, 3),
@@ -292,7 +321,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
                 acc = model.accuracy(params, data.x_test, data.y_test)
                 event["test_accuracy"] = acc
             event["train_elapsed_s"] = round(time.monotonic() - t_train, 4)
-            _emit(event)
+            _emit(event, cfg.progress)
         params = await ps.pull(keys)  # waits for the last step, so our update is in
         acc = model.accuracy(params, data.x_test, data.y_test)
     summary = {
@@ -302,11 +331,17 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         "steps": steps * cfg.epochs,
         "elapsed_s": round(time.monotonic() - t0, 3),
     }
-    _emit(summary)
+    _emit(summary, cfg.progress)
     return summary
 
 
 # ---------------------------------------------------------------------- CLI: worker
+def progress_format(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """The worker's progress format: ``--progress``, else the log format (``--log-format``,
+    then ``PARAMSERVER_LOG_FORMAT``, then ``text``)."""
+    return str(args.progress or resolve_log_format(getattr(args, "log_format", None), env))
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
     from paramserver.server.daemon import run_loop
 
@@ -326,6 +361,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         topk_ratio=args.topk_ratio,
         framework=args.framework,
         security=client_security_from_args(args, os.environ),
+        progress=args.progress or resolve_log_format(getattr(args, "log_format", None), os.environ),
     )
     if cfg.num_workers < 1 or not 0 <= cfg.worker_index < cfg.num_workers:
         print(
@@ -548,6 +584,8 @@ def _demo_run(
                     "--log-level",
                     "WARNING",
                     "worker",
+                    "--progress",  # parsed below; the workers' own logs keep the user's format
+                    "json",
                     "--server",
                     address,
                     "--worker-index",
@@ -730,6 +768,13 @@ def add_subcommands(sub: Any) -> None:
     w.add_argument("--num-workers", type=int, required=True)
     w.add_argument("--no-eval", action="store_true", help="skip per-epoch test evaluation")
     w.add_argument("--slow-factor", type=float, default=1.0, help="straggler simulation: x slower")
+    w.add_argument(
+        "--progress",
+        choices=["text", "json"],
+        default=None,
+        help="progress on stdout: text, one readable line per epoch, or json, one object per "
+        "line (events start, epoch, done); default: json under --log-format json, else text",
+    )
     _add_training_flags(w, epochs=10)
     add_client_security_flags(w)
     w.set_defaults(func=_cmd_worker)

@@ -76,4 +76,11 @@ def test_worker_exits_nonzero_below_accuracy_bar(tmp_path) -> None:  # type: ign
     finally:
         assert server.stop() == 0, server.log()
     assert proc.returncode == 1, proc.stderr
-    assert '"event": "done"' in proc.stdout
+    # readable progress by default (JSON lines with --log-format json or --progress json)
+    assert re.search(
+        r"^worker 0: epoch 1/1  loss \S+  test accuracy \S+  clock \d+", proc.stdout, re.M
+    )
+    assert re.search(
+        r"^worker 0: done after \d+ steps in \S+ s, test accuracy \S+$", proc.stdout, re.M
+    )
+    assert "{" not in proc.stdout

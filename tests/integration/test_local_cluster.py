@@ -4,6 +4,8 @@ every one of them reaped on exit, pass or fail."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -90,3 +92,24 @@ def test_a_server_that_cannot_start_is_unavailable_with_its_output() -> None:
 def test_bad_arguments_are_invalid_argument(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):
         paramserver.local_cluster(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_user_script_sees_no_library_log_lines() -> None:
+    """A script that configured no logging: a 2-shard cluster, a worker, a push and a pull
+    print nothing but the script's own line (the library installs no handler and logs
+    routine events at DEBUG; the servers' output goes to their log files)."""
+    script = (
+        "import numpy as np, paramserver\n"
+        "from paramserver.worker_client import UpdateRule\n"
+        "with paramserver.local_cluster(shards=2, consistency='asp') as c:\n"
+        "    with c.connect_sync('w') as ps:\n"
+        "        ps.init({'w': np.zeros(3, np.float32)}, rule=UpdateRule('add'))\n"
+        "        ps.push({'w': np.ones(3, np.float32)})\n"
+        "        print('pulled', ps.pull(['w'])['w'].tolist())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "pulled [1.0, 1.0, 1.0]\n"
+    assert proc.stderr == ""

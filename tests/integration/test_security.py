@@ -421,6 +421,8 @@ def test_cli_serve_worker_status_checkpoint_health_end_to_end(
         "--no-eval",
         "--min-accuracy",
         "0",
+        "--log-format",
+        "json",  # progress as JSON lines too
         *tls,
         "--token-file",
         tokens.worker_file,
