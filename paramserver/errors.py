@@ -19,7 +19,7 @@
     ├── Unauthenticated                   (UNAUTHENTICATED) missing or unknown bearer token
     └── PermissionDenied                  (PERMISSION_DENIED) the token's role may not call it
 
-Only codes the gRPC library never produces by itself are used for refusals (DESIGN §3), so a
+Only codes the gRPC library never produces by itself are used for refusals (docs/semantics.md), so a
 client can tell a refusal from a broken link. The server turns these into ``context.abort``
 (see :func:`paramserver.server.servicer.grpc_errors`); the client maps status codes back with
 :func:`from_rpc_error`.

@@ -6,7 +6,7 @@ half-applies: each push is validated completely before any of it is applied or q
 
 BSP steps aggregate through :class:`paramserver.server.aggregation.DistributedOptimizer` with the
 ``Synchronous`` strategy (one aggregation pipeline in the product): pushes for step t queue there
-and are aggregated and applied once, when every live worker has clocked past t (DESIGN §3).
+and are aggregated and applied once, when every live worker has clocked past t (docs/semantics.md).
 SSP and ASP apply each push on arrival (updates commute).
 """
 
@@ -268,7 +268,7 @@ class ServerCore:
                 rec, clock, grads, checked, now, max(num_samples, 1), base_version, applier
             )
         except InvalidArgument as exc:
-            # Name the pushing worker too (cases/non-finite-gradient.md), same class and code.
+            # Name the pushing worker too, same class and code.
             self.rejected_pushes += 1
             self.observer.dropped("non_finite" if isinstance(exc, NonFiniteGradient) else "invalid")
             raise type(exc)(f"push from worker {rec.worker_id!r}: {exc.message}") from exc

@@ -1,4 +1,5 @@
-"""What the server shard observes about itself, without any metrics library (DESIGN §3, §5).
+"""What the server shard observes about itself, without any metrics library
+(docs/semantics.md, docs/architecture.md).
 
 Two hook objects, both cheap no-ops until something listens:
 

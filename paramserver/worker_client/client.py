@@ -63,8 +63,7 @@ SERVER_DEFAULT_WAIT_CAP_S = 600.0
 _PUSH_RETRYABLE = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
 
 #: Payload bytes per frame sent to the server: 16 KiB under 1 MiB, so a whole message (frame
-#: header, key, shape, proto framing) stays within a server receive limit as low as 1 MiB
-#: (cases/large-tensor-default-limits.md).
+#: header, key, shape, proto framing) stays within a server receive limit as low as 1 MiB.
 _SEND_CHUNK_BYTES = tensor.DEFAULT_CHUNK_BYTES - (16 << 10)
 
 #: Reconnect soon after a server restart: gRPC's own first reconnect backoff is 1 s (growing

@@ -441,6 +441,15 @@ def consistency_list(text: str) -> list[str]:
     return names
 
 
+def compression_note(kind: str, topk_ratio: float) -> str:
+    """The demo's start line says when pushed gradients are compressed (empty when not)."""
+    if kind == "none":
+        return ""
+    if kind == "topk":
+        return f", compression topk ({topk_ratio:g} of entries, error feedback)"
+    return f", compression {kind} (gradients cast for the wire)"
+
+
 def _model_label(consistency: str, staleness: int) -> str:
     return f"ssp (s={staleness})" if consistency == "ssp" else consistency
 
@@ -572,7 +581,8 @@ def _demo_run(
             print(
                 f"paramserver demo: server on {where} ({consistency}"
                 f"{f', staleness {args.staleness}' if consistency == 'ssp' else ''}), "
-                f"{args.workers} {args.framework} workers, {args.epochs} epochs on digits",
+                f"{args.workers} {args.framework} workers, {args.epochs} epochs on digits"
+                f"{compression_note(args.compression, args.topk_ratio)}",
                 flush=True,
             )
             t0 = time.monotonic()
@@ -735,39 +745,80 @@ def _final_accuracy(address: str, args: argparse.Namespace) -> float:
     return float(run_loop(read(), use_uvloop=not args.no_uvloop))
 
 
-def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
+def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int, framework: bool = True) -> None:
     p.add_argument("--epochs", type=int, default=epochs, help=f"epochs (default {epochs})")
     p.add_argument("--batch-size", type=int, default=32, help="examples per push (default 32)")
-    p.add_argument("--lr", type=float, default=0.1, help="server-side SGD learning rate")
-    p.add_argument("--momentum", type=float, default=0.9, help="server-side SGD momentum")
-    p.add_argument("--hidden", type=int, default=32, help="hidden units; 0 = softmax regression")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--min-accuracy", type=float, default=0.93, help="exit 1 below this bar")
+    p.add_argument(
+        "--lr", type=float, default=0.1, help="server-side SGD learning rate (default 0.1)"
+    )
+    p.add_argument(
+        "--momentum", type=float, default=0.9, help="server-side SGD momentum (default 0.9)"
+    )
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=32,
+        help="hidden units of the MLP; 0 = softmax regression (default 32)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the initial parameters, the data split and the batch order (default 0)",
+    )
+    p.add_argument(
+        "--min-accuracy",
+        type=float,
+        default=0.93,
+        help="exit 1 when the final test accuracy is below this bar (default 0.93)",
+    )
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
     p.add_argument(
         "--compression",
         choices=["none", "fp16", "bf16", "topk"],
         default="none",
-        help="wire compression of pushed gradients (topk: with error feedback)",
+        help="wire compression of pushed gradients: fp16 / bf16 casts, or topk (the largest "
+        "--topk-ratio of entries, with error feedback) (default none)",
     )
-    p.add_argument("--topk-ratio", type=float, default=0.1, help="topk: fraction of entries sent")
     p.add_argument(
-        "--framework",
-        choices=FRAMEWORKS,
-        default="numpy",
-        help="model implementation: numpy MLP, or a torch.nn MLP through paramserver."
-        "torch_adapter (needs paramserver[torch])",
+        "--topk-ratio",
+        type=float,
+        default=0.1,
+        help="topk: fraction of entries sent per push (default 0.1)",
     )
+    if framework:
+        p.add_argument(
+            "--framework",
+            choices=FRAMEWORKS,
+            default="numpy",
+            help="model implementation: a numpy MLP, or a torch.nn MLP through "
+            "paramserver.torch_adapter (needs the torch extra) (default numpy)",
+        )
 
 
 def add_subcommands(sub: Any) -> None:
     """Register ``worker`` and ``demo``."""
     w = sub.add_parser("worker", help="train the digits model against a running server")
     w.add_argument("--server", required=True, help="HOST:PORT of the parameter server")
-    w.add_argument("--worker-index", type=int, required=True)
-    w.add_argument("--num-workers", type=int, required=True)
+    w.add_argument(
+        "--worker-index",
+        type=int,
+        required=True,
+        help="this worker's index in [0, --num-workers): it trains on slice i::n of the data",
+    )
+    w.add_argument(
+        "--num-workers",
+        type=int,
+        required=True,
+        help="workers of the job; training starts once that many are registered",
+    )
     w.add_argument("--no-eval", action="store_true", help="skip per-epoch test evaluation")
-    w.add_argument("--slow-factor", type=float, default=1.0, help="straggler simulation: x slower")
+    w.add_argument(
+        "--slow-factor",
+        type=float,
+        default=1.0,
+        help="straggler simulation: each step takes this many times longer (default 1)",
+    )
     w.add_argument(
         "--progress",
         choices=["text", "json"],
@@ -789,12 +840,17 @@ def add_subcommands(sub: Any) -> None:
         "torch-demo",
         help="the demo with torch.nn workers (= demo --framework torch --workers 2)",
     )
-    _add_demo_flags(t, workers=2)
+    _add_demo_flags(t, workers=2, framework=False)
     t.set_defaults(func=_cmd_demo, framework="torch")
 
 
-def _add_demo_flags(d: argparse.ArgumentParser, *, workers: int) -> None:
-    d.add_argument("--workers", type=int, default=workers)
+def _add_demo_flags(d: argparse.ArgumentParser, *, workers: int, framework: bool = True) -> None:
+    d.add_argument(
+        "--workers",
+        type=int,
+        default=workers,
+        help=f"worker processes, each training on its slice of the data (default {workers})",
+    )
     d.add_argument(
         "--consistency",
         type=consistency_list,
@@ -808,12 +864,38 @@ def _add_demo_flags(d: argparse.ArgumentParser, *, workers: int) -> None:
         type=Path,
         metavar="PNG",
         help="write test accuracy against wall time, one curve per consistency model "
-        "(needs matplotlib: paramserver[plot])",
+        "(needs matplotlib: the plot extra) (default: no plot)",
     )
-    d.add_argument("--staleness", type=int, default=2)
-    d.add_argument("--aggregation", choices=["mean", "sum", "weighted_mean"], default="mean")
-    d.add_argument("--lease-ms", type=int, default=10_000)
+    d.add_argument(
+        "--staleness",
+        type=int,
+        default=2,
+        help="SSP staleness bound in clocks: a pull waits until the slowest worker is at most "
+        "this many clocks behind (default 2; ignored by bsp and asp)",
+    )
+    d.add_argument(
+        "--aggregation",
+        choices=["mean", "sum", "weighted_mean"],
+        default="mean",
+        help="how the server combines one BSP step's gradients (default mean)",
+    )
+    d.add_argument(
+        "--lease-ms",
+        type=int,
+        default=10_000,
+        help="worker lease in ms: a worker silent this long is evicted (default 10000)",
+    )
     d.add_argument("--shards", type=int, default=1, help="parameter-server shards (default 1)")
-    d.add_argument("--slice-bytes", type=int, help="slice tensors above this size over shards")
-    d.add_argument("--timeout-s", type=float, default=600.0, help="give up after this long")
-    _add_training_flags(d, epochs=10)
+    d.add_argument(
+        "--slice-bytes",
+        type=int,
+        help="with --shards > 1: slice tensors above this many bytes over the shards "
+        "(default 4 MiB)",
+    )
+    d.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="give up after this many seconds (default 600)",
+    )
+    _add_training_flags(d, epochs=10, framework=framework)

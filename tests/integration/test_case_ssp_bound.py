@@ -1,7 +1,7 @@
 """Case ssp-bound.md through a real server, real gRPC clients and a real (killed) worker process.
 
 SSP(s): a pull by a worker at clock c is admitted iff the live minimum clock >= c - s, so it
-reflects every update from clocks <= c - s - 1 (DESIGN §3). Timings are bounds for the
+reflects every update from clocks <= c - s - 1 (docs/semantics.md). Timings are bounds for the
 product, measured generously (cases/README.md).
 """
 
