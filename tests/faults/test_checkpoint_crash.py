@@ -29,7 +29,11 @@ from paramserver.worker_client import UpdateRule, connect
 
 from .helpers import Server, report, verify_checkpoint
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.asyncio(loop_factories=["asyncio"])]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(150),
+    pytest.mark.asyncio(loop_factories=["asyncio"]),
+]
 
 KEYS = 200
 KEY_ELEMENTS = 500_000  # float32: 2 MB per key, 400 MB in all

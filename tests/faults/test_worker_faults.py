@@ -36,7 +36,11 @@ from paramserver.worker_client import UpdateRule, WorkerClient, connect
 
 from .helpers import Server, WorkerProcess, eventually, report, status
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio(loop_factories=["asyncio"])]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(60),
+    pytest.mark.asyncio(loop_factories=["asyncio"]),
+]
 
 LEASE_S = 1.0
 HEARTBEAT_S = LEASE_S / 4  # the client renews every quarter lease

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("consistency", "staleness"), [("bsp", 0), ("ssp", 2), ("asp", 0)])

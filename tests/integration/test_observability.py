@@ -286,6 +286,7 @@ def _services(address: str) -> set[str]:
         return services
 
 
+@pytest.mark.slow
 def test_health_goes_not_serving_during_shutdown_and_logs_are_json(tmp_path: Path) -> None:
     """A Watch stream sees SERVING, then NOT_SERVING after SIGTERM, while the server is still
     in its grace period; ``--log-format json`` writes one JSON object per line."""

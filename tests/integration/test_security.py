@@ -403,6 +403,7 @@ def secure_server(pki: Pki, tokens: Tokens, tmp_path: Path) -> Iterator[ServerPr
         server.stop()
 
 
+@pytest.mark.slow
 def test_cli_serve_worker_status_checkpoint_health_end_to_end(
     secure_server: ServerProcess, pki: Pki, tokens: Tokens
 ) -> None:

@@ -230,6 +230,7 @@ async def test_cuda_module_round_trip() -> None:
     assert torch.equal(_bits(dst.weight), _bits(src.weight))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_blocking_client_with_the_pure_helpers(tmp_path: Path) -> None:
     """``connect_sync`` + module_parameters / load_parameters against a server process."""
@@ -246,6 +247,7 @@ def test_blocking_client_with_the_pure_helpers(tmp_path: Path) -> None:
         assert torch.equal(_bits(got), _bits(want)), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_torch_demo_two_workers_reaches_the_bar() -> None:
     """``paramserver torch-demo``: a server and 2 torch worker processes (SSP, 3 epochs) reach
