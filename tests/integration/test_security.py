@@ -404,6 +404,7 @@ def secure_server(pki: Pki, tokens: Tokens, tmp_path: Path) -> Iterator[ServerPr
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # about ten CLI processes: minutes on a busy machine
 def test_cli_serve_worker_status_checkpoint_health_end_to_end(
     secure_server: ServerProcess, pki: Pki, tokens: Tokens
 ) -> None:
