@@ -31,6 +31,8 @@ SESSION_ENV = "PARAMSERVER_TEST_SESSION"
 OWNER_ENV = "PARAMSERVER_TEST_OWNER"
 #: How long processes still exiting (SIGTERM sent, being reaped) get before they count as left.
 LEFT_GRACE_S = 10.0
+#: Helper processes of the Python runtime that end with their parent, not with a test.
+_PYTHON_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -115,8 +117,11 @@ def processes_left(token: str, root: int) -> dict[int, str]:
                 descends = True
                 break
         if env.get(SESSION_ENV) == token or descends:
+            command = _cmdline(str(pid))
+            if any(helper in command for helper in _PYTHON_HELPERS):
+                continue  # lives as long as pytest itself, by design
             owner = env.get(OWNER_ENV, "unknown test")
-            left[pid] = f"{owner}: {_cmdline(str(pid))}"
+            left[pid] = f"{owner}: {command}"
     return left
 
 
