@@ -8,7 +8,7 @@ EXTRAS ?=
 comma := ,
 PIP_EXTRAS := demo,dev$(if $(strip $(EXTRAS)),$(comma)$(strip $(EXTRAS)))
 
-.PHONY: install protos demo test test-fast lint typecheck format bench clean compose-ci
+.PHONY: install protos demo test test-fast lint typecheck format bench clean compose-ci browser
 
 $(STAMP): pyproject.toml setup.py scripts/gen_protos.py $(wildcard protos/paramserver/api/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,14 @@ protos: $(STAMP)  ## regenerate paramserver/api/v1 from protos/
 
 demo: $(STAMP)  ## the main job: 1 server + 4 workers on 127.0.0.1 training on digits (SSP, s=2)
 	$(BIN)/paramserver demo --workers 4 --consistency ssp --staleness 2
+
+# Debian's chromium for the dashboard's browser test (tests/integration/test_dashboard_browser.py,
+# skipped without /usr/bin/chromium); installs only when it is missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:  ## headless Chromium (apt package chromium) for the dashboard's browser test; idempotent
+	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	@/usr/bin/chromium --version
 
 test: $(STAMP)  ## the whole test suite (unit + integration), on asyncio and uvloop
 	$(BIN)/python -m pytest -q

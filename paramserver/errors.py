@@ -6,26 +6,38 @@
     ├── InvalidArgument                   (INVALID_ARGUMENT)
     │   ├── MalformedStream               frames missing / duplicated / out of order / wrong size
     │   ├── DimensionMismatch             dtype or shape disagrees with the key's
+    │   │   └── DTypeMismatch             the shape fits, the dtype does not (e.g. float64)
     │   └── NonFiniteGradient             NaN/Inf in a gradient (default policy)
     ├── KeyNotFound                       (NOT_FOUND)
     ├── FailedPrecondition                (FAILED_PRECONDITION)
     │   ├── WorkerNotFound                unknown, evicted or fenced worker id
     │   └── StaleUpdate                   stale, future or duplicate step
-    ├── AlreadyExists                     (ALREADY_EXISTS)
+    ├── AlreadyExists                     (ALREADY_EXISTS) a live worker name
+    │   └── KeyConflict                   a key re-declared with another dtype or shape
     ├── Aborted                           (ABORTED) BSP step aborted by the fail_fast policy
     ├── WaitTimeout                       (DEADLINE_EXCEEDED) a consistency wait ran out
     ├── ResourceExhausted                 (RESOURCE_EXHAUSTED) retryable back-pressure
+    │   └── MessageTooLarge               gRPC's own refusal of a message over the receive limit
+    ├── StorageFull                       (RESOURCE_EXHAUSTED) WAL/checkpoint disk full (ENOSPC)
     ├── Unavailable                       (UNAVAILABLE) server unreachable or shutting down
+    │   └── StorageError                  WAL/checkpoint I/O failed (EIO); see the message
     ├── Unauthenticated                   (UNAUTHENTICATED) missing or unknown bearer token
     └── PermissionDenied                  (PERMISSION_DENIED) the token's role may not call it
 
-Only codes the gRPC library never produces by itself are used for refusals (docs/semantics.md), so a
-client can tell a refusal from a broken link. The server turns these into ``context.abort``
+Only codes the gRPC library never produces by itself are used for refusals, so a client can
+tell a refusal from a broken link; every refusal also names its class in the trailing metadata
+``paramserver-error-class`` (:data:`ERROR_CLASS_METADATA_KEY`). RESOURCE_EXHAUSTED is the one
+code gRPC itself also sends (a message over the receive limit): only a RESOURCE_EXHAUSTED whose
+trailer says ``ResourceExhausted`` is back-pressure to retry; without the trailer it is
+:class:`MessageTooLarge`, permanent. The server turns these into ``context.abort``
 (see :func:`paramserver.server.servicer.grpc_errors`); the client maps status codes back with
 :func:`from_rpc_error`.
 """
 
 from __future__ import annotations
+
+import errno
+import os
 
 import grpc
 
@@ -53,6 +65,11 @@ class MalformedStream(InvalidArgument):
 
 class DimensionMismatch(InvalidArgument):
     """A tensor whose dtype, shape or width disagrees with the key's declaration."""
+
+
+class DTypeMismatch(DimensionMismatch):
+    """A gradient of the key's shape but another dtype (numpy's default float64 for a float32
+    key, say). INVALID_ARGUMENT (trailer ``DTypeMismatch``); cast on the client."""
 
 
 class NonFiniteGradient(InvalidArgument):
@@ -85,6 +102,11 @@ class AlreadyExists(ParamServerError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class KeyConflict(AlreadyExists):
+    """An ``init`` of an existing key with another dtype or shape; names both declarations.
+    ALREADY_EXISTS (trailer ``KeyConflict``). Nothing of the init was applied."""
+
+
 class Aborted(ParamServerError):
     """A BSP step aborted by the ``fail_fast`` worker-death policy. ABORTED."""
 
@@ -104,11 +126,60 @@ class ResourceExhausted(ParamServerError):
     retryable = True
 
 
+class MessageTooLarge(ResourceExhausted):
+    """A message over the peer's receive limit, refused by gRPC itself (no paramserver trailer).
+
+    Permanent: the same message is refused again. Split tensors into frames of at most
+    ``tensor.CHUNK_BYTES`` (the product's clients always do)."""
+
+    retryable = False
+
+
+class StorageFull(ParamServerError):
+    """The server's write-ahead log or checkpoint disk is full (ENOSPC, EDQUOT).
+
+    RESOURCE_EXHAUSTED with the trailer ``StorageFull``. Nothing of the request was applied.
+    Not retried by the product's clients: an operator must free space (the message names the
+    path)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class Unavailable(ParamServerError):
     """The server cannot be reached or is shutting down. Retryable."""
 
     code = grpc.StatusCode.UNAVAILABLE
     retryable = True
+
+
+class StorageError(Unavailable):
+    """The write-ahead log or a checkpoint could not be written or synced (EIO and other I/O
+    errors), or the log failed earlier and the server accepts no more mutations until it is
+    restarted. UNAVAILABLE (retryable: a restarted server replays its log, and a retried push
+    is still applied once)."""
+
+
+#: errno values that mean "out of space" (ENOSPC; EDQUOT where the platform has it).
+_NO_SPACE = frozenset(
+    e for e in (getattr(errno, "ENOSPC", None), getattr(errno, "EDQUOT", None)) if e is not None
+)
+
+
+def storage_error(exc: OSError, what: str) -> ParamServerError:
+    """The refusal for an I/O failure while making a request durable.
+
+    Args:
+        exc: The OSError raised by the write, fsync or rename.
+        what: What failed, naming the path (e.g. ``"write-ahead log /data/wal"``).
+
+    Returns:
+        :class:`StorageFull` for ENOSPC/EDQUOT, :class:`StorageError` otherwise.
+    """
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    name = errno.errorcode.get(exc.errno or 0, "OSError")
+    if exc.errno in _NO_SPACE:
+        return StorageFull(f"{what}: {name} ({reason}); free disk space, then retry")
+    return StorageError(f"{what}: {name} ({reason})")
 
 
 class Unauthenticated(ParamServerError):
@@ -166,6 +237,15 @@ def _handshake_hint(code: grpc.StatusCode, details: str) -> str:
     return TLS_MISMATCH_HINT if "socket closed" in lowered or "handshake" in lowered else ""
 
 
+def error_class_of(trailing: object) -> str | None:
+    """The class name a paramserver server put in the ``paramserver-error-class`` trailer of
+    a failed call, or None (the status came from gRPC itself, or from another server)."""
+    for key, value in trailing or ():  # type: ignore[attr-defined]
+        if key == ERROR_CLASS_METADATA_KEY:
+            return str(value)
+    return None
+
+
 def from_rpc_error(err: grpc.RpcError) -> ParamServerError:
     """Map a failed RPC to the matching :class:`ParamServerError` (the client funnel).
 
@@ -178,11 +258,13 @@ def from_rpc_error(err: grpc.RpcError) -> ParamServerError:
     details = err.details() if hasattr(err, "details") else str(err)
     cls = _BY_CODE.get(code, ParamServerError)
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
-    for key, value in trailing or ():
-        if key == ERROR_CLASS_METADATA_KEY:
-            named = _all_subclasses(ParamServerError).get(str(value))
-            if named is not None and named.code == code:
-                cls = named
+    named_class = error_class_of(trailing)
+    if named_class is not None:
+        named = _all_subclasses(ParamServerError).get(named_class)
+        if named is not None and named.code == code:
+            cls = named
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        cls = MessageTooLarge  # gRPC's own refusal (a message over the receive limit)
     details = f"{details}{_handshake_hint(code, str(details))}"
     exc = cls(f"{code.name}: {details}" if cls is ParamServerError else details)
     exc.code = code

@@ -45,6 +45,7 @@ import numpy.typing as npt
 from paramserver import wire
 from paramserver.api.v1 import tensor_pb2
 from paramserver.errors import InvalidArgument, MalformedStream, ResourceExhausted
+from paramserver.limits import MAX_KEY_BYTES, check_key, shown
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -89,7 +90,7 @@ _MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
 
 
 def _key_label(key: str) -> str:
-    return f"tensor {key!r}" if key else "tensor"
+    return f"tensor {shown(key)!r}" if key else "tensor"
 
 
 def _is_big_endian(dtype: np.dtype[Any]) -> bool:
@@ -543,6 +544,11 @@ class TensorAssembler:
             )
         if not key:
             raise self._fail("", "header has an empty key")
+        if len(key) * 4 > MAX_KEY_BYTES:
+            try:
+                check_key(key)
+            except InvalidArgument as err:
+                raise self._fail(key, err.message) from None
         try:
             dtype = dtype_from_wire(header.dtype, key)
         except InvalidArgument as err:

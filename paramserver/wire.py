@@ -23,8 +23,17 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from paramserver.api.v1 import tensor_pb2
+from paramserver.errors import MalformedStream
 
-__all__ = ["RawFrame", "RawFrameMessage", "deserializer", "frame_messages", "serialize"]
+__all__ = [
+    "RawFrame",
+    "RawFrameMessage",
+    "Undecodable",
+    "deserializer",
+    "frame_messages",
+    "serialize",
+    "tolerant",
+]
 
 # Wire types and tags (field_number << 3 | wire_type) of the fields used here.
 _VARINT, _LEN = 0, 2
@@ -153,6 +162,41 @@ def deserializer(message_type: Any) -> Callable[[bytes], Any]:
         return RawFrameMessage(frame, end)
 
     return deserialize
+
+
+class Undecodable:
+    """Stands in for a request message whose bytes did not decode.
+
+    gRPC answers a request its deserializer cannot decode with INTERNAL, which a client cannot
+    tell from a server bug; :func:`tolerant` hands the handler this object instead, and any
+    use of it (a field, ``WhichOneof``) raises :class:`~paramserver.errors.MalformedStream`,
+    which the handler's error mapping answers with INVALID_ARGUMENT.
+    """
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # protocol probes (hasattr(x, "__aiter__")) stay probes
+            raise AttributeError(name)
+        raise MalformedStream(f"request message does not decode: {self.reason}")
+
+
+def tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserialize`` returning :class:`Undecodable` instead of raising ``DecodeError``."""
+    if deserialize is None:
+        return None
+    inner = deserialize
+
+    def decode(data: bytes) -> Any:
+        try:
+            return inner(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
+
+    return decode
 
 
 def serialize(message: Any) -> bytes:

@@ -39,7 +39,7 @@ are refused but not counted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeAlias, cast
 
@@ -603,7 +603,13 @@ class DistributedOptimizer:
         """
         self.submit_updates([update], now)
 
-    def submit_updates(self, updates: Sequence[GradientUpdate], now: float) -> None:
+    def submit_updates(
+        self,
+        updates: Sequence[GradientUpdate],
+        now: float,
+        *,
+        on_valid: Callable[[], None] | None = None,
+    ) -> None:
         """Validate every update (against the state and each other), then enqueue them all.
 
         All or nothing: if any update is refused, none is enqueued and the error of the first
@@ -613,6 +619,8 @@ class DistributedOptimizer:
         Args:
             updates: Updates to enqueue.
             now: Arrival time in seconds.
+            on_valid: Called once every update is valid, before any is enqueued (the
+                write-ahead log); if it raises, nothing is enqueued.
 
         Raises:
             Same as :meth:`submit_update`.
@@ -626,6 +634,8 @@ class DistributedOptimizer:
         staged_contributions: set[tuple[str, str]] = set()
         for update in updates:
             self._validate(update, staged_shapes, staged_contributions)
+        if on_valid is not None:
+            on_valid()
         for update in updates:
             layer = self._layers.setdefault(update.layer_id, _Layer())
             if layer.shape is None:

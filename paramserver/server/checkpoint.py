@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -89,6 +90,28 @@ class Snapshot:
 
     tensors: dict[str, np.ndarray]
     manifest: dict[str, Any]
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _save_tensors(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """``safetensors.numpy.save_file``, with its I/O failures raised as :class:`OSError`.
+
+    The safetensors library reports a failed write (ENOSPC, EIO) as a ``SafetensorError``
+    whose text ends ``(os error N)``; it is re-raised as ``OSError(N)`` so callers can tell a
+    full disk from a bug.
+    """
+    try:
+        save_file(tensors, str(path))
+    except OSError:
+        raise
+    except Exception as exc:
+        found = _OS_ERROR.search(str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc
 
 
 class CheckpointManager:
@@ -176,7 +199,7 @@ class CheckpointManager:
             try:
                 tmp.mkdir()
                 tensor_file = tmp / "tensors.safetensors"
-                save_file(storable, str(tensor_file))
+                _save_tensors(storable, tensor_file)
                 with open(tensor_file, "rb") as fh:
                     os.fsync(fh.fileno())
                 manifest_file = tmp / "manifest.json"
@@ -230,8 +253,8 @@ class CheckpointManager:
                 for w in cluster.live_workers()
             ],
             "dedup": {
-                name: [[rid, r.dropped_stale, r.queued] for rid, r in seen.items()]
-                for name, seen in core.dedup_state().items()
+                wid: [[rid, r.dropped_stale, r.queued] for rid, r in seen.items()]
+                for wid, seen in core.dedup_state().items()
             },
         }
 
@@ -299,8 +322,10 @@ class CheckpointManager:
             if core.aggregator is not None:
                 core.aggregator.register_worker(rec.worker_id, now)
         dedup: dict[str, OrderedDict[int, PushResult]] = {}
-        for name, rows in manifest["dedup"].items():
-            dedup[name] = OrderedDict(
+        for wid, rows in manifest["dedup"].items():
+            if wid not in cluster.workers:  # an older checkpoint keyed them by worker name
+                wid = next((w.worker_id for w in cluster.live_workers() if w.name == wid), wid)
+            dedup[wid] = OrderedDict(
                 (int(rid), PushResult(True, core.applied_updates, bool(stale), bool(queued)))
                 for rid, stale, queued in rows
             )

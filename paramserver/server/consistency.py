@@ -19,9 +19,11 @@ network or an event loop. Decisions carry the names of the workers they wait for
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paramserver.errors import AlreadyExists, InvalidArgument, StaleUpdate, WorkerNotFound
+from paramserver.limits import check_worker_id, check_worker_name, shown
 
 #: Departed (left, evicted, fenced) registrations remembered for clearer refusals.
 DEPARTED_KEPT = 1024
@@ -150,27 +152,34 @@ class ClusterState:
         return self.floor
 
     def register(
-        self, name: str, now: float, *, replace: bool = False, client_nonce: str = ""
+        self,
+        name: str,
+        now: float,
+        *,
+        replace: bool = False,
+        client_nonce: str = "",
+        log: Callable[[str], None] | None = None,
     ) -> tuple[WorkerRecord, list[MembershipChange]]:
         """Register a worker by name; it starts at the current minimum clock.
 
         A worker lost under the ``wait`` policy is taken over: the new incarnation inherits its
         clock. A retry with the same ``client_nonce`` returns the existing live registration.
 
+        Args:
+            log: Called with the new worker id once the registration is decided and before
+                anything changes (the write-ahead log); if it raises, nothing changes. Not
+                called for a retry answered with the existing registration.
+
         Returns:
             The new (or existing) record, and the registrations it fenced.
 
         Raises:
-            InvalidArgument: empty name (INVALID_ARGUMENT).
+            InvalidArgument: empty name, or one over the length limit (INVALID_ARGUMENT).
             AlreadyExists: the name is live and ``replace`` is False (ALREADY_EXISTS).
         """
-        if not name:
-            raise InvalidArgument("worker_name must be non-empty")
-        changes: list[MembershipChange] = []
-        start_clock: int | None = None
-        for rec in list(self.workers.values()):
-            if rec.name != name:
-                continue
+        check_worker_name(name)
+        same_name = [rec for rec in self.workers.values() if rec.name == name]
+        for rec in same_name:
             if rec.live:
                 if client_nonce and rec.client_nonce == client_nonce:
                     rec.lease_expiry_s = now + self.lease_s
@@ -180,6 +189,13 @@ class ClusterState:
                         f"worker name {name!r} is already registered as {rec.worker_id!r} "
                         "(pass replace=True to fence it)"
                     )
+        worker_id = f"{name}#{self.incarnations + 1}"
+        if log is not None:
+            log(worker_id)
+        changes: list[MembershipChange] = []
+        start_clock: int | None = None
+        for rec in same_name:
+            if rec.live:
                 rec.live = False
                 changes.append(MembershipChange(rec, "fenced"))
                 start_clock = rec.clock
@@ -189,7 +205,7 @@ class ClusterState:
         base = self.min_clock()
         self.incarnations += 1
         rec = WorkerRecord(
-            worker_id=f"{name}#{self.incarnations}",
+            worker_id=worker_id,
             name=name,
             incarnation=self.incarnations,
             clock=base if start_clock is None else max(start_clock, base),
@@ -212,11 +228,14 @@ class ClusterState:
         """The live record of ``worker_id``.
 
         Raises:
+            InvalidArgument: an empty worker id, or one longer than any the server makes
+                (INVALID_ARGUMENT).
             WorkerNotFound: unknown, departed, evicted or fenced (FAILED_PRECONDITION).
         """
         rec = self.workers.get(worker_id)
         if rec is None:
-            raise WorkerNotFound(f"unknown worker {worker_id!r}: register first")
+            check_worker_id(worker_id)  # empty or over-long: a malformed request
+            raise WorkerNotFound(f"unknown worker {shown(worker_id)!r}: register first")
         if not rec.live:
             raise WorkerNotFound(
                 f"worker {worker_id!r} is no longer a member (left, evicted or fenced by a "
@@ -230,9 +249,14 @@ class ClusterState:
         rec.lease_expiry_s = now + self.lease_s
         return rec
 
-    def leave(self, worker_id: str) -> MembershipChange:
-        """Clean leave: the worker stops holding any step back at once, whatever the policy."""
+    def leave(self, worker_id: str, *, log: Callable[[], None] | None = None) -> MembershipChange:
+        """Clean leave: the worker stops holding any step back at once, whatever the policy.
+
+        ``log`` is called once the leave is valid and before anything changes (the
+        write-ahead log); if it raises, nothing changes."""
         rec = self.require_live(worker_id)
+        if log is not None:
+            log()
         self.min_clock()  # remember the minimum the leaver held: a late joiner starts there
         rec.live = False
         self.epoch += 1
@@ -278,10 +302,14 @@ class ClusterState:
             )
 
     # ------------------------------------------------------------------ clocks
-    def clock(self, worker_id: str, clock: int) -> int:
+    def clock(self, worker_id: str, clock: int, *, log: Callable[[], None] | None = None) -> int:
         """End iteration ``clock`` of a worker; returns the new clock.
 
         Idempotent: ending an iteration that already ended returns the current clock.
+
+        Args:
+            log: Called before the clock advances (the write-ahead log; not for a repeat that
+                changes nothing); if it raises, nothing changes.
 
         Raises:
             WorkerNotFound: not live (FAILED_PRECONDITION).
@@ -293,6 +321,8 @@ class ClusterState:
                 f"worker {worker_id!r} ends clock {clock} but is at clock {rec.clock}"
             )
         if clock == rec.clock:
+            if log is not None:
+                log()
             rec.clock += 1
         return rec.clock
 

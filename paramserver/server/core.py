@@ -25,6 +25,7 @@ from paramserver.errors import (
     NonFiniteGradient,
     StaleUpdate,
 )
+from paramserver.limits import check_key, shown
 from paramserver.server.aggregation import DistributedOptimizer, GradientUpdate, Synchronous
 from paramserver.server.config import ServerConfig
 from paramserver.server.consistency import (
@@ -113,11 +114,35 @@ class ServerCore:
         return self.aggregator.current_step if self.aggregator is not None else 0
 
     def register(
-        self, name: str, now: float, *, replace: bool = False, client_nonce: str = ""
+        self,
+        name: str,
+        now: float,
+        *,
+        replace: bool = False,
+        client_nonce: str = "",
+        resume_worker_id: str = "",
+        log: Callable[[str], None] | None = None,
     ) -> WorkerRecord:
-        """Register a worker; see :meth:`ClusterState.register` for errors."""
+        """Register a worker; see :meth:`ClusterState.register` for errors.
+
+        Push deduplication is scoped to a registration (its worker id): a new registration
+        starts with no request ids seen, so a restarted worker may number its pushes afresh.
+        ``resume_worker_id`` names the registration this one continues (a client that lost
+        its registration and retries its last push under the new one): when it is a departed
+        registration of the same name, its request ids carry over, so that retry is still
+        applied once. ``log`` is called with the new worker id before anything changes.
+        """
         lost = [w for w in self.cluster.workers.values() if w.name == name and w.lost]
-        rec, fenced = self.cluster.register(name, now, replace=replace, client_nonce=client_nonce)
+        rec, fenced = self.cluster.register(
+            name, now, replace=replace, client_nonce=client_nonce, log=log
+        )
+        if resume_worker_id and rec.worker_id != resume_worker_id:
+            prior = self.cluster.workers.get(resume_worker_id)
+            if prior is not None and prior.name == name and not prior.live:
+                seen = self._dedup.pop(resume_worker_id, None)
+                if seen is not None and rec.worker_id not in self._dedup:
+                    self._dedup[rec.worker_id] = seen
+        self._forget_departed_dedup()
         self._departed(fenced)
         if self.aggregator is not None:
             for old in (w for w in lost if not w.lost):
@@ -138,8 +163,14 @@ class ServerCore:
             self.aggregator.touch(worker_id, now)
         return rec
 
-    def leave(self, worker_id: str) -> MembershipChange:
-        change = self.cluster.leave(worker_id)
+    def _forget_departed_dedup(self) -> None:
+        """Drop the request ids of registrations the cluster no longer remembers."""
+        if len(self._dedup) > len(self.cluster.workers):
+            for wid in [w for w in self._dedup if w not in self.cluster.workers]:
+                del self._dedup[wid]
+
+    def leave(self, worker_id: str, *, log: Callable[[], None] | None = None) -> MembershipChange:
+        change = self.cluster.leave(worker_id, log=log)
         self._departed([change])
         self._advance()
         return change
@@ -186,13 +217,24 @@ class ServerCore:
 
     # ------------------------------------------------------------------ keys
     def init(
-        self, tensors: Mapping[str, np.ndarray], rule: UpdateRule, *, take: bool = False
+        self,
+        tensors: Mapping[str, np.ndarray],
+        rule: UpdateRule,
+        *,
+        take: bool = False,
+        log: Callable[[dict[str, bool]], None] | None = None,
     ) -> dict[str, bool]:
         """Declare keys (first writer wins); returns key -> created. All-or-nothing.
 
         ``take``: the caller hands the arrays over (receive buffers), stored without a copy
-        (see :meth:`ParameterStore.init`)."""
-        created = self.store.init_many(dict(tensors), rule, take=take)
+        (see :meth:`ParameterStore.init`). ``log`` is called with key -> "will be created"
+        once the init is valid and before anything is stored (the write-ahead log).
+
+        Raises:
+            InvalidArgument: a bad key, value or rule (INVALID_ARGUMENT).
+            KeyConflict: an existing key declared with another dtype or shape
+                (ALREADY_EXISTS)."""
+        created = self.store.init_many(dict(tensors), rule, take=take, before_create=log)
         if self.aggregator is not None:
             for key, was_created in created.items():
                 if was_created:
@@ -200,11 +242,17 @@ class ServerCore:
         return created
 
     def require_keys(self, keys: Iterable[str]) -> list[str]:
-        """The keys to read (all when empty), each checked. Raises KeyNotFound (NOT_FOUND)."""
+        """The keys to read (all when empty), each checked.
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) a key never declared.
+            InvalidArgument: (INVALID_ARGUMENT) an empty key or one over the key length limit.
+        """
         wanted = list(keys) or list(self.store.keys())
         for key in wanted:
             if key not in self.store:
-                raise KeyNotFound(f"unknown key {key!r}: declare it with init first")
+                check_key(key)  # an over-long key is refused as such, not as NOT_FOUND
+                raise KeyNotFound(f"unknown key {shown(key)!r}: declare it with init first")
         return wanted
 
     # ------------------------------------------------------------------ push / clock / pull
@@ -220,6 +268,7 @@ class ServerCore:
         base_version: int | None = None,
         applier: Applier | None = None,
         finite_checked: bool = False,
+        log: Callable[[], None] | None = None,
     ) -> PushResult:
         """Apply (SSP/ASP) or queue (BSP) one push of gradients, at most once per request id.
 
@@ -241,6 +290,10 @@ class ServerCore:
                 applies them here, before returning.
             finite_checked: The caller already found every gradient free of NaN/Inf (e.g. in a
                 worker thread); the scan is not repeated.
+            log: Called once the push is decided (to be applied or queued) and before any
+                state changes: the write-ahead log writes its record here. If it raises, the
+                push is refused with nothing changed and its request id not recorded. Not
+                called for a duplicate or an ASP push dropped as too stale.
 
         Raises:
             WorkerNotFound: unknown or evicted worker (FAILED_PRECONDITION).
@@ -250,9 +303,9 @@ class ServerCore:
                 one step (FAILED_PRECONDITION).
         """
         rec = self.cluster.require_live(worker_id)
-        seen = self._dedup.get(rec.name)
+        seen = self._dedup.get(rec.worker_id)
         if seen is None:  # (not setdefault: no new OrderedDict per push)
-            seen = self._dedup[rec.name] = OrderedDict()
+            seen = self._dedup[rec.worker_id] = OrderedDict()
         if request_id in seen:
             self.duplicate_pushes += 1
             self.observer.dropped("duplicate")
@@ -265,7 +318,7 @@ class ServerCore:
                 allow_aggregate=False,
             )
             result = self._apply_or_queue(
-                rec, clock, grads, checked, now, max(num_samples, 1), base_version, applier
+                rec, clock, grads, checked, now, max(num_samples, 1), base_version, applier, log
             )
         except InvalidArgument as exc:
             # Name the pushing worker too, same class and code.
@@ -297,6 +350,7 @@ class ServerCore:
         num_samples: int,
         base_version: int | None,
         applier: Applier | None,
+        log: Callable[[], None] | None,
     ) -> PushResult:
         if self.aggregator is not None:
             step = self.aggregator.current_step
@@ -316,6 +370,7 @@ class ServerCore:
                     for key, grad in grads.items()
                 ],
                 now,
+                on_valid=log,
             )
             return PushResult(False, self.applied_updates, queued=True)
         max_stale = self.config.max_staleness
@@ -332,8 +387,10 @@ class ServerCore:
             raise StaleUpdate(
                 f"worker {rec.worker_id!r} pushes for clock {clock} but is at clock {rec.clock}"
             )
-        # Decided: the numeric apply runs now, or wherever the applier schedules it (the
-        # engine runs big ones in a worker thread with the keys reserved).
+        # Decided: logged first, then the numeric apply runs now, or wherever the applier
+        # schedules it (the engine runs big ones in a worker thread with the keys reserved).
+        if log is not None:
+            log()
         if applier is None:
             self.store.apply_checked(checked)
         else:
@@ -354,9 +411,10 @@ class ServerCore:
         )
         self._newest_applied_clock = max(self._newest_applied_clock, clock)
 
-    def clock(self, worker_id: str, clock: int) -> int:
-        """End iteration ``clock``; closes BSP steps every live worker finished."""
-        new = self.cluster.clock(worker_id, clock)
+    def clock(self, worker_id: str, clock: int, *, log: Callable[[], None] | None = None) -> int:
+        """End iteration ``clock``; closes BSP steps every live worker finished. ``log`` is
+        called before the clock advances (see :meth:`ClusterState.clock`)."""
+        new = self.cluster.clock(worker_id, clock, log=log)
         if new == clock + 1:
             self.observer.clocked(self.cluster.workers[worker_id].name, clock)
         self._advance()
@@ -370,7 +428,7 @@ class ServerCore:
                 self.on_progress(mark)
 
     def dedup_state(self) -> dict[str, OrderedDict[int, PushResult]]:
-        """Request ids seen per worker name (for checkpoints)."""
+        """Request ids seen per registration (worker id), for checkpoints."""
         return self._dedup
 
     def restore_dedup(self, dedup: dict[str, OrderedDict[int, PushResult]]) -> None:

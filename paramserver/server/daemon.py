@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from paramserver.errors import InvalidArgument
+from paramserver.errors import InvalidArgument, StorageError, StorageFull, storage_error
 from paramserver.memory import (
     DEFAULT_RETAIN_BYTES,
     MAX_RETAIN_BYTES,
@@ -42,11 +42,13 @@ from paramserver.security import (
     bind,
     client_security_from_args,
     open_channel,
+    peer_security,
 )
 from paramserver.server import local_link
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
 from paramserver.server.cut import shard_map_of
+from paramserver.server.dashboard import PEER_TIMEOUT_S, Dashboard, gather_peers
 from paramserver.server.engine import ServerEngine
 from paramserver.server.metrics import (
     MetricsServer,
@@ -60,6 +62,7 @@ from paramserver.server.reduction import SERVICE_NAME as REDUCTION_SERVICE_NAME
 from paramserver.server.reduction import ReductionEngine, add_reduction_service
 from paramserver.server.reshard import prepare_checkpoint_dir
 from paramserver.server.servicer import ParameterServerServicer, add_to_server
+from paramserver.server.status_view import status_to_dict
 from paramserver.server.wal import WriteAheadLog, replay_into
 from paramserver.sharding import ShardMap, parse_address
 
@@ -86,6 +89,7 @@ class ParameterServerDaemon:
         self._timer: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Path | None]] = set()
         self._checkpoint_lock = asyncio.Lock()
+        self._health_tasks: set[asyncio.Task[None]] = set()
         self.recovery_s = 0.0
         self.port = 0
         #: The shard map served by GetShardMap (set on start; tests may replace it).
@@ -97,6 +101,8 @@ class ParameterServerDaemon:
         self.local_link: local_link.LocalLinkServer | None = None
         #: TLS / token settings from the config (None: plain text, no tokens; validated here).
         self.security: ServerSecurity | None = ServerSecurity.of_config(config)
+        #: Channels to the other shards, for the dashboard's cluster view (opened on first use).
+        self._peer_channels: dict[str, grpc.aio.Channel] = {}
 
     @property
     def address(self) -> str:
@@ -114,6 +120,7 @@ class ParameterServerDaemon:
         self._recover(engine)
         interceptors, self.metrics = metrics_for(engine, self._transport_stats)
         if self.metrics is not None:
+            self.metrics.dashboard = self._dashboard(self.metrics.registry)
             # Before the gRPC port: grpc.aio keeps a port bound by a server that never started
             # (even after stop), so a metrics port in use must fail before grpc binds anything.
             await self._start_metrics()
@@ -138,6 +145,8 @@ class ParameterServerDaemon:
             raise
         await server.start()
         self._server = server
+        if self.metrics is not None:
+            self.metrics.dashboard.info["address"] = self.address
         await self._start_local_link()
         self.shard_map = shard_map_of(self.config, self.address)
         engine.start()
@@ -147,6 +156,7 @@ class ParameterServerDaemon:
             )
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        engine.on_storage_failure = self._storage_failed
         logger.info(
             "paramserver listening on %s:%d (%s, staleness %d, aggregation %s, lease %d ms%s)",
             self.config.host,
@@ -157,6 +167,21 @@ class ParameterServerDaemon:
             self.config.lease_ms,
             ", write-ahead log on" if engine.wal is not None else "",
         )
+
+    def _storage_failed(self, exc: StorageError) -> None:
+        """The write-ahead log failed with memory possibly ahead of it: health NOT_SERVING
+        (orchestrators restart the server, which then replays the log)."""
+        health_servicer = self._health
+        if health_servicer is None:
+            return
+
+        async def mark() -> None:
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        task = asyncio.get_running_loop().create_task(mark(), name="paramserver-health-failed")
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
 
     async def _start_reduction(self) -> None:
         """Mode ``reduce``: the reduction service (no parameters, no checkpoints) and health;
@@ -218,6 +243,55 @@ class ParameterServerDaemon:
             return
         self.local_link = link
         self.servicer.sessions.local_link = link
+
+    def _dashboard(self, registry: Any) -> Dashboard:
+        """The metrics port's page of this shard: its Status and, in a sharded cluster, every
+        other shard's, read over gRPC from the shard map's addresses."""
+        cfg = self.config
+
+        async def status() -> dict[str, Any]:
+            if self.servicer is None:
+                return {}
+            from paramserver.api.v1 import parameter_server_pb2 as pb
+
+            return status_to_dict(await self.servicer.Status(pb.StatusRequest(), None))
+
+        async def read_peer(address: str) -> dict[str, Any]:
+            from paramserver.api.v1 import parameter_server_pb2 as pb
+
+            channel = self._peer_channels.get(address)
+            if channel is None:
+                client = peer_security(self.security, None) if self.security is not None else None
+                channel = self._peer_channels[address] = open_channel(address, client)
+            try:
+                stub = pb_grpc.ParameterServerStub(channel)
+                resp = await stub.Status(pb.StatusRequest(), timeout=PEER_TIMEOUT_S)
+            except BaseException:  # a fresh channel next time (the peer may have moved)
+                self._peer_channels.pop(address, None)
+                await channel.close()
+                raise
+            return status_to_dict(resp)
+
+        async def peers() -> list[dict[str, Any]]:
+            shard_map = self.shard_map
+            if shard_map is None:
+                return []
+            others = [(i, a) for i, a in enumerate(shard_map.addresses) if i != cfg.shard_index]
+            return await gather_peers(others, read_peer)
+
+        info = {
+            "mode": cfg.mode,
+            "shard_index": cfg.shard_index,
+            "num_shards": cfg.num_shards,
+            "address": "",  # set once the gRPC port is bound
+            "wal": cfg.wal,
+            "checkpoint_dir": cfg.checkpoint_dir or "",
+            "checkpoint_every_s": cfg.checkpoint_every_s,
+            "lease_ms": cfg.lease_ms,
+        }
+        return Dashboard(
+            "ps", registry, info=info, status=status, peers=peers if cfg.num_shards > 1 else None
+        )
 
     def _transport_stats(self) -> TransportStats:
         """The Session transport's state for the metrics endpoint (read at scrape time)."""
@@ -319,7 +393,8 @@ class ParameterServerDaemon:
         commits. The file writing runs in a worker thread so the server keeps serving.
 
         Raises:
-            OSError: the write failed (disk full...); the previous checkpoint stands.
+            StorageFull: (RESOURCE_EXHAUSTED) the disk is full; the previous checkpoint stands.
+            StorageError: (UNAVAILABLE) another I/O error; the previous checkpoint stands.
         """
         if self.checkpoints is None or self.engine is None:
             return None
@@ -331,9 +406,12 @@ class ParameterServerDaemon:
             async with engine.offload.quiesced():
                 wal_sequence = engine.wal.rotate() if engine.wal is not None else 0
                 snap = self.checkpoints.snapshot(engine.core, wal_sequence=wal_sequence)
-            path = await asyncio.get_running_loop().run_in_executor(
-                None, self.checkpoints.write, snap
-            )
+            try:
+                path = await asyncio.get_running_loop().run_in_executor(
+                    None, self.checkpoints.write, snap
+                )
+            except OSError as exc:  # disk full, EIO...: the previous checkpoint stands
+                raise storage_error(exc, f"checkpoint in {self.checkpoints.directory}") from exc
             if engine.wal is not None:
                 engine.wal.truncate_through(wal_sequence)
             engine.obs.checkpoint_written(time.monotonic() - t0, Path(path).name)
@@ -344,8 +422,8 @@ class ParameterServerDaemon:
             await asyncio.sleep(self.config.checkpoint_every_s)
             try:
                 await self.checkpoint()
-            except OSError:
-                logger.exception("periodic checkpoint failed; the previous one stands")
+            except (StorageFull, StorageError) as exc:
+                logger.error("periodic checkpoint failed; the previous one stands: %s", exc)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Refuse new calls, end waits with UNAVAILABLE, let in-flight calls finish within the
@@ -383,12 +461,15 @@ class ParameterServerDaemon:
                 try:
                     path = await self.checkpoint()
                     logger.info("final checkpoint %s", path)
-                except OSError:
-                    logger.exception("final checkpoint failed; the previous one stands")
+                except (StorageFull, StorageError) as exc:
+                    logger.error("final checkpoint failed; the previous one stands: %s", exc)
             if self.engine.wal is not None:
                 await self.engine.wal.close()
         if self.metrics is not None:
             await self.metrics.stop()
+        channels, self._peer_channels = list(self._peer_channels.values()), {}
+        for channel in channels:
+            await channel.close()
 
     async def wait_closed(self) -> None:
         if self._server is not None:
@@ -535,7 +616,7 @@ def _retain_freed_memory(limit: int) -> str:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from paramserver.api.v1 import parameter_server_pb2 as pb
-    from paramserver.server.status_view import render_status, status_to_dict
+    from paramserver.server.status_view import render_status
 
     address = args.server or args.address
     if not address:
@@ -664,8 +745,8 @@ def add_subcommands(sub: Any) -> None:
     g.add_argument(
         "--metrics-port",
         type=int,
-        help="serve Prometheus metrics on this port of --host (0 = ephemeral; the bound port "
-        "is logged: 'metrics on http://HOST:PORT/metrics')",
+        help="serve Prometheus metrics (/metrics) and the dashboard (/) on this port of --host "
+        "(0 = ephemeral; the bound port is logged: 'metrics on http://HOST:PORT/metrics')",
     )
     add_server_security_flags(p)
     r = p.add_argument_group("reduction server (--mode reduce)")

@@ -14,7 +14,14 @@ import time
 from collections.abc import Callable, Iterator
 
 from paramserver.api.v1 import wal_pb2 as wal_pb
-from paramserver.errors import Aborted, ResourceExhausted, Unavailable, WaitTimeout
+from paramserver.errors import (
+    Aborted,
+    ResourceExhausted,
+    StorageError,
+    StorageFull,
+    Unavailable,
+    WaitTimeout,
+)
 from paramserver.server.config import ServerConfig
 from paramserver.server.consistency import Admission, Consistency
 from paramserver.server.core import ServerCore
@@ -137,6 +144,11 @@ class ServerEngine(LeaseReaperBase):
         self.hooks = ServingHooks()
         #: Write-ahead log; when set, every mutation is durable before it is acknowledged.
         self.wal: WriteAheadLog | None = None
+        #: Set when the log failed with memory possibly ahead of it (an fsync error): from
+        #: then on every mutation and pull is refused (:meth:`check_serving`).
+        self.storage_failure: StorageError | None = None
+        #: Told once of that failure (the daemon turns health NOT_SERVING).
+        self.on_storage_failure: Callable[[StorageError], None] | None = None
         #: Big push applies and pull copies in worker threads, keys reserved (see offload.py).
         self.offload = Offload(lambda: self.core.store, min_bytes=config.offload_min_bytes)
         self.core.step_applier = self.offload.apply_detached
@@ -154,25 +166,80 @@ class ServerEngine(LeaseReaperBase):
         await super().stop()
 
     async def _reap(self) -> None:
+        if self.storage_failure is not None:
+            return  # serving nothing; a restart replays the log
         changes = self.core.expire(self.now())
         if changes:
             self.notify()
             if self.wal is not None:
-                # One sweep, logged as consecutive records (replayed together).
+                # One sweep, logged as consecutive records (replayed together). The evictions
+                # are already applied (a lease decision, not a request): a log that cannot
+                # take them leaves memory ahead of it, so the server stops mutating.
                 last = 0
-                for ch in changes:
-                    last = self.wal.append(
-                        wal_pb.WalRecord(
-                            depart=wal_pb.WalDepart(worker_id=ch.worker.worker_id, why=ch.why)
+                try:
+                    for ch in changes:
+                        last = self.wal.append(
+                            wal_pb.WalRecord(
+                                depart=wal_pb.WalDepart(worker_id=ch.worker.worker_id, why=ch.why)
+                            )
                         )
-                    )
-                await self.wal.durable(last)
+                except StorageFull as exc:
+                    self._storage_failed(StorageError(exc.message))
+                    return
+                except StorageError as exc:
+                    self._storage_failed(exc)
+                    return
+                await self.durable(last)
 
-    async def commit(self, record: wal_pb.WalRecord) -> None:
-        """Append a mutation to the write-ahead log and wait until it is durable (no-op
-        without a log). Call after the mutation was applied, before acknowledging it."""
-        if self.wal is not None:
-            await self.wal.durable(self.wal.append(record))
+    # ------------------------------------------------------------------ durability
+    def check_serving(self) -> None:
+        """Refuse a request once the write-ahead log failed (memory may be ahead of it).
+
+        Raises:
+            StorageError: (UNAVAILABLE) naming the log and the failure; restart the server.
+        """
+        if self.storage_failure is not None:
+            raise StorageError(self.storage_failure.message)
+
+    def log(self, record: wal_pb.WalRecord) -> int:
+        """Write a decided mutation's record to the log, before the mutation is applied.
+
+        Returns:
+            The record's sequence for :meth:`durable` (0 without a log).
+
+        Raises:
+            StorageFull / StorageError: the record was not written (the log is as before);
+                the caller must refuse the request without applying it.
+        """
+        self.check_serving()
+        if self.wal is None:
+            return 0
+        return self.wal.append(record)
+
+    async def durable(self, sequence: int) -> None:
+        """Wait until record ``sequence`` is fsynced, before acknowledging its mutation.
+
+        Raises:
+            StorageError: (UNAVAILABLE) the fsync failed: the mutation is applied in memory but
+                may not survive, so the server stops serving mutations and pulls
+                (health NOT_SERVING) until it is restarted.
+        """
+        if self.wal is None or sequence <= 0:
+            return
+        try:
+            await self.wal.durable(sequence)
+        except StorageError as exc:
+            self._storage_failed(exc)
+            raise
+
+    def _storage_failed(self, exc: StorageError) -> None:
+        if self.storage_failure is not None:
+            return
+        self.storage_failure = exc
+        logger.critical("%s", exc.message)
+        self.notify()  # waiting pulls re-check and are refused
+        if self.on_storage_failure is not None:
+            self.on_storage_failure(exc)
 
     # ------------------------------------------------------------------ waiting
     async def wait_pull(self, worker_id: str, timeout_s: float) -> Admission:
@@ -198,6 +265,7 @@ class ServerEngine(LeaseReaperBase):
         while True:
             if self.shutting_down:
                 raise Unavailable("server is shutting down: retry against its successor")
+            self.check_serving()
             adm = self.core.check_pull(worker_id)
             if adm.admitted:
                 return adm

@@ -51,6 +51,7 @@ from prometheus_client.registry import Collector
 
 from paramserver.errors import Unavailable
 from paramserver.security import bind_failure_reason
+from paramserver.server.dashboard import ASSETS, Dashboard, asset
 from paramserver.server.engine import ServerEngine
 from paramserver.server.observe import CURRENT_RPC, BucketCounts, ServingHooks
 
@@ -64,17 +65,85 @@ MAX_REQUEST_LINE_BYTES = 8192
 #: Header lines the metrics endpoint skips at most before answering.
 MAX_HEADER_LINES = 100
 
+#: Page policy: every asset from this origin, nothing inline, no frames.
+_PAGE_POLICY = (
+    "Content-Security-Policy: default-src 'self'; img-src 'self' data:; frame-ancestors 'none'\r\n"
+)
+
 #: Keys that get their own ``key`` label; later ones are summed under ``key="_other"``.
 MAX_KEY_LABELS = 256
 
 
-def enable_reflection(server: grpc.aio.Server, *service_names: str) -> None:
-    """Serve the standard gRPC server reflection service (``grpc.reflection.v1alpha``) listing
-    ``service_names``, the health service and itself (``grpcurl``, ``grpc_cli`` use it)."""
-    from grpc_health.v1 import health
+#: The current server reflection service (grpcurl and newer tools ask for it first).
+REFLECTION_V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
 
-    reflection.enable_server_reflection(
-        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+
+def _reflection_v1_registered() -> None:
+    """Add ``grpc/reflection/v1/reflection.proto`` to the default descriptor pool.
+
+    grpcio-reflection ships only ``v1alpha``; ``v1`` is the same file with another package
+    (every message and field number alike), so its descriptor is that file renamed, and the
+    v1alpha messages read and write v1's bytes unchanged.
+    """
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    pool = descriptor_pool.Default()
+    name = "grpc/reflection/v1/reflection.proto"
+    try:
+        pool.FindFileByName(name)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    old_pkg = proto.package
+    proto.name, proto.package = name, "grpc.reflection.v1"
+    proto.options.Clear()
+
+    def moved(type_name: str) -> str:
+        return type_name.replace(f".{old_pkg}.", ".grpc.reflection.v1.")
+
+    for message in proto.message_type:
+        for fld in message.field:
+            if fld.HasField("type_name"):  # (scalar fields have none: leave it unset)
+                fld.type_name = moved(fld.type_name)
+    for service in proto.service:
+        for method in service.method:
+            method.input_type = moved(method.input_type)
+            method.output_type = moved(method.output_type)
+    pool.Add(proto)
+
+
+def enable_reflection(server: grpc.aio.Server, *service_names: str) -> None:
+    """Serve the standard gRPC server reflection service, as ``grpc.reflection.v1`` and
+    ``grpc.reflection.v1alpha``, listing ``service_names``, the health service and itself
+    (``grpcurl``, ``grpc_cli`` and Postman use it)."""
+    from grpc_health.v1 import health
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    _reflection_v1_registered()
+    names = (
+        *service_names,
+        health.SERVICE_NAME,
+        REFLECTION_V1_SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    v1 = reflection.aio.ReflectionServicer(names)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                REFLECTION_V1_SERVICE_NAME,
+                {
+                    "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                        v1.ServerReflectionInfo,
+                        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+                    )
+                },
+            ),
+        )
     )
 
 
@@ -465,19 +534,46 @@ class PromServingHooks(ServingHooks):
 
 
 class MetricsServer:
-    """``GET /metrics`` in the Prometheus text format, served on the running event loop.
+    """``GET /metrics`` in the Prometheus text format, ``/`` the dashboard page and
+    ``/api/status`` its JSON (:mod:`paramserver.server.dashboard`), served on the running
+    event loop.
 
     Args:
         registry: What to expose.
         host: Interface to bind.
         port: TCP port (0: ephemeral; :attr:`port` holds the bound one after :meth:`start`).
+        dashboard: The page's data (default: RPC counts of ``registry``).
     """
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str,
+        port: int,
+        dashboard: Dashboard | None = None,
+    ) -> None:
         self.registry = registry
         self.host = host
         self.port = port
+        #: The page and JSON at ``/`` and ``/api/status`` (RPC counts only, when not given).
+        self.dashboard = dashboard if dashboard is not None else Dashboard("reduce", registry)
         self._server: asyncio.Server | None = None
+
+    async def _route(self, method: str, path: str, query: str = "") -> tuple[str, str, bytes]:
+        """``(status line, content type, body)`` of a request for ``path?query``."""
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", "text/plain", b"only GET and HEAD\n"
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        if path == "/api/status":
+            try:
+                return "200 OK", "application/json", await self.dashboard.body(query)
+            except ValueError:
+                return "400 Bad Request", "text/plain", b"since must be Unix seconds\n"
+        name = "index.html" if path == "/" else path.lstrip("/")
+        if name in ASSETS:
+            return "200 OK", ASSETS[name], asset(name)
+        return "404 Not Found", "text/plain", b"not found: try / (dashboard) or /metrics\n"
 
     async def start(self) -> None:
         """Listen on ``host:port``.
@@ -496,9 +592,17 @@ class MetricsServer:
                 f"could not bind metrics port {address}: {bind_failure_reason(address, exc)}"
             ) from None
         self.port = int(self._server.sockets[0].getsockname()[1])
-        logger.info("metrics on http://%s:%d/metrics", self.host, self.port)
+        await self.dashboard.start()
+        logger.info(
+            "metrics on http://%s:%d/metrics, dashboard on http://%s:%d/",
+            self.host,
+            self.port,
+            self.host,
+            self.port,
+        )
 
     async def stop(self) -> None:
+        await self.dashboard.stop()
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
@@ -538,23 +642,17 @@ class MetricsServer:
                             pass
                 return
             parts = request.decode("latin-1").split()
-            path = parts[1] if len(parts) >= 2 else ""
-            if (
-                len(parts) >= 2
-                and parts[0] in ("GET", "HEAD")
-                and path.split("?")[0]
-                in (
-                    "/metrics",
-                    "/",
-                )
-            ):
-                body = generate_latest(self.registry)
-                head = f"HTTP/1.0 200 OK\r\nContent-Type: {CONTENT_TYPE_LATEST}\r\n"
-            else:
-                body = b"not found: try /metrics\n"
-                head = "HTTP/1.0 404 Not Found\r\nContent-Type: text/plain\r\n"
+            method = parts[0] if parts else ""
+            path, _, query = (parts[1] if len(parts) >= 2 else "").partition("?")
+            status, ctype, body = await self._route(method, path, query)
+            head = (
+                f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
+                "X-Content-Type-Options: nosniff\r\nCache-Control: no-store\r\n"
+            )
+            if ctype.startswith("text/html"):
+                head += _PAGE_POLICY
             writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode("latin-1"))
-            if parts and parts[0] != "HEAD":
+            if method != "HEAD":
                 writer.write(body)
             await writer.drain()
         except (TimeoutError, ConnectionError, UnicodeDecodeError):

@@ -27,11 +27,13 @@ from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.errors import (
     ERROR_CLASS_METADATA_KEY,
     DimensionMismatch,
+    DTypeMismatch,
     FailedPrecondition,
     InvalidArgument,
     MalformedStream,
     ParamServerError,
 )
+from paramserver.limits import cut_details, shown
 from paramserver.server import wal
 from paramserver.server.consistency import Consistency
 from paramserver.server.cut import shard_map_of
@@ -60,11 +62,14 @@ _AGGREGATION_PB = {
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, ParamServerError):
-        logger.debug("%s refused: %s", method, exc)
+        details = cut_details(exc.message)
+        logger.debug("%s refused: %s", method, details)
         context.set_trailing_metadata(((ERROR_CLASS_METADATA_KEY, type(exc).__name__),))
-        await context.abort(exc.code, exc.message)
+        await context.abort(exc.code, details)
     logger.error("%s failed with an unexpected error", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
+    await context.abort(
+        grpc.StatusCode.INTERNAL, cut_details(f"internal error in {method}: {exc!r}")
+    )
 
 
 def grpc_errors(fn: F) -> F:
@@ -145,7 +150,9 @@ class _Handlers:
 def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:
     """Register ``servicer`` as the generated ``add_ParameterServerServicer_to_server`` would,
     except that Push requests are read and Pull responses written by :mod:`paramserver.wire`
-    (tensor frames without protobuf copies of their payload; same bytes on the wire)."""
+    (tensor frames without protobuf copies of their payload; same bytes on the wire), and a
+    request that does not decode (invalid UTF-8 in a string field, truncated bytes) is refused
+    with INVALID_ARGUMENT by its handler instead of gRPC's INTERNAL (:func:`wire.tolerant`)."""
     caught = _Handlers()
     pb_grpc.add_ParameterServerServicer_to_server(servicer, caught)
     handlers = dict(caught.handlers)
@@ -159,6 +166,10 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) ->
         request_deserializer=pb.PullRequest.FromString,
         response_serializer=wire.serialize,
     )
+    handlers = {
+        name: h._replace(request_deserializer=wire.tolerant(h.request_deserializer))
+        for name, h in handlers.items()
+    }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(caught.service, handlers),)
     )
@@ -193,18 +204,31 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
+        self.engine.check_serving()
+        seq = 0
+
+        def log(worker_id: str) -> None:
+            nonlocal seq
+            seq = self.engine.log(
+                wal.record_register(
+                    request.worker_name,
+                    request.replace,
+                    request.client_nonce,
+                    worker_id,
+                    request.resume_worker_id,
+                )
+            )
+
         rec = self.core.register(
             request.worker_name,
             self.engine.now(),
             replace=request.replace,
             client_nonce=request.client_nonce,
+            resume_worker_id=request.resume_worker_id,
+            log=log,
         )
         self.engine.notify()
-        await self.engine.commit(
-            wal.record_register(
-                request.worker_name, request.replace, request.client_nonce, rec.worker_id
-            )
-        )
+        await self.engine.durable(seq)
         logger.info("registered %s at clock %d", rec.worker_id, rec.clock)
         return pb.RegisterResponse(
             worker_id=rec.worker_id,
@@ -220,11 +244,18 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
-        change = self.core.leave(request.worker_id)
+        seq = 0
+
+        def log() -> None:
+            nonlocal seq
+            seq = self.engine.log(
+                wal_pb.WalRecord(depart=wal_pb.WalDepart(worker_id=request.worker_id, why="left"))
+            )
+
+        self.engine.check_serving()
+        change = self.core.leave(request.worker_id, log=log)
         self.engine.notify()
-        await self.engine.commit(
-            wal_pb.WalRecord(depart=wal_pb.WalDepart(worker_id=request.worker_id, why="left"))
-        )
+        await self.engine.durable(seq)
         logger.info("worker %s left at clock %d", change.worker.worker_id, change.worker.clock)
         return pb.LeaveResponse(view=self._view())
 
@@ -303,12 +334,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
         Raises:
             KeyNotFound: (NOT_FOUND) the key was never declared.
+            DTypeMismatch: (INVALID_ARGUMENT) a dense gradient of another dtype than the key's.
             DimensionMismatch: (INVALID_ARGUMENT) the claimed size exceeds the key's bound.
         """
         if not header.key:
             return  # malformed: the assembler names it (MalformedStream) and allocates nothing
         value = self.core.store.get(header.key).value
         if header.role == tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
+            pushed = tensor.dtype_from_wire(header.dtype, header.key)
+            if pushed != value.dtype:
+                raise DTypeMismatch(
+                    f"gradient for key {shown(header.key)!r} has dtype {pushed} (expected "
+                    f"{value.dtype}, shape {tuple(value.shape)}): cast it on the client"
+                )
             bound = value.nbytes
         else:
             bound = max(value.nbytes, value.size * 8)
@@ -324,19 +362,28 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
     ) -> pb.InitResponse:
         header, tensors = await self._read_tensors(request_iterator, "header")
         rule = UpdateRule.from_proto(header.rule) if header.HasField("rule") else UpdateRule()
-        created = self.core.init(tensors, rule, take=True)  # receive buffers: stored, not copied
-        self.engine.notify()
-        if self.engine.wal is not None and any(created.values()):
-            await self.engine.commit(
+        seq = 0
+
+        def log(will_create: dict[str, bool]) -> None:
+            nonlocal seq
+            self.engine.check_serving()
+            if self.engine.wal is None or not any(will_create.values()):
+                return
+            seq = self.engine.log(
                 wal_pb.WalRecord(
                     init=wal_pb.WalInit(
                         rule=rule.to_proto(),
                         tensors=wal.tensors_to_wal(
-                            {k: tensors[k] for k, c in created.items() if c}
+                            {k: tensors[k] for k, c in will_create.items() if c}
                         ),
                     )
                 )
             )
+
+        # Receive buffers: stored, not copied.
+        created = self.core.init(tensors, rule, take=True, log=log)
+        self.engine.notify()
+        await self.engine.durable(seq)
         return pb.InitResponse(keys=[pb.KeyInit(key=k, created=c) for k, c in created.items()])
 
     @grpc_errors
@@ -404,24 +451,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         )
         if offload.holding_writers:  # (a checkpoint may hold decisions back) no await after
             await offload.admit_writer()
+        self.engine.check_serving()
         applied: list[asyncio.Future[None]] = []
-        result = self.core.push(
-            worker_id,
-            request_id,
-            clock,
-            grads,
-            self.engine.now(),
-            num_samples=num_samples,
-            base_version=base_version,
-            applier=lambda checked: applied.append(offload.apply(checked)),
-            finite_checked=finite,
-        )
-        for done in applied:  # decided: applied exactly once even if this call is cancelled
-            if not done.done():  # (small applies ran inline: nothing to wait for)
-                await asyncio.shield(done)
-        self.engine.notify()
-        if self.engine.wal is not None and not (result.duplicate or result.dropped_stale):
-            await self.engine.commit(
+        seq = 0
+
+        def log() -> None:  # decided: the record goes to the log before anything is applied
+            nonlocal seq
+            if self.engine.wal is None:
+                return
+            seq = self.engine.log(
                 wal_pb.WalRecord(
                     push=wal_pb.WalPush(
                         worker_id=worker_id,
@@ -433,6 +471,24 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
                     )
                 )
             )
+
+        result = self.core.push(
+            worker_id,
+            request_id,
+            clock,
+            grads,
+            self.engine.now(),
+            num_samples=num_samples,
+            base_version=base_version,
+            applier=lambda checked: applied.append(offload.apply(checked)),
+            finite_checked=finite,
+            log=log,
+        )
+        for done in applied:  # decided: applied exactly once even if this call is cancelled
+            if not done.done():  # (small applies ran inline: nothing to wait for)
+                await asyncio.shield(done)
+        self.engine.notify()
+        await self.engine.durable(seq)
         resp = pb.PushResponse(
             duplicate=result.duplicate,
             applied_updates=result.applied_updates,
@@ -525,13 +581,20 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
-        new = self.core.clock(request.worker_id, request.clock)
-        self.engine.notify()
-        await self.engine.commit(
-            wal_pb.WalRecord(
-                clock=wal_pb.WalClock(worker_id=request.worker_id, clock=request.clock)
+        seq = 0
+
+        def log() -> None:
+            nonlocal seq
+            seq = self.engine.log(
+                wal_pb.WalRecord(
+                    clock=wal_pb.WalClock(worker_id=request.worker_id, clock=request.clock)
+                )
             )
-        )
+
+        self.engine.check_serving()
+        new = self.core.clock(request.worker_id, request.clock, log=log)
+        self.engine.notify()
+        await self.engine.durable(seq)
         return pb.ClockResponse(clock=new, view=self._view())
 
     @grpc_errors

@@ -13,14 +13,22 @@ its keys' arrays, so the owner may run it in a worker thread while it keeps thos
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 import ml_dtypes
 import numpy as np
 
-from paramserver.errors import DimensionMismatch, InvalidArgument, KeyNotFound, NonFiniteGradient
+from paramserver.errors import (
+    DimensionMismatch,
+    DTypeMismatch,
+    InvalidArgument,
+    KeyConflict,
+    KeyNotFound,
+    NonFiniteGradient,
+)
+from paramserver.limits import check_key, shown
 from paramserver.server.optimizers import (
     BLOCK_ELEMENTS,
     FLOAT_DTYPES,
@@ -140,6 +148,7 @@ class ParameterStore:
     def _check_init(key: object, value: object, rule: object) -> None:
         if not isinstance(key, str) or not key:
             raise InvalidArgument(f"key must be a non-empty string, got {key!r}")
+        check_key(key)
         if not isinstance(value, np.ndarray | np.generic):
             raise InvalidArgument(
                 f"value for key {key!r} must be a numpy array, got {type(value).__name__}"
@@ -191,12 +200,19 @@ class ParameterStore:
         Raises:
             InvalidArgument: (INVALID_ARGUMENT) empty key, unsupported dtype, or an optimizer rule
                 on an integer value; checked even when the key exists.
+            KeyConflict: (ALREADY_EXISTS) the key exists with another dtype or shape.
         """
         self._check_init(key, value, rule)
+        self._check_redeclare(key, value)
         return self._create(key, value, rule, take)
 
     def init_many(
-        self, items: Mapping[str, ArrayOrScalar], rule: UpdateRule, *, take: bool = False
+        self,
+        items: Mapping[str, ArrayOrScalar],
+        rule: UpdateRule,
+        *,
+        take: bool = False,
+        before_create: Callable[[dict[str, bool]], None] | None = None,
     ) -> dict[str, bool]:
         """Declare several keys with one rule, all or nothing.
 
@@ -204,16 +220,40 @@ class ParameterStore:
             items: Key → initial value, as for :meth:`init`.
             rule: The update rule of every key.
             take: As for :meth:`init`, for every value.
+            before_create: Called with key → "will be created" once every item is valid and
+                before anything is stored (the write-ahead log); if it raises, nothing is
+                stored.
 
         Returns:
             Key → whether it was created (False: it existed and was left untouched).
 
         Raises:
             InvalidArgument: (INVALID_ARGUMENT) any item is invalid; then no key is created.
+            KeyConflict: (ALREADY_EXISTS) an existing key declared with another dtype or shape.
         """
         for key, value in items.items():
             self._check_init(key, value, rule)
+            self._check_redeclare(key, value)
+        if before_create is not None:
+            before_create({key: key not in self._entries for key in items})
         return {key: self._create(key, value, rule, take) for key, value in items.items()}
+
+    def _check_redeclare(self, key: str, value: ArrayOrScalar) -> None:
+        """Refuse a declaration of an existing key with another dtype or shape.
+
+        Raises:
+            KeyConflict: (ALREADY_EXISTS) naming both declarations.
+        """
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        have = entry.value
+        dtype, shape = np.dtype(value.dtype), tuple(np.shape(value))
+        if have.dtype != dtype or have.shape != shape:
+            raise KeyConflict(
+                f"key {key!r} is already declared as {have.dtype} {tuple(have.shape)}; "
+                f"this init declares it as {dtype} {shape}"
+            )
 
     # -- lookup --------------------------------------------------------------------------------
 
@@ -226,7 +266,7 @@ class ParameterStore:
         try:
             return self._entries[key]
         except KeyError:
-            raise KeyNotFound(f"unknown key {key!r}; declare it with init first") from None
+            raise KeyNotFound(f"unknown key {shown(key)!r}; declare it with init first") from None
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -262,7 +302,8 @@ class ParameterStore:
         if grad.dtype != value.dtype and not aggregate_ok:
             problems.append(f"dtype {grad.dtype} (expected {value.dtype})")
         if problems:
-            raise DimensionMismatch(f"gradient for key {key!r} has {' and '.join(problems)}")
+            cls = DTypeMismatch if grad.shape == value.shape else DimensionMismatch
+            raise cls(f"gradient for key {shown(key)!r} has {' and '.join(problems)}")
         if not allow_non_finite:
             bad = count_non_finite(grad)
             if bad:

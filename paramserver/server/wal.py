@@ -1,4 +1,5 @@
-"""Write-ahead log of a server shard: every acknowledged mutation, durable before the reply.
+"""Write-ahead log of a server shard: every mutation, written before it is applied and durable
+before the reply.
 
 The log is a sequence of segment files ``wal-<first sequence>.log``; each record is framed as::
 
@@ -9,10 +10,19 @@ push, clock or depart). Records carry a strictly increasing sequence number. A c
 appending leaves a torn tail (short read or CRC mismatch); it is cut off on open, and since a
 record is acknowledged only after the fsync that covers it, nothing acknowledged is ever in it.
 
-Durability is a group commit (as in database logs, e.g. PostgreSQL's ``commit_delay``): each
-mutation appends its record at once and awaits :meth:`WriteAheadLog.durable`; one flusher task
-fsyncs everything appended so far (off the event loop thread), optionally after waiting
-``fsync_interval_ms`` to gather more records, and then releases every waiter it covered.
+Order of a mutation: validate, **write the record** (to the OS, :meth:`WriteAheadLog.append`),
+apply it in memory, then await :meth:`WriteAheadLog.durable` and only then acknowledge. A
+write that fails (ENOSPC, EIO) is cut back off the segment and the request is refused with
+nothing applied (:class:`~paramserver.errors.StorageFull` / ``StorageError``), so a refused
+request changes nothing, in memory or on disk. An fsync that fails leaves memory possibly ahead
+of the disk: the log is marked failed and the server stops accepting mutations (and worker
+pulls) until it is restarted, when the log it replays is again the truth.
+
+Durability is a group commit (as in database logs, e.g. PostgreSQL's ``commit_delay``): one
+flusher task fsyncs everything appended so far (off the event loop thread), optionally after
+waiting ``fsync_interval_ms`` to gather more records, and then releases every waiter it
+covered. A pull that runs between a push's apply and its fsync may read the push before it is
+acknowledged (it is in the OS's page cache then, so a process crash does not lose it).
 
 Recovery = newest checkpoint + replay of every record after the checkpoint's sequence
 (:func:`replay_into`). A checkpoint rotates the log at its snapshot (a new segment starts with
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -38,7 +49,7 @@ import numpy as np
 from paramserver import tensor
 from paramserver.api.v1 import tensor_pb2
 from paramserver.api.v1 import wal_pb2 as wal_pb
-from paramserver.errors import ParamServerError
+from paramserver.errors import ParamServerError, StorageError, storage_error
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +115,11 @@ class WriteAheadLog:
         self._synced = 0
         self._flusher: asyncio.Task[None] | None = None
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        #: Bytes in the open segment (where a failed append is cut back to).
+        self._size = 0
+        #: Set once the log can no longer be trusted to hold every applied record (an fsync
+        #: failed, or a partial record could not be cut off): every later append raises it.
+        self.failed: StorageError | None = None
 
     # ------------------------------------------------------------------ reading
     def segments(self) -> list[Path]:
@@ -191,6 +207,7 @@ class WriteAheadLog:
             os.close(self._fd)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._segment = path
+        self._size = os.fstat(self._fd).st_size
         dfd = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -200,25 +217,56 @@ class WriteAheadLog:
     def append(self, record: wal_pb.WalRecord) -> int:
         """Assign the next sequence, write the framed record to the OS, return the sequence.
 
-        Not yet durable: await :meth:`durable` with the returned sequence before acknowledging.
+        Call it before applying the mutation; it is not yet durable: await :meth:`durable`
+        with the returned sequence before acknowledging.
+
+        Raises:
+            StorageFull: (RESOURCE_EXHAUSTED) the disk is full (ENOSPC, EDQUOT).
+            StorageError: (UNAVAILABLE) another write error, or the log failed before.
+            In both cases the log is as it was before the call (a partial record is cut off)
+            and the caller must not apply the mutation.
         """
+        if self.failed is not None:
+            raise StorageError(self.failed.message)
         if self._fd is None:
             raise WalError("write-ahead log is not open")
         record.sequence = self.next_sequence
-        self.next_sequence += 1
         payload = record.SerializeToString()
         frame = _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
         view = memoryview(frame)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        start = self._size
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError as exc:
+            self._cut_back(start, exc)
+            raise storage_error(exc, f"write-ahead log {self._segment}: write") from exc
+        self._size = start + len(frame)
+        self.next_sequence += 1
         self.appended_bytes += len(frame)
         seq = int(record.sequence)
         self._written = seq
         return seq
 
+    def _cut_back(self, size: int, cause: OSError) -> None:
+        """Cut a partially written record off the open segment (a write failed midway)."""
+        try:
+            if self._fd is not None:
+                os.ftruncate(self._fd, size)
+        except OSError as exc:
+            self.failed = StorageError(
+                f"write-ahead log {self._segment}: a write failed ({cause}) and the partial "
+                f"record could not be cut off ({exc}); restart the server"
+            )
+            raise self.failed from exc
+
     async def durable(self, sequence: int) -> None:
-        """Return once the record ``sequence`` (and all before it) is fsynced."""
+        """Return once the record ``sequence`` (and all before it) is fsynced.
+
+        Raises:
+            StorageError: (UNAVAILABLE) the fsync failed; :attr:`failed` is set from then on.
+        """
         if self.fsync_interval_ms is None or sequence <= self._synced:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -241,9 +289,15 @@ class WriteAheadLog:
                     await loop.run_in_executor(None, os.fsync, fd)
                     self.fsyncs += 1
             except OSError as exc:
+                self.failed = StorageError(
+                    f"write-ahead log {self._segment}: fsync failed "
+                    f"({errno.errorcode.get(exc.errno or 0, 'OSError')}: {exc.strerror}); "
+                    "records after the last sync may be lost, so this server accepts no more "
+                    "mutations: restart it"
+                )
                 for _, fut in self._waiters:
                     if not fut.done():
-                        fut.set_exception(exc)
+                        fut.set_exception(StorageError(self.failed.message))
                 self._waiters.clear()
                 return
             self._synced = max(self._synced, target)
@@ -291,12 +345,16 @@ class WriteAheadLog:
 
 
 def record_register(
-    worker_name: str, replace: bool, nonce: str, worker_id: str
+    worker_name: str, replace: bool, nonce: str, worker_id: str, resume_worker_id: str = ""
 ) -> wal_pb.WalRecord:
     """The WAL record of a registration (replay checks it yields the same worker id)."""
     return wal_pb.WalRecord(
         register=wal_pb.WalRegister(
-            worker_name=worker_name, replace=replace, client_nonce=nonce, worker_id=worker_id
+            worker_name=worker_name,
+            replace=replace,
+            client_nonce=nonce,
+            worker_id=worker_id,
+            resume_worker_id=resume_worker_id,
         )
     )
 
@@ -336,7 +394,11 @@ def replay_into(
             if which == "register":
                 r = record.register
                 rec = core.register(
-                    r.worker_name, t, replace=r.replace, client_nonce=r.client_nonce
+                    r.worker_name,
+                    t,
+                    replace=r.replace,
+                    client_nonce=r.client_nonce,
+                    resume_worker_id=r.resume_worker_id,
                 )
                 if r.worker_id and rec.worker_id != r.worker_id:
                     raise WalError(

@@ -121,7 +121,8 @@ def add_subcommands(sub: Any) -> None:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus metrics on this port of --host (0 = ephemeral)",
+        help="serve Prometheus metrics (/metrics) and the dashboard (/) on this port of "
+        "--host (0 = ephemeral)",
     )
     rs.add_argument(
         "--no-fsync", action="store_true", help="do not fsync objects (faster, not durable)"

@@ -56,6 +56,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import spmd_pb2, spmd_pb2_grpc
 from paramserver.errors import (
+    ERROR_CLASS_METADATA_KEY,
     InvalidArgument,
     MalformedStream,
     ParamServerError,
@@ -63,6 +64,7 @@ from paramserver.errors import (
     from_rpc_error,
 )
 from paramserver.security import ClientSecurity, ServerSecurity, bind, open_channel
+from paramserver.server.dashboard import Dashboard
 from paramserver.server.metrics import MetricsServer, auth_refusal_counter, enable_reflection
 from paramserver.spmd.errors import (
     BlockNotValid,
@@ -231,6 +233,7 @@ def _ids(values: Sequence[int]) -> list[int]:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if isinstance(exc, ParamServerError):
+        context.set_trailing_metadata(((ERROR_CLASS_METADATA_KEY, type(exc).__name__),))
         await context.abort(exc.code, exc.message)
     logger.error("unexpected error in rank server handler", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
@@ -1496,7 +1499,18 @@ async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
         if config.metrics_port is not None:
             svc = servicer
             servicer.metrics = RankMetrics(lambda: (svc._failed, svc._inflight))
-            metrics = MetricsServer(servicer.metrics.registry, config.host, config.metrics_port)
+            registry = servicer.metrics.registry
+            blocks = {"G1": config.device_blocks, "G2": config.host_blocks}
+            blocks["G3"] = config.disk_blocks
+            info: dict[str, Any] = {
+                "instance_id": config.instance_id,
+                "rank": config.rank,
+                "tier_blocks": blocks,
+                "object_store": config.object_dir is not None,
+            }
+            metrics = MetricsServer(
+                registry, config.host, config.metrics_port, Dashboard("rank", registry, info=info)
+            )
             on_refusal = auth_refusal_counter(servicer.metrics.registry)
             # Before the gRPC port: grpc.aio keeps a port bound by a server that never started.
             await metrics.start()
@@ -1511,6 +1525,8 @@ async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
         port = bind(server, f"{config.host}:{config.port}", sec)
         host = config.host if config.host not in ("0.0.0.0", "::", "") else socket.gethostname()
         servicer.address = f"{host}:{port}"
+        if metrics is not None:
+            metrics.dashboard.info["address"] = servicer.address
         await server.start()
     except BaseException:
         if server is not None:

@@ -285,7 +285,8 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
     async def _reregister(self, why: str) -> bool:
         old = self.worker_id
         try:
-            await self.register(replace=False)
+            # Continue the old registration: a push retried after this is still applied once.
+            await self.register(replace=False, resume_worker_id=old)
         except AlreadyExists:
             logger.warning("worker %s was fenced by a newer registration of its name", old)
             self.evicted = True
@@ -301,8 +302,12 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
         return True
 
     # ------------------------------------------------------------------ membership
-    async def register(self, *, replace: bool | None = None) -> int:
+    async def register(self, *, replace: bool | None = None, resume_worker_id: str = "") -> int:
         """Register (idempotent across retries); returns the starting clock.
+
+        ``resume_worker_id``: the registration this one continues (after the server forgot or
+        evicted it), so the server carries its push request ids over and a push retried under
+        the new registration is still applied once.
 
         Raises:
             AlreadyExists: the name is live elsewhere and ``replace`` is False (ALREADY_EXISTS).
@@ -311,6 +316,7 @@ class WorkerClient(ServiceSession[pb_grpc.ParameterServerStub]):
             worker_name=self.worker_name,
             replace=self.replace if replace is None else replace,
             client_nonce=self._nonce,
+            resume_worker_id=resume_worker_id,
         )
         resp = await self._call(
             lambda: self.stub.Register(req, timeout=self.rpc_timeout_s), "register"

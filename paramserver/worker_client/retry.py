@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import grpc
 
-from paramserver.errors import from_rpc_error
+from paramserver.errors import error_class_of, from_rpc_error
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,20 @@ RETRYABLE: frozenset[grpc.StatusCode] = frozenset(
 CORE_WRITE_REFUSED = "Internal error from Core"
 
 
+#: The RESOURCE_EXHAUSTED refusals that are back-pressure (retry after a backoff), by the
+#: class the server names in the ``paramserver-error-class`` trailer. A RESOURCE_EXHAUSTED
+#: without it comes from gRPC itself (a message over a receive limit: the same message fails
+#: again) and one naming ``StorageFull`` needs an operator; neither is retried.
+BACKPRESSURE_CLASSES = frozenset({"ResourceExhausted"})
+
+
 def is_retryable(err: grpc.aio.AioRpcError, retryable: Collection[grpc.StatusCode]) -> bool:
-    """``err``'s code is in ``retryable``, or it is a write refused by C-core (see
+    """``err``'s code is in ``retryable`` (RESOURCE_EXHAUSTED only as back-pressure, see
+    :data:`BACKPRESSURE_CLASSES`), or it is a write refused by C-core (see
     :data:`CORE_WRITE_REFUSED`) where UNAVAILABLE is retryable."""
     code = err.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and code in retryable:
+        return error_class_of(err.trailing_metadata()) in BACKPRESSURE_CLASSES
     if code in retryable:
         return True
     return (

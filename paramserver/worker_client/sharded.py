@@ -260,10 +260,18 @@ class ClusterWorkerClient(WorkerClient):
         self._sync_state()
 
     # ------------------------------------------------------------------ membership
-    async def register(self, *, replace: bool | None = None) -> int:
+    async def register(self, *, replace: bool | None = None, resume_worker_id: str = "") -> int:
         if not self.sharded:
-            return await super().register(replace=replace)
-        await self._fan_out({i: c.register(replace=replace) for i, c in enumerate(self.shards)})
+            return await super().register(replace=replace, resume_worker_id=resume_worker_id)
+        # Each shard continues its own registration (ids differ per shard).
+        await self._fan_out(
+            {
+                i: c.register(
+                    replace=replace, resume_worker_id=c.worker_id if resume_worker_id else ""
+                )
+                for i, c in enumerate(self.shards)
+            }
+        )
         await self._align_clocks()
         return self.clock_value
 

@@ -41,16 +41,42 @@ def test_retry_with_same_request_id_is_applied_once() -> None:
     assert (core.applied_updates, core.duplicate_pushes) == (1, 1)
 
 
-def test_dedup_survives_reregistration_under_the_same_name() -> None:
-    """Case retried-push.md: a worker that re-registers (new worker id, same name) and retries an
-    applied request id gets a duplicate, not a second application."""
+def test_dedup_survives_a_reregistration_that_resumes_the_old_one() -> None:
+    """Case retried-push.md: a client whose registration was lost re-registers (new worker id,
+    same name) resuming the old one and retries an applied request id: a duplicate, not a
+    second application."""
     core = _core()
     old = core.register("worker", 0.0).worker_id
     core.push(old, 7, 0, {"w": ONES}, 0.0)
-    new = core.register("worker", 1.0, replace=True).worker_id
+    new = core.register("worker", 1.0, replace=True, resume_worker_id=old).worker_id
     assert new != old
     assert core.push(new, 7, 0, {"w": ONES}, 1.0).duplicate
     np.testing.assert_array_equal(core.store.get("w").value, np.full(4, -1, np.float32))
+
+
+def test_a_new_registration_of_the_same_name_numbers_its_pushes_afresh() -> None:
+    """A worker process that restarts registers its name again (not resuming) and numbers its
+    pushes from 1: every one is applied, none answered as a duplicate of its predecessor's."""
+    core = _core()
+    old = core.register("worker", 0.0).worker_id
+    for rid in (1, 2, 3):
+        core.push(old, rid, 0, {"w": ONES}, 0.0)
+    core.leave(old)
+    new = core.register("worker", 1.0).worker_id
+    for rid in (1, 2, 3):
+        assert not core.push(new, rid, 0, {"w": ONES}, 1.0).duplicate
+    np.testing.assert_array_equal(core.store.get("w").value, np.full(4, -6, np.float32))
+    assert (core.applied_updates, core.duplicate_pushes) == (6, 0)
+
+
+def test_resume_of_another_names_registration_carries_nothing_over() -> None:
+    """resume_worker_id only continues a departed registration of the same name."""
+    core = _core()
+    a = core.register("a", 0.0).worker_id
+    core.push(a, 1, 0, {"w": ONES}, 0.0)
+    core.leave(a)
+    b = core.register("b", 1.0, resume_worker_id=a).worker_id
+    assert not core.push(b, 1, 0, {"w": ONES}, 1.0).duplicate
 
 
 def test_fresh_ids_beyond_the_dedup_window_are_all_applied() -> None:

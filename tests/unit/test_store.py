@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import ml_dtypes
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from paramserver.errors import (
     DimensionMismatch,
     InvalidArgument,
+    KeyConflict,
     KeyNotFound,
     NonFiniteGradient,
 )
@@ -78,13 +80,37 @@ def test_init_copies_and_first_writer_wins(dtype: np.dtype[Any], shape: tuple[in
     np.testing.assert_array_equal(entry.value, expected)
 
 
-def test_init_of_existing_key_with_other_shape_and_dtype_keeps_the_stored_one() -> None:
+@pytest.mark.parametrize(
+    ("value", "declared"),
+    [
+        (np.ones((4, 4), np.float32), "float32 (4, 4)"),  # another shape
+        (np.ones(3, np.float64), "float64 (3,)"),  # another dtype
+        (np.ones((4, 4), np.float64), "float64 (4, 4)"),  # both
+    ],
+)
+def test_init_of_existing_key_with_other_shape_or_dtype_is_refused_naming_both(
+    value: np.ndarray, declared: str
+) -> None:
     store = ParameterStore()
     assert store.init("k", np.zeros(3, np.float32), SGD)
-    assert not store.init("k", np.ones((4, 4), np.float64), UpdateRule("adam"))
+    with pytest.raises(KeyConflict) as info:
+        store.init("k", value, UpdateRule("adam"))
+    assert "float32 (3,)" in info.value.message and declared in info.value.message
+    assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+    with pytest.raises(KeyConflict):  # all or nothing: the new key "n" is not created either
+        store.init_many({"n": np.zeros(2, np.float32), "k": value}, SGD)
+    assert "n" not in store
     entry = store.get("k")
     assert entry.value.shape == (3,) and entry.value.dtype == np.float32
     assert entry.rule == SGD and entry.state == {}
+
+
+def test_init_of_existing_key_with_the_same_declaration_keeps_the_first_value_and_rule() -> None:
+    store = ParameterStore()
+    assert store.init("k", np.zeros(3, np.float32), SGD)
+    assert not store.init("k", np.ones(3, np.float32), UpdateRule("adam"))
+    np.testing.assert_array_equal(store.get("k").value, np.zeros(3, np.float32))
+    assert store.get("k").rule == SGD
 
 
 def test_init_copies_non_contiguous_input() -> None:
