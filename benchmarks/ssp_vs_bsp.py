@@ -62,7 +62,16 @@ CASES = (
 
 
 def _worker_cmd(address: str, rank: int, args: argparse.Namespace, straggler: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "paramserver", "--log-level", "WARNING", "worker"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "paramserver",
+        "--log-level",
+        "WARNING",
+        "worker",
+        "--progress",
+        "json",
+    ]
     cmd += ["--server", address, "--worker-index", str(rank), "--num-workers", str(WORKERS)]
     cmd += ["--epochs", str(args.epochs), "--no-eval", "--min-accuracy", "0"]
     if straggler and rank == STRAGGLER_RANK:

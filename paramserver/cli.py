@@ -29,8 +29,15 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+DESCRIPTION = (
+    "paramserver: a parameter server for distributed training (BSP, SSP and ASP consistency, "
+    "server-side optimizers, leases, write-ahead log, checkpoints) and an SPMD block-transfer "
+    "layer. Start with 'paramserver demo'; 'paramserver COMMAND --help' lists a command's flags."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="paramserver", description=__doc__.splitlines()[0])
+    parser = _OneLineParser(prog="paramserver", description=DESCRIPTION)
     parser.add_argument(
         "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
     )

@@ -1,7 +1,7 @@
 """Placement of keys on server shards, and slicing of large tensors (pure, synchronous).
 
-A cluster of S shard processes shares the keys (DESIGN §5: one process per shard, since the GIL
-caps one process). The rule, named :data:`PLACEMENT` in every shard map, is:
+A cluster of S shard processes shares the keys (docs/architecture.md: one process per shard,
+since the GIL caps one process). The rule, named :data:`PLACEMENT` in every shard map, is:
 
 * **Small tensors** (``nbytes <= slice_bytes``) live whole on their *home shard*
   ``blake2b_64(key) mod S`` — a stable hash of the key's UTF-8 bytes (BLAKE2b, RFC 7693, 8-byte
@@ -276,6 +276,11 @@ def split(array: np.ndarray, layout: TensorLayout) -> dict[str, np.ndarray]:
     Raises:
         DimensionMismatch: the array's dtype or shape is not the layout's (INVALID_ARGUMENT).
     """
+    if array.dtype != layout.dtype and tuple(array.shape) == layout.shape:
+        raise DimensionMismatch(
+            f"dtype mismatch for key {layout.key!r}: expected {layout.dtype}, got {array.dtype} "
+            "(cast it, or push with cast=True)"
+        )
     if array.dtype != layout.dtype or tuple(array.shape) != layout.shape:
         raise DimensionMismatch(
             f"key {layout.key!r}: array is {array.dtype}{list(array.shape)}, layout is "

@@ -351,7 +351,7 @@ def sweep_dead(directory: Path = SHM_DIR) -> list[str]:
             continue
         removed.append(name)
     if removed:
-        logger.info("removed %d shared-memory segment(s) of dead processes", len(removed))
+        logger.debug("removed %d shared-memory segment(s) of dead processes", len(removed))
     return removed
 
 

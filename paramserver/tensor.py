@@ -1,4 +1,4 @@
-"""Tensor codec: numpy arrays to and from streams of ``TensorFrame`` messages (DESIGN §3).
+"""Tensor codec: numpy arrays to and from streams of ``TensorFrame`` messages (docs/semantics.md).
 
 Wire format (``protos/paramserver/api/v1/tensor.proto``), after hivemind's
 ``utils/streaming.py``: metadata travels in the first frame only, the payload is split into

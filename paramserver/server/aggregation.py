@@ -3,7 +3,8 @@
 A :class:`DistributedOptimizer` collects per-layer :class:`GradientUpdate` s from registered
 workers and, when the strategy's quorum for a layer is met, reduces them element-wise into one
 :class:`AggregatedGradient`. It is pure synchronous logic: time is passed in (``now``, seconds on
-a monotonic clock), nothing waits and nothing speaks gRPC (DESIGN §2, §3 "Aggregation").
+a monotonic clock), nothing waits and nothing speaks gRPC (docs/architecture.md;
+docs/semantics.md "Aggregation").
 
 Strategies:
 
@@ -25,8 +26,8 @@ Strategies:
 
 Numerics: gradients are accumulated in float64 (float32 when every input is float16 or
 bfloat16), the division happens once, and the aggregate keeps the accumulation dtype; the caller
-casts to the key's dtype when it applies the aggregate (see the case
-``cases/aggregation-denominator.md``).
+casts to the key's dtype when it applies the aggregate (tests/unit/test_aggregation.py checks
+the denominator against an independent model).
 
 Counting: ``dropped_updates`` counts gradients that were accepted or offered but never reached an
 aggregate because they were too old -- refused as stale (an earlier step, a step whose layer was
@@ -382,7 +383,7 @@ class _Layer:
 
 
 class DistributedOptimizer:
-    """Per-layer gradient aggregation under a :data:`Strategy` (DESIGN §3 "Aggregation").
+    """Per-layer gradient aggregation under a :data:`Strategy` (docs/semantics.md "Aggregation").
 
     The server's BSP and federated paths call :meth:`submit_update`, then :meth:`try_aggregate`
     (quorum met) or :meth:`close_step` (every live worker clocked past the step). Membership
@@ -393,7 +394,8 @@ class DistributedOptimizer:
         strategy: The aggregation strategy.
         method: ``"mean"``, ``"sum"`` or ``"weighted_mean"`` (by ``num_samples``);
             :class:`FederatedAverage` always uses ``"weighted_mean"``.
-        reject_non_finite: Refuse gradients holding NaN or Inf (the default policy, DESIGN §3).
+        reject_non_finite: Refuse gradients holding NaN or Inf (the default policy,
+            docs/semantics.md).
         current_step: The open step (round).
         dropped_updates: Gradients that never reached an aggregate (see the module docstring).
 

@@ -2,7 +2,7 @@
 
 Source: Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter
 Server", NIPS 2013; Li et al., "Scaling Distributed Machine Learning with the Parameter Server",
-OSDI 2014. DESIGN §3 states the rules implemented here:
+OSDI 2014. docs/semantics.md states the rules implemented here:
 
 * Each worker p has a clock ``c_p`` = iterations it has completed; a worker that joins starts at
   the current minimum clock of the live workers (never 0 for a late joiner).
@@ -38,7 +38,7 @@ class Consistency(enum.Enum):
 
 
 class DeathPolicy(enum.Enum):
-    """What a BSP worker whose lease lapses does to the open step (DESIGN §3 Membership).
+    """What a BSP worker whose lease lapses does to the open step (docs/semantics.md "Membership").
 
     ``SHRINK``: the dead worker leaves the denominator; the step completes with the rest.
     ``FAIL_FAST``: the open step is aborted; waiting pulls get ABORTED naming the dead worker.
@@ -334,7 +334,7 @@ class ClusterState:
         return rec.clock
 
     def check_pull(self, worker_id: str) -> Admission:
-        """Whether a pull by ``worker_id`` may read now (DESIGN §3).
+        """Whether a pull by ``worker_id`` may read now (docs/semantics.md).
 
         SSP(s): admitted iff ``min_q c_q >= c_p - s`` over live workers; BSP: s = 0;
         ASP: always admitted. An empty ``worker_id`` is an observer read (always admitted).

@@ -6,7 +6,7 @@ half-applies: each push is validated completely before any of it is applied or q
 
 BSP steps aggregate through :class:`paramserver.server.aggregation.DistributedOptimizer` with the
 ``Synchronous`` strategy (one aggregation pipeline in the product): pushes for step t queue there
-and are aggregated and applied once, when every live worker has clocked past t (DESIGN §3).
+and are aggregated and applied once, when every live worker has clocked past t (docs/semantics.md).
 SSP and ASP apply each push on arrival (updates commute).
 """
 
@@ -330,7 +330,7 @@ class ServerCore:
                 rec, clock, grads, checked, now, max(num_samples, 1), base_version, applier, log
             )
         except InvalidArgument as exc:
-            # Name the pushing worker too (cases/non-finite-gradient.md), same class and code.
+            # Name the pushing worker too, same class and code.
             self.rejected_pushes += 1
             self.observer.dropped(
                 "non_finite"
@@ -410,16 +410,19 @@ class ServerCore:
             self.store.apply_checked(checked)
         else:
             applier(checked)
-        self._observe_applied(rec.name, clock, base_version)
+        self._observe_applied(rec.name, clock, base_version, rec.worker_id)
         self.applied_updates += 1
         return PushResult(False, self.applied_updates)
 
-    def _observe_applied(self, name: str, clock: int, base_version: int | None) -> None:
+    def _observe_applied(
+        self, name: str, clock: int, base_version: int | None, worker_id: str
+    ) -> None:
         """Report one applied gradient's staleness (definitions: :mod:`.observe`)."""
         self.observer.applied(
             name,
             max(0, self._newest_applied_clock - clock),
             None if base_version is None else max(0, self.applied_updates - base_version),
+            worker_id=worker_id,
         )
         self._newest_applied_clock = max(self._newest_applied_clock, clock)
 
@@ -506,7 +509,7 @@ class ServerCore:
                     contributors = {w for agg in aggregates.values() for w in agg.worker_ids}
                     for wid in sorted(contributors):
                         rec = self.cluster.workers.get(wid)
-                        self._observe_applied(rec.name if rec else wid, step, None)
+                        self._observe_applied(rec.name if rec else wid, step, None, wid)
                     self.applied_updates += len(contributors)
             closed = step
             self.observer.step_closed(step)

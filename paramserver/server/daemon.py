@@ -350,6 +350,7 @@ class ParameterServerDaemon:
             restored = self.checkpoints.restore_latest(engine.core)
             if restored is not None:
                 logger.info("restored checkpoint %s", restored.name)
+                engine.obs.checkpoint_restored(restored.name, restored.stat().st_mtime)
             if cfg.checkpoint_every_steps:
                 engine.core.on_progress = self._on_progress
         wal_dir = Path(cfg.wal_dir) if cfg.wal_dir else Path(cfg.checkpoint_dir or ".") / "wal"
@@ -417,7 +418,7 @@ class ParameterServerDaemon:
                 raise storage_error(exc, f"checkpoint in {self.checkpoints.directory}") from exc
             if engine.wal is not None:
                 engine.wal.truncate_through(wal_sequence)
-            engine.obs.checkpoint_written(time.monotonic() - t0)
+            engine.obs.checkpoint_written(time.monotonic() - t0, Path(path).name)
             return path
 
     async def _checkpoint_timer(self) -> None:

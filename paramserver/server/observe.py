@@ -1,4 +1,5 @@
-"""What the server shard observes about itself, without any metrics library (DESIGN §3, §5).
+"""What the server shard observes about itself, without any metrics library
+(docs/semantics.md, docs/architecture.md).
 
 Two hook objects, both cheap no-ops until something listens:
 
@@ -78,9 +79,15 @@ class CoreObserver:
     """Hooks the pure core calls; every method is a no-op here (the default observer)."""
 
     def applied(
-        self, worker_name: str, staleness_clocks: int, staleness_versions: int | None
+        self,
+        worker_name: str,
+        staleness_clocks: int,
+        staleness_versions: int | None,
+        *,
+        worker_id: str = "",
     ) -> None:
-        """One worker's gradient entered the parameters (a BSP step calls it per contributor)."""
+        """One worker's gradient entered the parameters (a BSP step calls it per contributor);
+        ``worker_id`` names the registration (a worker that registers again gets a new one)."""
 
     def dropped(self, reason: str, count: int = 1) -> None:
         """Pushes (or queued gradients) not applied, by reason (see :data:`DROP_REASONS`)."""
@@ -170,22 +177,37 @@ class ShardObservations(CoreObserver):
         self.staleness_clocks = BucketCounts(STALENESS_CLOCK_BOUNDS)
         self.staleness_versions = BucketCounts(STALENESS_VERSION_BOUNDS)
         self.applied_by_worker: dict[str, int] = {}
+        #: Applied gradients per registration (worker id): what ``paramserver status`` lists,
+        #: so its rows sum to the server's total even after a worker registered again.
+        self.applied_by_registration: dict[str, int] = {}
         self.dropped_by_reason: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self.barrier: dict[str, BarrierTotals] = {}
         self._clocked_at: dict[int, dict[str, float]] = {}
         self.checkpoint_seconds = BucketCounts(CHECKPOINT_SECONDS_BOUNDS)
         #: Wall-clock time (Unix seconds) the newest checkpoint committed; None before one.
         self.last_checkpoint_unix_s: float | None = None
+        #: Name of the newest checkpoint written or restored ("" before one).
+        self.last_checkpoint_name = ""
+        #: The newest checkpoint is the one restored at start (none written since).
+        self.last_checkpoint_restored = False
 
     # ------------------------------------------------------------------ CoreObserver
     def applied(
-        self, worker_name: str, staleness_clocks: int, staleness_versions: int | None
+        self,
+        worker_name: str,
+        staleness_clocks: int,
+        staleness_versions: int | None,
+        *,
+        worker_id: str = "",
     ) -> None:
         self.staleness_clocks.observe(staleness_clocks)
         if staleness_versions is not None:
             self.staleness_versions.observe(staleness_versions)
         if worker_name in self.applied_by_worker or len(self.applied_by_worker) < self.max_workers:
             self.applied_by_worker[worker_name] = self.applied_by_worker.get(worker_name, 0) + 1
+        by_reg = self.applied_by_registration
+        if worker_id and (worker_id in by_reg or len(by_reg) < 4 * self.max_workers):
+            by_reg[worker_id] = by_reg.get(worker_id, 0) + 1
 
     def dropped(self, reason: str, count: int = 1) -> None:
         self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + count
@@ -213,10 +235,18 @@ class ShardObservations(CoreObserver):
             totals.steps += 1
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_written(self, duration_s: float) -> None:
+    def checkpoint_written(self, duration_s: float, name: str = "") -> None:
         """A checkpoint committed after ``duration_s`` seconds (snapshot + write + commit)."""
         self.checkpoint_seconds.observe(duration_s)
         self.last_checkpoint_unix_s = time.time()
+        self.last_checkpoint_name = name
+        self.last_checkpoint_restored = False
+
+    def checkpoint_restored(self, name: str, committed_unix_s: float) -> None:
+        """The server started from checkpoint ``name``, committed at ``committed_unix_s``."""
+        self.last_checkpoint_unix_s = committed_unix_s
+        self.last_checkpoint_name = name
+        self.last_checkpoint_restored = True
 
     # ------------------------------------------------------------------ reads
     def straggler_ranking(self) -> list[tuple[str, BarrierTotals]]:

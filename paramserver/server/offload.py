@@ -1,4 +1,4 @@
-"""Big numeric work off the event-loop thread, with per-key reservations (DESIGN §5).
+"""Big numeric work off the event-loop thread, with per-key reservations (docs/architecture.md).
 
 The pure core decides every push synchronously on the event loop (validation, deduplication,
 staleness, BSP queueing, counters; :meth:`ServerCore.push`). What is left, the numeric apply of an

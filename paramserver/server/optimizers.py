@@ -1,6 +1,6 @@
 """Server-side update rules: how a pushed gradient changes a key's value.
 
-A key is declared with one :class:`UpdateRule` (DESIGN §3). Its optimizer state (from
+A key is declared with one :class:`UpdateRule` (docs/semantics.md). Its optimizer state (from
 :func:`init_state`) lives beside the key and :func:`apply_update` changes the parameter and the
 state in place with numpy, block by block (:data:`BLOCK_ELEMENTS`) with the calling thread's
 block-sized :class:`Workspace` (:func:`thread_workspace`), so a push allocates nothing of the

@@ -27,7 +27,8 @@ and directory look-ups renew it (the optimizer's last-seen time); a lapsed lease
 worker through :meth:`DistributedOptimizer.evict_stale_workers`, which drops its pending
 updates and re-evaluates every open quorum, so the others' reduces return without it.
 
-Layout (DESIGN §2): :class:`ReductionCoordinator` is pure synchronous state with time passed in;
+Layout (docs/architecture.md): :class:`ReductionCoordinator` is pure synchronous state with time
+passed in;
 :class:`ReductionEngine` is the one place that waits (asyncio, every wait with a deadline that
 names the workers still missing); :class:`ReductionServicer` only decodes, calls and encodes.
 """

@@ -630,7 +630,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
                     barrier_wait_ms=int(barrier.wait_s * 1000) if barrier else 0,
                     barrier_lag_ms=int(barrier.lag_s * 1000) if barrier else 0,
                     barrier_steps=barrier.steps if barrier else 0,
-                    applied_updates=obs.applied_by_worker.get(w.name, 0),
+                    applied_updates=obs.applied_by_registration.get(w.worker_id, 0),
                 )
             )
         keys = []
@@ -671,6 +671,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
                 if obs.last_checkpoint_unix_s is not None
                 else 0
             ),
+            last_checkpoint=obs.last_checkpoint_name,
+            last_checkpoint_restored=obs.last_checkpoint_restored,
         )
 
     @grpc_errors

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 SMALL_INLINE_BYTES = 64 << 10
 _SHUTDOWN = "paramserver: server shutting down"
 #: Largest inline payload (bytes) of one message: well under a 4 MiB receive limit and under
-#: the ~1 MiB frame size of the streams (DESIGN §3).
+#: the ~1 MiB frame size of the streams (docs/semantics.md).
 MAX_INLINE_BYTES = (1 << 20) - (32 << 10)
 
 

@@ -112,6 +112,17 @@ def _bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def checkpoint_text(status: Any) -> str:
+    """``ckpt-... 3.2 s ago``, ``ckpt-... (restored at start, written 1 h ago)`` or ``none``."""
+    name = getattr(status, "last_checkpoint", "")
+    if not status.last_checkpoint_age_ms and not name:
+        return "none"
+    age = f"{status.last_checkpoint_age_ms / 1000:.1f} s" if status.last_checkpoint_age_ms else "?"
+    if getattr(status, "last_checkpoint_restored", False):
+        return f"{name} (restored at start, written {age} ago)"
+    return f"{name} {age} ago".strip()
+
+
 def render_status(status: Any, address: str = "") -> str:
     """The human view of a ``StatusResponse`` (tables of plain aligned text, newline-ended)."""
     view = status.view
@@ -132,11 +143,7 @@ def render_status(status: Any, address: str = "") -> str:
     dropped = {k: v for k, v in sorted(status.dropped_updates.items()) if v}
     if dropped:
         lines.append("not applied: " + ", ".join(f"{k} {v}" for k, v in dropped.items()))
-    checkpoint = (
-        f"{status.last_checkpoint_age_ms / 1000:.1f} s ago"
-        if status.last_checkpoint_age_ms
-        else "none"
-    )
+    checkpoint = checkpoint_text(status)
     lines.append(
         f"last checkpoint {checkpoint}   WAL sequence {status.wal_sequence}   RSS "
         f"{_bytes(status.rss_bytes)}   asyncio tasks {status.asyncio_tasks}"

@@ -1,4 +1,4 @@
-"""The key → tensor store of one server shard (pure, synchronous; DESIGN §3).
+"""The key → tensor store of one server shard (pure, synchronous; docs/semantics.md).
 
 Each key is declared once with :meth:`ParameterStore.init` (first writer wins) and holds its value,
 its :class:`~paramserver.server.optimizers.UpdateRule`, the rule's optimizer state and an update

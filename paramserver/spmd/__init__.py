@@ -1,6 +1,6 @@
 """SPMD block-transfer layer: tiered block pools on rank servers, driven as one group.
 
-After Dynamo KVBM's ``SpmdParallelWorkers`` (DESIGN §4). Importing this package creates no
+After Dynamo KVBM's ``SpmdParallelWorkers`` (docs/spmd.md). Importing this package creates no
 asyncio objects and opens no sockets.
 
 Public API::

@@ -85,7 +85,7 @@ def add_subcommands(sub: Any) -> None:
     rs = sub.add_parser(
         "rank-server",
         help="serve one rank's block pools (G1/G2/G3 + object tier) for an SPMD group",
-        description="Serve one rank of an SPMD block-transfer instance (DESIGN §4).",
+        description="Serve one rank of an SPMD block-transfer instance (docs/spmd.md).",
     )
     rs.add_argument("--instance-id", required=True, help="instance this rank belongs to")
     rs.add_argument("--rank", type=int, required=True, help="rank index within the instance")

@@ -19,7 +19,8 @@ their gRPC health service until every one answers SERVING (bounded by ``wait_s``
    bytes written in step 1;
 5. prints bytes moved and GB/s per path; exits 0 only when every byte matched.
 
-The object tier is a store shared by the instances (DESIGN §4: keys ``"{rank}/{sequence_hash}"``),
+The object tier is a store shared by the instances (docs/spmd.md: keys
+``"{rank}/{sequence_hash}"``),
 so rank i of B reads the objects rank i of A wrote only when both were started with the same
 ``--object-dir`` (the compose file mounts one volume for all four). The demo checks that B sees
 every key before onboarding from it.

@@ -1,8 +1,8 @@
 """TEST-ONLY fault injection for rank servers.
 
 A rank server reads ``PARAMSERVER_SPMD_FAULTS`` (a comma-separated list) once at start-up. It
-exists only so that the integration tests can reproduce the failure cases of
-``shared/cases/spmd-failed-or-idle-rank.md`` with real processes; never set it in production.
+exists only so that the integration tests can reproduce a failed or idle rank with real
+processes (tests/integration/test_spmd_cases.py); never set it in production.
 
 Items:
 

@@ -1,4 +1,4 @@
-"""Block layouts and storage tiers of the SPMD block-transfer layer (DESIGN §4).
+"""Block layouts and storage tiers of the SPMD block-transfer layer (docs/spmd.md).
 
 A layout describes one fully contiguous, block-major pool: ``num_blocks`` blocks, each of shape
 ``[num_layers, outer_dim, page_size, inner_dim]`` and element type ``dtype``. Because the pool

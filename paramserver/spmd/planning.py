@@ -1,4 +1,5 @@
-"""Pure, synchronous validation, planning and merging for the SPMD layer (DESIGN §2, §4).
+"""Pure, synchronous validation, planning and merging for the SPMD layer
+(docs/architecture.md, docs/spmd.md).
 
 Nothing here waits, touches a socket or an event loop: the rank server and the group call these
 functions and act on the returned :class:`Verdict` / plan. That is what lets the rules be tested

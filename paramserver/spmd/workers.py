@@ -468,7 +468,7 @@ class SpmdParallelWorkers:
             ok = {r: o for r, o in outcomes.items() if r not in failures}
             raise RankFailures("connect_remote", failures, ok, n)
         self._remotes[instance_id] = _Connected(ordered, layouts)
-        logger.info("connected remote instance %s (%d ranks)", instance_id, n)
+        logger.debug("connected remote instance %s (%d ranks)", instance_id, n)
 
     async def _roll_back(self, instance_id: str, ranks: list[int], timeout_s: float) -> None:
         previous = self._remotes.get(instance_id)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from paramserver.errors import (
     InvalidArgument,
     MalformedStream,
     ParamServerError,
+    WaitTimeout,
     WorkerNotFound,
 )
 from paramserver.security import ClientSecurity
@@ -63,8 +65,7 @@ SERVER_DEFAULT_WAIT_CAP_S = 600.0
 _PUSH_RETRYABLE = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
 
 #: Payload bytes per frame sent to the server: 16 KiB under 1 MiB, so a whole message (frame
-#: header, key, shape, proto framing) stays within a server receive limit as low as 1 MiB
-#: (cases/large-tensor-default-limits.md).
+#: header, key, shape, proto framing) stays within a server receive limit as low as 1 MiB.
 _SEND_CHUNK_BYTES = tensor.DEFAULT_CHUNK_BYTES - (16 << 10)
 
 #: Reconnect soon after a server restart: gRPC's own first reconnect backoff is 1 s (growing
@@ -160,6 +161,10 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             (:mod:`paramserver.worker_client.pull_buffers`).
         pull_buffer_max_bytes: Most bytes of results kept for reuse by this client (an int
             >= 0; else InvalidArgument, INVALID_ARGUMENT, here).
+        cast_gradients: Cast every pushed gradient to its key's stored dtype first (e.g. a
+            float64 gradient, numpy's default, for a float32 key), as ``push(..., cast=True)``
+            does for one push. Off by default: a gradient of another dtype is refused
+            (INVALID_ARGUMENT naming the key and both dtypes), never cast silently.
     """
 
     _heartbeat_task_prefix = "paramserver-heartbeat-"
@@ -186,6 +191,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         local_link: bool = True,
         recycle_pull_buffers: bool = True,
         pull_buffer_max_bytes: int = DEFAULT_MAX_BYTES,
+        cast_gradients: bool = False,
     ) -> None:
         super().__init__(
             address,
@@ -200,6 +206,9 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             security=security,
         )
         self.auto_reregister = auto_reregister
+        self.cast_gradients = bool(cast_gradients)
+        #: Stored dtype of each key this client has learnt (for ``cast``).
+        self._key_dtypes: dict[str, np.dtype[Any]] = {}
         self.compressor = GradientCompressor(dict(compression or {}))
         self.reregistrations = 0
         self.clock_value = 0
@@ -344,6 +353,51 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         self.view = resp.view
         self._left = True
 
+    async def wait_for_workers(self, n: int, *, timeout_s: float = 60.0) -> int:
+        """Start barrier: wait until ``n`` workers are registered, so that no worker steps
+        alone before the others join (call it after :meth:`init`, before the first pull).
+
+        A worker that polls late may never see all ``n`` live: under ASP the others start the
+        moment they see ``n`` and may finish and leave between two polls. Updates applied
+        already mean they did see ``n`` (this worker, registered before polling, among them),
+        so the barrier is over for this worker too. Polls the server (heartbeat, then status)
+        at 10 ms, doubling up to 200 ms.
+
+        Args:
+            n: Workers to wait for, this one included (an int >= 1).
+            timeout_s: Deadline in seconds (> 0).
+
+        Returns:
+            The live workers seen when the barrier passed (0 when it passed because updates
+            were applied already).
+
+        Raises:
+            InvalidArgument: ``n`` < 1 or ``timeout_s`` <= 0 (INVALID_ARGUMENT).
+            WaitTimeout: fewer than ``n`` workers registered within ``timeout_s``, naming how
+                many did (DEADLINE_EXCEEDED).
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgument(f"wait_for_workers: n must be an int >= 1, got {n!r}")
+        if not isinstance(timeout_s, int | float) or not timeout_s > 0:
+            raise InvalidArgument(
+                f"wait_for_workers: timeout_s must be a number > 0, got {timeout_s!r}"
+            )
+        deadline = time.monotonic() + timeout_s
+        delay = 0.01
+        while True:
+            view = (await self.heartbeat()).view
+            if view.live_workers >= n:
+                return int(view.live_workers)
+            if (await self.status()).applied_updates > 0:
+                return 0  # the others passed it and trained (and may have left)
+            if time.monotonic() >= deadline:
+                raise WaitTimeout(
+                    f"start barrier: {view.live_workers} of {n} workers registered after "
+                    f"{timeout_s} s"
+                )
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.2)
+
     # ------------------------------------------------------------------ data plane
     async def init(
         self, tensors: Mapping[str, np.ndarray], rule: UpdateRule | None = None
@@ -382,6 +436,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         num_samples: int = 1,
         base_version: int | None = None,
         timeout_s: float | None = None,
+        cast: bool | None = None,
     ) -> PushAck:
         """Push gradients for the current clock. Retried pushes are applied at most once.
 
@@ -391,11 +446,16 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             base_version: Parameter version the gradients were computed from (ASP
                 ``max_staleness``); defaults to the version of the last pull.
             timeout_s: Deadline of each attempt (default ``rpc_timeout_s``).
+            cast: True: cast each gradient to its key's stored dtype first (numpy
+                ``same_kind`` casting: float64 -> float32 yes, float -> int no); False: send
+                as given; None (default): the client's ``cast_gradients``.
 
         Raises:
-            KeyNotFound (NOT_FOUND), InvalidArgument (INVALID_ARGUMENT: shape/dtype/NaN),
-            WorkerNotFound / StaleUpdate (FAILED_PRECONDITION), WaitTimeout, Unavailable.
+            KeyNotFound (NOT_FOUND), InvalidArgument (INVALID_ARGUMENT: shape/dtype/NaN, or a
+            cast that is not ``same_kind``), WorkerNotFound / StaleUpdate
+            (FAILED_PRECONDITION), WaitTimeout, Unavailable.
         """
+        grads = await self._cast(grads, cast)
         request_id, parts, header = self._prepare_push(grads, num_samples, base_version)
         deadline_s = timeout_s or self.rpc_timeout_s
         dense = _dense_parts(parts)
@@ -411,6 +471,40 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
 
         resp = await self._member_call(attempt, "push", _PUSH_RETRYABLE)
         return self._ack(request_id, resp)
+
+    async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[Any]]:
+        """Stored dtypes of ``keys`` (those that exist), asking the server once for keys not
+        seen yet."""
+        if any(k not in self._key_dtypes for k in keys):
+            for ki in (await self.status()).keys:
+                self._key_dtypes[ki.key] = tensor.dtype_from_wire(ki.dtype, ki.key)
+        return {k: self._key_dtypes[k] for k in keys if k in self._key_dtypes}
+
+    async def _cast(self, grads: Mapping[str, Any], cast: bool | None) -> Mapping[str, Any]:
+        """``grads`` with each gradient cast to its key's stored dtype when casting is on
+        (``cast``, else ``cast_gradients``); keys the server lacks are left to its refusal.
+
+        Raises:
+            InvalidArgument: a cast numpy's ``same_kind`` rule forbids (INVALID_ARGUMENT).
+        """
+        if not (self.cast_gradients if cast is None else cast) or not grads:
+            return grads
+        arrays = normalized_tensors(grads)
+        dtypes = await self._key_dtypes_of(list(arrays))
+        out: dict[str, np.ndarray] = {}
+        for key, value in arrays.items():
+            want = dtypes.get(key)
+            if want is None or value.dtype == want:
+                out[key] = value
+                continue
+            if not np.can_cast(value.dtype, want, casting="same_kind"):
+                raise InvalidArgument(
+                    f"gradient for key {key!r}: cannot cast dtype {value.dtype} to the key's "
+                    f"dtype {want} (only same-kind casts, e.g. float64 -> float32); nothing "
+                    "was pushed"
+                )
+            out[key] = value.astype(want)
+        return out
 
     def _prepare_push(
         self, grads: Mapping[str, np.ndarray], num_samples: int, base_version: int | None
@@ -593,6 +687,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         base_version: int | None = None,
         timeout_s: float | None = None,
         copy: bool = True,
+        cast: bool | None = None,
     ) -> dict[str, np.ndarray]:
         """Push gradients, then pull parameters, in one round trip (BytePS's ``push_pull``).
 
@@ -612,6 +707,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
                 ``wait_timeout_s``); each attempt also gets ``rpc_timeout_s`` beyond it.
             copy: As in :meth:`pull`: False returns shared-memory values as views of the pull
                 region, valid until this client's next request.
+            cast: As in :meth:`push`.
 
         Returns:
             key -> a writeable ndarray of the key's dtype and shape.
@@ -619,6 +715,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         Raises:
             The errors of :meth:`push` and :meth:`pull`, with the same classes and status codes.
         """
+        grads = await self._cast(grads, cast)
         request_id, parts, header = self._prepare_push(grads, num_samples, base_version)
         key_list = list(parts) if keys is None else list(keys)
         timeout_ms, call_deadline_s = self._pull_deadlines(timeout_s)

@@ -208,7 +208,7 @@ class FastPath:
             )
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                logger.info("server has no Session RPC: using the Push/Pull streams")
+                logger.debug("server has no Session RPC: using the Push/Pull streams")
                 self.disabled = True
                 raise Fallback("server has no Session RPC") from err
             raise
@@ -231,7 +231,7 @@ class FastPath:
             return
         except OSError as exc:
             self.local_declined = f"cannot reach {offer.address!r}: {exc!r}"
-            logger.info("local link off: %s", self.local_declined)
+            logger.debug("local link off: %s", self.local_declined)
             return
         self._seq += 1
         reason = ""
@@ -256,7 +256,7 @@ class FastPath:
         if answer is None:
             link.cancel()
             self.local_declined = f"{offer.address!r} refused the session: {reason}"
-            logger.info("local link off: %s", self.local_declined)
+            logger.debug("local link off: %s", self.local_declined)
             return
         grpc_call, self._call = self._call, link
         grpc_call.cancel()  # the gRPC Session ends; the server's handler for it returns
@@ -278,7 +278,7 @@ class FastPath:
             new = shm.ClientSegment.create(want_push, want_pull, self.shm_dir)
         except OSError as err:
             self.shm_declined = f"cannot create a segment in {self.shm_dir}: {err}"
-            logger.info("shared memory off: %s", self.shm_declined)
+            logger.debug("shared memory off: %s", self.shm_declined)
             return False
         try:
             resp = await self._roundtrip(pb.SessionRequest(shm_offer=new.offer()))
@@ -290,7 +290,7 @@ class FastPath:
         if not resp.shm.accepted:
             new.close()
             self.shm_declined = resp.shm.reason or "declined"
-            logger.info("server declined shared memory: %s", self.shm_declined)
+            logger.debug("server declined shared memory: %s", self.shm_declined)
             if seg is not None:  # the server keeps the old mapping; stop using it anyway
                 self._segment = None
                 seg.close()

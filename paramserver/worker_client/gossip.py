@@ -381,7 +381,7 @@ class GossipWorker:
                     message.w if message is not None else node.w,
                 )
             else:
-                logger.info("push-sum node %s handed its mass to %s", self.worker_id, heir)
+                logger.debug("push-sum node %s handed its mass to %s", self.worker_id, heir)
             self._left = True
             await client.leave()
             return heir
@@ -431,7 +431,7 @@ class GossipWorker:
             self._seen.popitem(last=False)
         self.received_shares += 1
         if handoff:
-            logger.info("push-sum node %s took over the mass of %s", node.node_id, message.sender)
+            logger.debug("push-sum node %s took over the mass of %s", node.node_id, message.sender)
         return False
 
     async def _deliver(

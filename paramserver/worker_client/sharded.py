@@ -177,7 +177,7 @@ class ClusterWorkerClient(WorkerClient):
             raise self._combine(dict(failed))
         self.shards = clients
         await self._align_clocks()
-        logger.info(
+        logger.debug(
             "worker %s joined a cluster of %d shards (epoch %d) at clock %d",
             self.worker_name,
             shard_map.num_shards,
@@ -243,7 +243,7 @@ class ClusterWorkerClient(WorkerClient):
         target = max(c.clock_value for c in self.shards)
         lagging = [c for c in self.shards if c.clock_value < target]
         if lagging:
-            logger.info(
+            logger.debug(
                 "worker %s: clocking %d shard(s) forward to clock %d",
                 self.worker_name,
                 len(lagging),
@@ -367,6 +367,12 @@ class ClusterWorkerClient(WorkerClient):
             keys.extend(parse_name(ki.key)[1] for ki in st.keys if parse_name(ki.key)[0] != "slice")
         return {k: self._layouts[k] for k in dict.fromkeys(keys) if k in self._layouts}
 
+    async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[Any]]:
+        if not self.sharded:
+            return await super()._key_dtypes_of(keys)
+        layouts = await self._resolve(keys, missing_ok=True)
+        return {k: np.dtype(lay.dtype) for k, lay in layouts.items()}
+
     # ------------------------------------------------------------------ data plane
     async def _init_on(
         self, shard: int, arrays: Mapping[str, np.ndarray], rule: UpdateRule
@@ -466,17 +472,24 @@ class ClusterWorkerClient(WorkerClient):
         num_samples: int = 1,
         base_version: int | None = None,
         timeout_s: float | None = None,
+        cast: bool | None = None,
     ) -> PushAck:
         """Split the gradients like their keys and push to every shard holding a part.
 
         With ``base_version`` None each shard uses its own version of the last pull (ASP
-        ``max_staleness`` is judged per shard).
+        ``max_staleness`` is judged per shard). ``cast`` as in :meth:`WorkerClient.push`
+        (gradients are cast to their keys' dtypes before they are split).
         """
         if not self.sharded:
             return await super().push(
-                grads, num_samples=num_samples, base_version=base_version, timeout_s=timeout_s
+                grads,
+                num_samples=num_samples,
+                base_version=base_version,
+                timeout_s=timeout_s,
+                cast=cast,
             )
         assert self.shard_map is not None
+        grads = await self._cast(grads, cast)
         arrays = {k: tensor.normalize(v, k) for k, v in grads.items()}
         layouts = await self._resolve(list(arrays))
         if not self._allow_non_finite:
@@ -492,7 +505,11 @@ class ClusterWorkerClient(WorkerClient):
         parts = self.shard_map.route(layouts, arrays)
         calls = {
             i: self.shards[i].push(
-                part, num_samples=num_samples, base_version=base_version, timeout_s=timeout_s
+                part,
+                num_samples=num_samples,
+                base_version=base_version,
+                timeout_s=timeout_s,
+                cast=False,
             )
             for i, part in enumerate(parts)
             if part
@@ -553,6 +570,7 @@ class ClusterWorkerClient(WorkerClient):
         base_version: int | None = None,
         timeout_s: float | None = None,
         copy: bool = True,
+        cast: bool | None = None,
     ) -> dict[str, np.ndarray]:
         """:meth:`WorkerClient.push_pull`; over several shards a push to every shard holding a
         part, then a pull from them (two fan-outs)."""
@@ -564,10 +582,11 @@ class ClusterWorkerClient(WorkerClient):
                 base_version=base_version,
                 timeout_s=timeout_s,
                 copy=copy,
+                cast=cast,
             )
         key_list = list(grads) if keys is None else list(keys)
         await self._resolve(key_list)  # an unknown pull key is refused before the push
-        await self.push(grads, num_samples=num_samples, base_version=base_version)
+        await self.push(grads, num_samples=num_samples, base_version=base_version, cast=cast)
         return await self.pull(key_list, timeout_s=timeout_s, copy=copy)
 
     async def clock(self) -> int:

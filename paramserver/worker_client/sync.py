@@ -134,11 +134,16 @@ class SyncWorkerClient:
         num_samples: int = 1,
         base_version: int | None = None,
         timeout_s: float | None = None,
+        cast: bool | None = None,
     ) -> PushAck:
         """:meth:`WorkerClient.push`, blocking."""
         return self._run(
             self.client.push(
-                grads, num_samples=num_samples, base_version=base_version, timeout_s=timeout_s
+                grads,
+                num_samples=num_samples,
+                base_version=base_version,
+                timeout_s=timeout_s,
+                cast=cast,
             )
         )
 
@@ -162,6 +167,7 @@ class SyncWorkerClient:
         base_version: int | None = None,
         timeout_s: float | None = None,
         copy: bool = True,
+        cast: bool | None = None,
     ) -> dict[str, np.ndarray]:
         """Push, then pull, in one round trip (see :meth:`WorkerClient.push_pull`)."""
         return self._run(
@@ -172,6 +178,7 @@ class SyncWorkerClient:
                 base_version=base_version,
                 timeout_s=timeout_s,
                 copy=copy,
+                cast=cast,
             )
         )
 
@@ -193,6 +200,10 @@ class SyncWorkerClient:
 
     def clock(self) -> int:
         return self._run(self.client.clock())
+
+    def wait_for_workers(self, n: int, *, timeout_s: float = 60.0) -> int:
+        """:meth:`WorkerClient.wait_for_workers`, blocking (the start barrier)."""
+        return self._run(self.client.wait_for_workers(n, timeout_s=timeout_s))
 
     def leave(self) -> None:
         self._run(self.client.leave())

@@ -31,7 +31,8 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from paramserver.errors import InvalidArgument, Unavailable, WaitTimeout
+from paramserver.errors import InvalidArgument, Unavailable
+from paramserver.logs import resolve_log_format
 from paramserver.security import (
     ClientSecurity,
     add_client_security_flags,
@@ -39,7 +40,7 @@ from paramserver.security import (
 )
 from paramserver.server.optimizers import UpdateRule
 from paramserver.sharding import parse_address
-from paramserver.worker_client.client import WorkerClient, connect
+from paramserver.worker_client.client import connect
 from paramserver.worker_client.compression import Cast, Compression, TopK
 from paramserver.worker_client.local_cluster import start_servers, stop_servers
 from paramserver.worker_client.retry import RetryPolicy
@@ -217,6 +218,8 @@ class TrainConfig:
     security: ClientSecurity | None = None
     #: Backoff for UNAVAILABLE while a shard restarts (None: the client's default, 30 s).
     retry: RetryPolicy | None = None
+    #: Progress on stdout: ``text`` (one readable line per event) or ``json`` (one object).
+    progress: str = "text"
 
 
 def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[str, Compression]:
@@ -233,41 +236,39 @@ def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[s
     return dict.fromkeys(keys, scheme)
 
 
-async def wait_for_workers(ps: WorkerClient, n: int, timeout_s: float) -> None:
-    """Start barrier: wait until ``n`` workers are live so every worker starts at clock 0.
-
-    A worker that polls late may never see all ``n`` live: under ASP the others start the
-    moment they see ``n`` and may finish and leave within one poll interval. Updates applied
-    already mean they did see ``n`` (this worker, registered before polling, among them), so
-    the barrier is over for this worker too.
-
-    Raises:
-        WaitTimeout: fewer than ``n`` workers registered within ``timeout_s`` (DEADLINE_EXCEEDED).
-    """
-    deadline = time.monotonic() + timeout_s
-    delay = 0.01
-    while True:
-        view = (await ps.heartbeat()).view
-        if view.live_workers >= n:
-            return
-        if (await ps.status()).applied_updates > 0:
-            return  # the others passed it and trained (and may have left)
-        if time.monotonic() >= deadline:
-            raise WaitTimeout(
-                f"start barrier: {view.live_workers} of {n} workers registered after {timeout_s} s"
-            )
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.2)
+def _emit(event: dict[str, Any], progress: str = "json") -> None:
+    """Print one progress event: a JSON object, or with ``progress="text"`` a line such as
+    ``worker 0: epoch 3/10  loss 0.2120  test accuracy 0.9500  clock 33  [1.2 s]``."""
+    print(json.dumps(event) if progress == "json" else progress_line(event), flush=True)
 
 
-def _emit(event: dict[str, Any]) -> None:
-    print(json.dumps(event), flush=True)
+def progress_line(event: Mapping[str, Any]) -> str:
+    """The human-readable form of a ``start`` / ``epoch`` / ``done`` progress event."""
+    who = f"worker {event.get('worker', '?')}:"
+    acc = event.get("test_accuracy")
+    acc_text = f"  test accuracy {acc:.4f}" if isinstance(acc, float) else ""
+    kind = event.get("event")
+    if kind == "start":
+        return f"{who} every worker registered, training starts{acc_text}"
+    if kind == "epoch":
+        epochs = f"/{event['epochs']}" if "epochs" in event else ""
+        return (
+            f"{who} epoch {event['epoch']}{epochs}  loss {event['loss']:.4f}{acc_text}  "
+            f"clock {event['clock']}  [{event.get('train_elapsed_s', 0.0):.1f} s]"
+        )
+    if kind == "done":
+        return (
+            f"{who} done after {event['steps']} steps in {event['elapsed_s']:.1f} s, "
+            f"test accuracy {event['test_accuracy']:.4f}"
+        )
+    return f"{who} " + "  ".join(f"{k} {v}" for k, v in event.items() if k != "worker")
 
 
 async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
-    """Train on slice ``worker_index::num_workers``; emits JSON lines on stdout: a ``start``
-    event once every worker is registered (with the initial test accuracy when evaluating), one
-    ``epoch`` event per epoch (``train_elapsed_s``: seconds since ``start``), and ``done``.
+    """Train on slice ``worker_index::num_workers``; prints progress on stdout (JSON lines
+    with ``progress="json"``, else readable lines): a ``start`` event once every worker is
+    registered (with the initial test accuracy when evaluating), one ``epoch`` event per epoch
+    (``train_elapsed_s``: seconds since ``start``), and ``done``.
 
     Returns:
         The final summary: ``{"event": "done", "worker": i, "test_accuracy": a, ...}``.
@@ -290,12 +291,12 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     ) as ps:
         params = await ps.init(initial, rule=rule)
         keys = sorted(params)
-        await wait_for_workers(ps, cfg.num_workers, cfg.start_timeout_s)
+        await ps.wait_for_workers(cfg.num_workers, timeout_s=cfg.start_timeout_s)
         t_train = time.monotonic()
         start: dict[str, Any] = {"event": "start", "worker": cfg.worker_index}
         if cfg.evaluate:
             start["test_accuracy"] = model.accuracy(params, data.x_test, data.y_test)
-        _emit(start)
+        _emit(start, cfg.progress)
         acc = float("nan")
         for epoch in range(cfg.epochs):
             rng = np.random.default_rng([cfg.seed, epoch, cfg.worker_index])
@@ -318,6 +319,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
                 "event": "epoch",
                 "worker": cfg.worker_index,
                 "epoch": epoch + 1,
+                "epochs": cfg.epochs,
                 "loss": float(np.mean(losses)),
                 "clock": ps.clock_value,
                 "elapsed_s": round(time.monotonic() - t0, 3),
@@ -327,7 +329,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
                 acc = model.accuracy(params, data.x_test, data.y_test)
                 event["test_accuracy"] = acc
             event["train_elapsed_s"] = round(time.monotonic() - t_train, 4)
-            _emit(event)
+            _emit(event, cfg.progress)
         params = await ps.pull(keys)  # waits for the last step, so our update is in
         acc = model.accuracy(params, data.x_test, data.y_test)
     summary = {
@@ -337,11 +339,17 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         "steps": steps * cfg.epochs,
         "elapsed_s": round(time.monotonic() - t0, 3),
     }
-    _emit(summary)
+    _emit(summary, cfg.progress)
     return summary
 
 
 # ---------------------------------------------------------------------- CLI: worker
+def progress_format(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """The worker's progress format: ``--progress``, else the log format (``--log-format``,
+    then ``PARAMSERVER_LOG_FORMAT``, then ``text``)."""
+    return str(args.progress or resolve_log_format(getattr(args, "log_format", None), env))
+
+
 def _cmd_worker(args: argparse.Namespace) -> int:
     from paramserver.server.daemon import run_loop
 
@@ -365,6 +373,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         retry=RetryPolicy(deadline_s=args.retry_deadline_s)
         if args.retry_deadline_s is not None
         else None,
+        progress=args.progress or resolve_log_format(getattr(args, "log_format", None), os.environ),
     )
     if args.retry_deadline_s is not None and not args.retry_deadline_s > 0:
         print("paramserver worker: --retry-deadline-s must be > 0", file=sys.stderr)
@@ -445,6 +454,15 @@ def consistency_list(text: str) -> list[str]:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"consistency model repeated in {text!r}")
     return names
+
+
+def compression_note(kind: str, topk_ratio: float) -> str:
+    """The demo's start line says when pushed gradients are compressed (empty when not)."""
+    if kind == "none":
+        return ""
+    if kind == "topk":
+        return f", compression topk ({topk_ratio:g} of entries, error feedback)"
+    return f", compression {kind} (gradients cast for the wire)"
 
 
 def _model_label(consistency: str, staleness: int) -> str:
@@ -573,8 +591,8 @@ def _demo_run(
             servers, addresses = start_servers(
                 server_cmd, args.shards, Path(tmp), env=env, slice_bytes=args.slice_bytes
             )
-        except RuntimeError as exc:  # its own error line is already on stderr
-            raise Unavailable(f"the demo's parameter server did not start: {exc}") from None
+        except Unavailable as exc:  # its own error line is already on stderr
+            raise Unavailable(f"the demo's parameter server did not start: {exc.message}") from None
         workers: list[subprocess.Popen[str]] = []
         try:
             address = addresses[0]  # any shard: workers fetch the shard map from it
@@ -582,7 +600,8 @@ def _demo_run(
             print(
                 f"paramserver demo: server on {where} ({consistency}"
                 f"{f', staleness {args.staleness}' if consistency == 'ssp' else ''}), "
-                f"{args.workers} {args.framework} workers, {args.epochs} epochs on digits",
+                f"{args.workers} {args.framework} workers, {args.epochs} epochs on digits"
+                f"{compression_note(args.compression, args.topk_ratio)}",
                 flush=True,
             )
             t0 = time.monotonic()
@@ -594,6 +613,8 @@ def _demo_run(
                     "--log-level",
                     "WARNING",
                     "worker",
+                    "--progress",  # parsed below; the workers' own logs keep the user's format
+                    "json",
                     "--server",
                     address,
                     "--worker-index",
@@ -743,39 +764,80 @@ def _final_accuracy(address: str, args: argparse.Namespace) -> float:
     return float(run_loop(read(), use_uvloop=not args.no_uvloop))
 
 
-def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
+def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int, framework: bool = True) -> None:
     p.add_argument("--epochs", type=int, default=epochs, help=f"epochs (default {epochs})")
     p.add_argument("--batch-size", type=int, default=32, help="examples per push (default 32)")
-    p.add_argument("--lr", type=float, default=0.1, help="server-side SGD learning rate")
-    p.add_argument("--momentum", type=float, default=0.9, help="server-side SGD momentum")
-    p.add_argument("--hidden", type=int, default=32, help="hidden units; 0 = softmax regression")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--min-accuracy", type=float, default=0.93, help="exit 1 below this bar")
+    p.add_argument(
+        "--lr", type=float, default=0.1, help="server-side SGD learning rate (default 0.1)"
+    )
+    p.add_argument(
+        "--momentum", type=float, default=0.9, help="server-side SGD momentum (default 0.9)"
+    )
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=32,
+        help="hidden units of the MLP; 0 = softmax regression (default 32)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the initial parameters, the data split and the batch order (default 0)",
+    )
+    p.add_argument(
+        "--min-accuracy",
+        type=float,
+        default=0.93,
+        help="exit 1 when the final test accuracy is below this bar (default 0.93)",
+    )
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
     p.add_argument(
         "--compression",
         choices=["none", "fp16", "bf16", "topk"],
         default="none",
-        help="wire compression of pushed gradients (topk: with error feedback)",
+        help="wire compression of pushed gradients: fp16 / bf16 casts, or topk (the largest "
+        "--topk-ratio of entries, with error feedback) (default none)",
     )
-    p.add_argument("--topk-ratio", type=float, default=0.1, help="topk: fraction of entries sent")
     p.add_argument(
-        "--framework",
-        choices=FRAMEWORKS,
-        default="numpy",
-        help="model implementation: numpy MLP, or a torch.nn MLP through paramserver."
-        "torch_adapter (needs paramserver[torch])",
+        "--topk-ratio",
+        type=float,
+        default=0.1,
+        help="topk: fraction of entries sent per push (default 0.1)",
     )
+    if framework:
+        p.add_argument(
+            "--framework",
+            choices=FRAMEWORKS,
+            default="numpy",
+            help="model implementation: a numpy MLP, or a torch.nn MLP through "
+            "paramserver.torch_adapter (needs the torch extra) (default numpy)",
+        )
 
 
 def add_subcommands(sub: Any) -> None:
     """Register ``worker`` and ``demo``."""
     w = sub.add_parser("worker", help="train the digits model against a running server")
     w.add_argument("--server", required=True, help="HOST:PORT of the parameter server")
-    w.add_argument("--worker-index", type=int, required=True)
-    w.add_argument("--num-workers", type=int, required=True)
+    w.add_argument(
+        "--worker-index",
+        type=int,
+        required=True,
+        help="this worker's index in [0, --num-workers): it trains on slice i::n of the data",
+    )
+    w.add_argument(
+        "--num-workers",
+        type=int,
+        required=True,
+        help="workers of the job; training starts once that many are registered",
+    )
     w.add_argument("--no-eval", action="store_true", help="skip per-epoch test evaluation")
-    w.add_argument("--slow-factor", type=float, default=1.0, help="straggler simulation: x slower")
+    w.add_argument(
+        "--slow-factor",
+        type=float,
+        default=1.0,
+        help="straggler simulation: each step takes this many times longer (default 1)",
+    )
     w.add_argument(
         "--replace",
         action="store_true",
@@ -790,6 +852,13 @@ def add_subcommands(sub: Any) -> None:
         "--retry-deadline-s",
         type=float,
         help="how long calls retry an unavailable server, e.g. while a shard restarts (default 30)",
+    )
+    w.add_argument(
+        "--progress",
+        choices=["text", "json"],
+        default=None,
+        help="progress on stdout: text, one readable line per epoch, or json, one object per "
+        "line (events start, epoch, done); default: json under --log-format json, else text",
     )
     _add_training_flags(w, epochs=10)
     add_client_security_flags(w)
@@ -816,12 +885,17 @@ def add_subcommands(sub: Any) -> None:
         "torch-demo",
         help="the demo with torch.nn workers (= demo --framework torch --workers 2)",
     )
-    _add_demo_flags(t, workers=2)
+    _add_demo_flags(t, workers=2, framework=False)
     t.set_defaults(func=_cmd_demo, framework="torch")
 
 
-def _add_demo_flags(d: argparse.ArgumentParser, *, workers: int) -> None:
-    d.add_argument("--workers", type=int, default=workers)
+def _add_demo_flags(d: argparse.ArgumentParser, *, workers: int, framework: bool = True) -> None:
+    d.add_argument(
+        "--workers",
+        type=int,
+        default=workers,
+        help=f"worker processes, each training on its slice of the data (default {workers})",
+    )
     d.add_argument(
         "--consistency",
         type=consistency_list,
@@ -835,12 +909,38 @@ def _add_demo_flags(d: argparse.ArgumentParser, *, workers: int) -> None:
         type=Path,
         metavar="PNG",
         help="write test accuracy against wall time, one curve per consistency model "
-        "(needs matplotlib: paramserver[plot])",
+        "(needs matplotlib: the plot extra) (default: no plot)",
     )
-    d.add_argument("--staleness", type=int, default=2)
-    d.add_argument("--aggregation", choices=["mean", "sum", "weighted_mean"], default="mean")
-    d.add_argument("--lease-ms", type=int, default=10_000)
+    d.add_argument(
+        "--staleness",
+        type=int,
+        default=2,
+        help="SSP staleness bound in clocks: a pull waits until the slowest worker is at most "
+        "this many clocks behind (default 2; ignored by bsp and asp)",
+    )
+    d.add_argument(
+        "--aggregation",
+        choices=["mean", "sum", "weighted_mean"],
+        default="mean",
+        help="how the server combines one BSP step's gradients (default mean)",
+    )
+    d.add_argument(
+        "--lease-ms",
+        type=int,
+        default=10_000,
+        help="worker lease in ms: a worker silent this long is evicted (default 10000)",
+    )
     d.add_argument("--shards", type=int, default=1, help="parameter-server shards (default 1)")
-    d.add_argument("--slice-bytes", type=int, help="slice tensors above this size over shards")
-    d.add_argument("--timeout-s", type=float, default=600.0, help="give up after this long")
-    _add_training_flags(d, epochs=10)
+    d.add_argument(
+        "--slice-bytes",
+        type=int,
+        help="with --shards > 1: slice tensors above this many bytes over the shards "
+        "(default 4 MiB)",
+    )
+    d.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="give up after this many seconds (default 600)",
+    )
+    _add_training_flags(d, epochs=10, framework=framework)

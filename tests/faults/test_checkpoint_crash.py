@@ -29,7 +29,11 @@ from paramserver.worker_client import UpdateRule, connect
 
 from .helpers import Server, report, verify_checkpoint
 
-pytestmark = [pytest.mark.timeout(150), pytest.mark.asyncio(loop_factories=["asyncio"])]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(150),
+    pytest.mark.asyncio(loop_factories=["asyncio"]),
+]
 
 KEYS = 200
 KEY_ELEMENTS = 500_000  # float32: 2 MB per key, 400 MB in all
@@ -139,6 +143,7 @@ def partial_dirs(ckpt: Path) -> list[Path]:
     return [p for p in ckpt.iterdir() if p.name.startswith(".tmp-")]
 
 
+@pytest.mark.timeout(600)  # 400 MB written and read ~10 times, 7 server starts: a hang guard
 async def test_sigkill_during_checkpoint_restores_c50_or_c60_never_a_mixture(
     tmp_path: Path,
 ) -> None:

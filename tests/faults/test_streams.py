@@ -27,7 +27,11 @@ from paramserver.worker_client import RetryPolicy, UpdateRule, connect
 
 from .helpers import Server, WorkerProcess, eventually, report, rss_bytes, status
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_factories=["asyncio"])]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(120),
+    pytest.mark.asyncio(loop_factories=["asyncio"]),
+]
 
 MiB = 1 << 20
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]

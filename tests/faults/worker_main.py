@@ -16,7 +16,9 @@ told. Modes:
 ``bsp-train``
     Deterministic BSP least squares (fixed seed per worker and step): pull, gradient quantised
     to multiples of 2**-24 (so a mean of pushes is exact in any arrival order), push, clock;
-    reports every step and the final parameters as float.hex strings.
+    reports every step and the final parameters as float.hex strings. With ``--pause-at N
+    --gate FILE`` it reports ``paused`` before step N and waits until FILE exists (the test
+    opens the gate and kills the server at once: the crash lands at step N on any machine).
 ``asp-add``
     ASP with the ``add`` rule: push ``j`` adds 1 at index ``i * pushes + j`` of ``onehot`` and
     ``(index + 1) ** 2`` to the int64 ``total``; reports every acknowledged push.
@@ -30,7 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,8 +45,7 @@ import numpy as np
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import WorkerNotFound
-from paramserver.worker_client import UpdateRule, connect
-from paramserver.worker_client.training import wait_for_workers
+from paramserver.worker_client import RetryPolicy, UpdateRule, connect
 
 #: Least-squares problem of ``bsp-train``: dimension, examples per worker per step, step size.
 DIM, BATCH, LR, MOMENTUM = 6, 16, 0.05, 0.9
@@ -108,10 +111,19 @@ async def loop(args: argparse.Namespace) -> int:
 
 async def bsp_train(args: argparse.Namespace) -> None:
     rule = UpdateRule("sgd", lr=LR, momentum=MOMENTUM)
-    async with connect(args.server, f"trainer-{args.index}", rpc_timeout_s=10.0) as ps:
+    # A restart on a busy machine may take far longer than the default 30 s retry deadline.
+    retry = RetryPolicy(deadline_s=args.retry_deadline_s)
+    async with connect(args.server, f"trainer-{args.index}", rpc_timeout_s=10.0, retry=retry) as ps:
         await ps.init({"w": initial_w()}, rule)
-        await wait_for_workers(ps, args.workers, 60.0)
+        await ps.wait_for_workers(args.workers, timeout_s=120.0)
         for step in range(args.steps):
+            if step == args.pause_at and args.gate:
+                emit("paused", step=step)
+                deadline = time.monotonic() + 300
+                while not await asyncio.to_thread(os.path.exists, args.gate):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"gate {args.gate} not opened within 300 s")
+                    await asyncio.sleep(0.005)
             w = (await ps.pull(["w"]))["w"]
             x, y = batch(args.seed, step, args.index)
             await ps.push({"w": quantised_grad(w, x, y)}, num_samples=BATCH)
@@ -128,7 +140,7 @@ async def asp_add(args: argparse.Namespace) -> None:
             {"onehot": np.zeros(size, np.float64), "total": np.zeros((), np.int64)},
             UpdateRule("add"),
         )
-        await wait_for_workers(ps, args.workers, 60.0)
+        await ps.wait_for_workers(args.workers, timeout_s=60.0)
         for j in range(args.pushes):
             index = args.index * args.pushes + j
             onehot = np.zeros(size, np.float64)
@@ -175,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--workers", type=int, required=True)
     t.add_argument("--steps", type=int, required=True)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--pause-at", type=int, default=-1, help="wait for --gate before this step")
+    t.add_argument("--gate", default="", help="file whose existence ends the pause")
+    t.add_argument("--retry-deadline-s", type=float, default=30.0)
     a = sub.add_parser("asp-add")
     a.add_argument("--index", type=int, required=True)
     a.add_argument("--workers", type=int, required=True)
@@ -188,7 +203,21 @@ def main(argv: list[str] | None = None) -> int:
         args.ids = Path(args.ids_file).read_text().split()
     jobs = {"hold": hold, "loop": loop, "bsp-train": bsp_train, "asp-add": asp_add}
     job = {**jobs, "streams": streams}[args.mode]
+    exit_with_parent()
     return int(asyncio.run(job(args)) or 0)
+
+
+def exit_with_parent() -> None:
+    """End this process when the test that started it is gone (it was re-parented): a test
+    that died before killing its worker must not leave it running. A daemon thread polls."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,19 @@ from typing import Any
 import numpy as np
 
 SCRIPT = Path(__file__).resolve()
+
+
+def exit_with_parent() -> None:
+    """End this process when the test that started it is gone (it was re-parented): a test
+    that died before killing its worker must not leave it running. A daemon thread polls."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 async def _main(address: str, name: str, plan: dict[str, Any]) -> int:
@@ -100,4 +114,5 @@ class WorkerProcess:
 
 
 if __name__ == "__main__":
+    exit_with_parent()
     sys.exit(asyncio.run(_main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))))

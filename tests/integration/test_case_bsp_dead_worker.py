@@ -3,8 +3,13 @@
 BSP, workers A, B (clients in this test) and C (a separate worker process that is SIGKILLed);
 key ``w`` float32 (4,), SGD lr 1, mean aggregation; lease 2 s, so the client heartbeats every
 0.5 s (a quarter lease). Expected values are closed forms: SGD lr 1 gives
-``w_{t+1} = w_t - mean(g)``. Timings are bounds for the product, measured generously (factor 2-3,
-cases/README.md).
+``w_{t+1} = w_t - mean(g)``.
+
+The verdicts depend on ordering, not on how busy the machine is: the step may not close before
+the dead worker's lease, as the server reported it just before the kill, has run out (a lower
+bound that load can only make later), and it must close because of the eviction, before the
+pulls' own 30 s wait deadline would end them (Aborted or a result, never WaitTimeout). The time
+from kill to close is measured and printed, not asserted.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from paramserver.worker_client import UpdateRule, WorkerClient, connect
 from .ps_helpers import ServerProcess, eventually, running_server
 from .ps_worker_proc import WorkerProcess
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 LEASE_S = 2.0
 HEARTBEAT_S = LEASE_S / 4
@@ -51,22 +56,53 @@ async def _step0_with_c(
     """All three push and clock step 0; C then idles (heartbeating) until it is killed."""
     a = await _open(address, "A")
     b = await _open(address, "B")
-    await a.init({"w": np.zeros(4, np.float32)}, SGD1)
-    c = WorkerProcess(address, "C", {"grads": [G0["C"]], "then": "hang"}, tmp_path)
+    c: WorkerProcess | None = None
+    try:
+        await a.init({"w": np.zeros(4, np.float32)}, SGD1)
+        c = WorkerProcess(address, "C", {"grads": [G0["C"]], "then": "hang"}, tmp_path)
 
-    async def c_joined() -> bool:
-        return any(w.worker_name == "C" for w in (await a.status()).workers)
+        async def c_joined() -> bool:
+            return any(w.worker_name == "C" for w in (await a.status()).workers)
 
-    await eventually(c_joined, timeout_s=30.0, what="worker C registered")  # joins at step 0
-    for client in (a, b):
-        await client.pull(["w"])
-        await client.push({"w": f32(G0[client.worker_name])})
-        await client.clock()
-    await c.ready()
-    assert c.clock == 1
-    for client in (a, b):
-        np.testing.assert_array_equal((await client.pull(["w"]))["w"], W1)
+        await eventually(c_joined, timeout_s=60.0, what="worker C registered")  # at step 0
+        for client in (a, b):
+            await client.pull(["w"])
+            await client.push({"w": f32(G0[client.worker_name])})
+            await client.clock()
+        await c.ready(timeout_s=60.0)
+        assert c.clock == 1
+        for client in (a, b):
+            np.testing.assert_array_equal((await client.pull(["w"]))["w"], W1)
+    except BaseException:  # nothing of this test outlives it: C is killed, A and B closed
+        if c is not None:
+            c.kill()
+        for client in (a, b):
+            await client.close()
+        raise
     return a, b, c
+
+
+async def _kill_and_wait(
+    a: WorkerClient, c: WorkerProcess, pulls: list[asyncio.Task]
+) -> tuple[list[object], float]:
+    """Read C's remaining lease from the server, SIGKILL C, wait for the pulls (errors as
+    values). Returns their outcomes and the seconds from the status read to the last one.
+
+    The pulls must not end before C's lease, as reported, has run out: the server cannot evict
+    a worker whose lease is still valid. Load only delays the end, so the bound holds on a busy
+    machine; the 60 s bound is the test's hang guard, beyond the pulls' own 30 s deadline."""
+    read_at = time.monotonic()  # before the server computes the lease (a lower bound)
+    before = await a.status()
+    (c_info,) = [w for w in before.workers if w.worker_name == "C"]
+    assert c_info.live and c_info.lease_remaining_ms > 0
+    assert not any(p.done() for p in pulls)  # C's lease holds the step open
+    c.kill()
+    killed_at = time.monotonic()
+    outcomes = await asyncio.wait_for(asyncio.gather(*pulls, return_exceptions=True), 60.0)
+    ended = time.monotonic() - read_at
+    assert ended >= c_info.lease_remaining_ms / 1000 - 0.002, (ended, c_info.lease_remaining_ms)
+    print(f"step closed {time.monotonic() - killed_at:.2f} s after the kill (lease {LEASE_S} s)")
+    return outcomes, ended
 
 
 async def _push_step1_and_wait(a: WorkerClient, b: WorkerClient) -> list[asyncio.Task]:
@@ -97,13 +133,9 @@ async def test_killed_worker_is_evicted_and_the_step_completes_with_the_rest(
         idle = await a.status()  # nobody waits now: the server's task count at rest
         pulls = await _push_step1_and_wait(a, b)
         killed_at = time.monotonic()
-        c.kill()
-        results = await asyncio.wait_for(asyncio.gather(*pulls), 3 * (LEASE_S + HEARTBEAT_S))
-        elapsed = time.monotonic() - killed_at
-        # C's lease was renewed at most one heartbeat before the kill, so the step cannot have
-        # closed before lease - heartbeat; and it must close within about lease + heartbeat.
-        assert LEASE_S - HEARTBEAT_S - 0.25 <= elapsed < 3 * (LEASE_S + HEARTBEAT_S), elapsed
+        results, _ = await _kill_and_wait(a, c, pulls)
         for got in results:
+            assert isinstance(got, dict), got  # not WaitTimeout: the eviction closed the step
             np.testing.assert_array_equal(got["w"], W2)
         for client in (a, b):
             assert client.view is not None and client.view.live_workers == 2
@@ -118,7 +150,7 @@ async def test_killed_worker_is_evicted_and_the_step_completes_with_the_rest(
         async def at_rest() -> bool:
             return (await a.status()).asyncio_tasks <= idle.asyncio_tasks
 
-        await eventually(at_rest, timeout_s=5.0, what="no server task still waiting")
+        await eventually(at_rest, timeout_s=30.0, what="no server task still waiting")
         assert server.proc.poll() is None
     finally:
         if c is not None:
@@ -143,13 +175,7 @@ async def test_fail_fast_aborts_the_step_naming_the_dead_worker(tmp_path: Path) 
             a, b, c = await _step0_with_c(srv.address, tmp_path)
             clients += [a, b]
             pulls = await _push_step1_and_wait(a, b)
-            killed_at = time.monotonic()
-            c.kill()
-            outcomes = await asyncio.wait_for(
-                asyncio.gather(*pulls, return_exceptions=True), 3 * (LEASE_S + HEARTBEAT_S)
-            )
-            elapsed = time.monotonic() - killed_at
-            assert LEASE_S - HEARTBEAT_S - 0.25 <= elapsed < 3 * (LEASE_S + HEARTBEAT_S), elapsed
+            outcomes, _ = await _kill_and_wait(a, c, pulls)
             for outcome in outcomes:
                 assert isinstance(outcome, Aborted), outcome
                 assert outcome.code is grpc.StatusCode.ABORTED

@@ -140,6 +140,7 @@ _IMPORT_THEN_UVLOOP = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_import_creates_no_asyncio_objects_then_uvloop_works() -> None:
     """Case event-loops.md: in a fresh interpreter, importing every server and client module
@@ -195,6 +196,7 @@ _TWO_RUNS = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_consecutive_asyncio_run_calls_each_with_own_client(tmp_path: Path) -> None:
     """Case event-loops.md: one process makes four consecutive loop runs (asyncio.run,
@@ -224,6 +226,7 @@ PUSHES = 2000
 ELEMENTS = 64 * 1024 // 4  # float32: 64 KiB per push
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_uvloop_8_workers_2000_pushes_of_64kib_no_errors(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

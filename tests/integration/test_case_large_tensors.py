@@ -76,6 +76,7 @@ async def test_300mb_push_pull_hash_equal() -> None:
         await _push_pull_hash(srv.address, 75_000_000, seed=300)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_receive_limit_1mib(tmp_path: Path) -> None:
     """Case large-tensor-default-limits.md: `paramserver serve --max-receive-message-bytes

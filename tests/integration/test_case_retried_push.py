@@ -232,6 +232,7 @@ async def test_dedup_survives_reconnect() -> None:
             assert (st.applied_updates, st.duplicate_pushes) == (1, 1)
 
 
+@pytest.mark.slow
 async def test_dedup_survives_server_restore(tmp_path: Path) -> None:
     """Case retried-push.md: `paramserver serve --checkpoint-dir`; r1 applied; SIGTERM (final
     checkpoint, exit 0); restart on the same directory; the retry of r1 by the same worker id is

@@ -1,7 +1,7 @@
 """Case ssp-bound.md through a real server, real gRPC clients and a real (killed) worker process.
 
 SSP(s): a pull by a worker at clock c is admitted iff the live minimum clock >= c - s, so it
-reflects every update from clocks <= c - s - 1 (DESIGN §3). Timings are bounds for the
+reflects every update from clocks <= c - s - 1 (docs/semantics.md). Timings are bounds for the
 product, measured generously (cases/README.md).
 """
 
@@ -103,6 +103,7 @@ async def test_ssp_with_zero_staleness_behaves_as_bsp(consistency: str) -> None:
     np.testing.assert_array_equal(np.array(seen), np.array(expected, dtype=np.float64))
 
 
+@pytest.mark.slow
 async def test_killed_slowest_worker_releases_the_wait_after_its_lease(tmp_path: Path) -> None:
     """cases/ssp-bound.md: A waits at clock 3 for B at clock 0; B (a real worker process) is
     SIGKILLed; once B's lease (1 s, heartbeats every 0.25 s) runs out the minimum is over live

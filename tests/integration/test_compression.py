@@ -83,6 +83,7 @@ async def test_compressing_an_integer_key_is_refused_by_the_client() -> None:
                 await ps.push({"c": np.ones(3, np.int64)})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("compression", ["fp16", "bf16", "topk"])
 def test_digits_job_reaches_its_bar_with_compression(compression: str) -> None:

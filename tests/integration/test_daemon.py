@@ -16,7 +16,7 @@ from paramserver.worker_client import UpdateRule, connect_sync
 
 from .ps_helpers import ServerProcess
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 
 def test_sigterm_checkpoints_and_restart_restores(tmp_path: Path) -> None:

@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
 
-@pytest.mark.timeout(180)
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(("consistency", "staleness"), [("bsp", 0), ("ssp", 2), ("asp", 0)])
 def test_demo_trains_digits(consistency: str, staleness: int) -> None:
     """A short demo (3 epochs, 4 workers) trains on digits and exits 0 past its bar."""
@@ -30,11 +32,11 @@ def test_demo_trains_digits(consistency: str, staleness: int) -> None:
             "--min-accuracy",
             "0.9",
             "--timeout-s",
-            "150",
+            "500",
         ],
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=560,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     epochs = re.findall(r"epoch\s+(\d+)/3\s+loss (\S+)\s+test accuracy (\S+)", proc.stdout)
@@ -45,7 +47,7 @@ def test_demo_trains_digits(consistency: str, staleness: int) -> None:
     assert final >= 0.9
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_worker_exits_nonzero_below_accuracy_bar(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`paramserver worker` against a real server: one epoch cannot pass a bar of 1.01."""
     from .ps_helpers import ServerProcess
@@ -71,9 +73,16 @@ def test_worker_exits_nonzero_below_accuracy_bar(tmp_path) -> None:  # type: ign
             ],
             capture_output=True,
             text=True,
-            timeout=100,
+            timeout=280,
         )
     finally:
         assert server.stop() == 0, server.log()
     assert proc.returncode == 1, proc.stderr
-    assert '"event": "done"' in proc.stdout
+    # readable progress by default (JSON lines with --log-format json or --progress json)
+    assert re.search(
+        r"^worker 0: epoch 1/1  loss \S+  test accuracy \S+  clock \d+", proc.stdout, re.M
+    )
+    assert re.search(
+        r"^worker 0: done after \d+ steps in \S+ s, test accuracy \S+$", proc.stdout, re.M
+    )
+    assert "{" not in proc.stdout

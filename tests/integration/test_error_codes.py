@@ -1,5 +1,5 @@
-"""Every refusal of DESIGN §3 "Errors" through the real gRPC client (raw stubs only where the
-client itself prevents the bad input): the status code, the paramserver.errors class the client
+"""Every refusal of docs/semantics.md "Errors" through the real gRPC client (raw stubs only where
+the client itself prevents the bad input): the status code, the paramserver.errors class the client
 funnel maps it to, the stored value unchanged afterwards (pulled and compared bit for bit), and
 the server still serving (a good push right after is applied).
 

@@ -52,6 +52,7 @@ async def _close(clients: list[ReductionClient]) -> None:
         await c.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_four_worker_processes_receive_the_numpy_mean(tmp_path: Path) -> None:
     """4 worker processes, 3 steps, 3 layers (one scalar), synchronous mean: every worker
@@ -134,6 +135,7 @@ async def test_weighted_federated_average_through_the_service() -> None:
             await _close(clients)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(40)
 async def test_killed_worker_leaves_the_quorum_after_its_lease(tmp_path: Path) -> None:
     """A worker process registers, then is SIGKILLed while 3 others wait for step 0: once its

@@ -403,6 +403,8 @@ def secure_server(pki: Pki, tokens: Tokens, tmp_path: Path) -> Iterator[ServerPr
         server.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # about ten CLI processes: minutes on a busy machine
 def test_cli_serve_worker_status_checkpoint_health_end_to_end(
     secure_server: ServerProcess, pki: Pki, tokens: Tokens
 ) -> None:
@@ -421,6 +423,8 @@ def test_cli_serve_worker_status_checkpoint_health_end_to_end(
         "--no-eval",
         "--min-accuracy",
         "0",
+        "--log-format",
+        "json",  # progress as JSON lines too
         *tls,
         "--token-file",
         tokens.worker_file,

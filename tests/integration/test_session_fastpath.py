@@ -417,6 +417,7 @@ def _spawn_worker(address: str, mode: str) -> tuple[subprocess.Popen[str], str]:
     return proc, line
 
 
+@pytest.mark.slow
 async def test_worker_killed_after_negotiation_leaks_nothing() -> None:
     async with running_server(consistency="asp") as daemon:
         proc, line = await asyncio.to_thread(_spawn_worker, _address(daemon), "session")
@@ -433,6 +434,7 @@ async def test_worker_killed_after_negotiation_leaks_nothing() -> None:
         assert _segments_of(proc.pid) == []
 
 
+@pytest.mark.slow
 async def test_worker_killed_between_create_and_offer_is_swept() -> None:
     async with running_server(consistency="asp") as daemon:
         proc, name = await asyncio.to_thread(_spawn_worker, _address(daemon), "create-only")
@@ -445,6 +447,7 @@ async def test_worker_killed_between_create_and_offer_is_swept() -> None:
         assert _segments_of(proc.pid) == []
 
 
+@pytest.mark.slow
 async def test_server_killed_leaks_nothing(tmp_path: Path) -> None:
     server = ServerProcess(tmp_path, "--consistency", "asp")
     try:
@@ -650,6 +653,7 @@ async def test_a_push_stream_write_core_refuses_as_internal_is_retried() -> None
             assert (await ps.status()).applied_updates == 1
 
 
+@pytest.mark.slow
 def test_ssp_workers_ride_through_a_server_restart(tmp_path: Path) -> None:
     """The compose scenario on loopback: two SSP workers push and clock against a shard with a
     write-ahead log; the shard is stopped (SIGTERM) mid-run and restarted on the same port. Both

@@ -113,6 +113,7 @@ async def _status(address: str) -> pb.StatusResponse:
         return await ps.status()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_100_mb_tensor_round_trips_bit_exactly_over_3_shard_processes(tmp_path: Path) -> None:
     """A 100 MB float32 tensor (random bits: NaN payloads, -0.0, subnormals included) over 3
@@ -190,6 +191,7 @@ def _scrape(port: int) -> str:
         return str(resp.read().decode())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_health_cli_exit_codes() -> None:
     async def run() -> tuple[int, int]:

@@ -39,6 +39,8 @@ from paramserver.spmd.client import RankClient
 from paramserver.spmd.launcher import RankServerCluster, wait_for
 from paramserver.spmd.layout import Layout
 
+pytestmark = pytest.mark.slow
+
 LOOPS = ["asyncio", "uvloop"]
 LAYOUT = Layout(0, num_layers=2, outer_dim=2, page_size=8, inner_dim=64)  # 4 KiB blocks
 BPB = LAYOUT.bytes_per_block

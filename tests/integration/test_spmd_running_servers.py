@@ -32,6 +32,8 @@ from paramserver.spmd.layout import Layout
 from paramserver.spmd.objects import FilesystemObjectStore, _FsWriter
 from paramserver.spmd.rank_server import SERVICE_NAME, RankServerConfig, start_rank_server
 
+pytestmark = pytest.mark.slow
+
 LOOPS = ["asyncio", "uvloop"]
 LAYOUT = Layout(0, num_layers=2, outer_dim=2, page_size=8, inner_dim=64)  # 4 KiB blocks
 LAYOUT_ARG = "num_layers=2,outer_dim=2,page_size=8,inner_dim=64,dtype=float16"

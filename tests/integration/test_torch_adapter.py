@@ -230,6 +230,7 @@ async def test_cuda_module_round_trip() -> None:
     assert torch.equal(_bits(dst.weight), _bits(src.weight))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_blocking_client_with_the_pure_helpers(tmp_path: Path) -> None:
     """``connect_sync`` + module_parameters / load_parameters against a server process."""
@@ -246,7 +247,8 @@ def test_blocking_client_with_the_pure_helpers(tmp_path: Path) -> None:
         assert torch.equal(_bits(got), _bits(want)), name
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_torch_demo_two_workers_reaches_the_bar() -> None:
     """``paramserver torch-demo``: a server and 2 torch worker processes (SSP, 3 epochs) reach
     the numpy demo's test bar of 0.9 on digits; loss falls."""
@@ -263,11 +265,11 @@ def test_torch_demo_two_workers_reaches_the_bar() -> None:
             "--min-accuracy",
             "0.9",
             "--timeout-s",
-            "100",
+            "500",
         ],
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=560,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 torch workers" in proc.stdout

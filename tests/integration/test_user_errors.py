@@ -50,6 +50,7 @@ async def test_empty_key_is_refused_at_once_not_after_the_retry_deadline() -> No
             assert time.monotonic() - t0 < 2.0
 
 
+@pytest.mark.slow
 def test_restart_without_wal_refuses_to_drop_acknowledged_records(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     server = ServerProcess(tmp_path, "--consistency", "asp", "--checkpoint-dir", str(ckpt), "--wal")
@@ -84,6 +85,7 @@ def test_restart_without_wal_refuses_to_drop_acknowledged_records(tmp_path: Path
         again.stop()
 
 
+@pytest.mark.slow
 def test_sigterm_worker_leaves_so_its_name_is_free_at_once(tmp_path: Path) -> None:
     server = ServerProcess(tmp_path, "--consistency", "asp", "--lease-ms", "30000")
     try:
@@ -123,6 +125,7 @@ def test_sigterm_worker_leaves_so_its_name_is_free_at_once(tmp_path: Path) -> No
         server.stop()
 
 
+@pytest.mark.slow
 def test_bind_failure_is_one_line(tmp_path: Path) -> None:
     server = ServerProcess(tmp_path, "--consistency", "asp")
     try:
@@ -172,6 +175,7 @@ def busy_port() -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_busy_or_clashing_ports_are_one_line(busy_port: int) -> None:
     where = f"127.0.0.1:{busy_port}"
     for cmd in (
@@ -237,6 +241,7 @@ def test_malformed_addresses_are_refused_by_every_command(
     assert time.monotonic() - t0 < 5.0  # refused before any connection attempt
 
 
+@pytest.mark.slow
 def test_status_of_an_out_of_range_port_in_a_real_process_and_as_json() -> None:
     proc = _paramserver("status", "127.0.0.1:99999")
     line = _one_clean_line(proc)
@@ -252,6 +257,7 @@ def test_status_of_an_out_of_range_port_in_a_real_process_and_as_json() -> None:
     assert "127.0.0.1:99999" in record["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
@@ -272,6 +278,7 @@ def test_demo_refuses_bad_flags_before_starting_anything(flags: list[str], expec
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow
 def test_demo_shows_why_a_worker_failed() -> None:
     # --min-accuracy above 1 cannot be met: every worker trains, then exits 1 saying so.
     proc = _paramserver(
@@ -286,6 +293,7 @@ def test_demo_shows_why_a_worker_failed() -> None:
     ), proc.stderr
 
 
+@pytest.mark.slow
 def test_mismatched_tls_pair_is_refused_naming_both_files(tmp_path: Path) -> None:
     pki = make_pki(tmp_path / "pki")
     proc = _paramserver(
@@ -426,6 +434,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
+@pytest.mark.slow
 def test_mismatched_pair_refused_by_every_server_command(pki: Pki) -> None:
     pair = ("--tls-cert", pki.server_cert, "--tls-key", pki.client_key)
     for cmd in (
@@ -500,6 +509,7 @@ def test_tokens_must_be_printable_ascii_and_errors_name_the_source(tmp_path: Pat
     assert ClientSecurity.from_env(env).token == tokens.worker
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
@@ -519,6 +529,7 @@ def test_flag_syntax_errors_are_one_line_exit_2(argv: list[str], expected: str) 
     assert "usage:" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_malloc_limit_below_glibc_threshold_is_refused_in_one_line() -> None:
     # 512 meant as MiB would lower glibc's own 128 KiB threshold and slow the server down.
     proc = _paramserver("serve", "--port", "0", "--malloc-retain-bytes", "512")
@@ -526,6 +537,7 @@ def test_a_malloc_limit_below_glibc_threshold_is_refused_in_one_line() -> None:
     assert proc.returncode == 2 and "malloc_retain_bytes" in line and "got 512" in line, line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["flag", "env"])
 def test_a_negative_object_limit_names_the_flag_and_its_variable(source: str) -> None:
     argv = ["rank-server", "--instance-id", "a", "--rank", "0", "--port", "0"]

@@ -1,4 +1,4 @@
-"""Unit tests of :mod:`paramserver.server.aggregation` (issue #3, DESIGN §3 "Aggregation").
+"""Unit tests of :mod:`paramserver.server.aggregation` (issue #3, docs/semantics.md "Aggregation").
 
 Expected values are derived by hand (closed forms in comments) or computed with numpy in the
 test; never copied from the code's output.
@@ -749,7 +749,7 @@ class SynchronousMachine(RuleBasedStateMachine):
     """Model-based check of Synchronous: aggregates equal the model's mean over live contributors.
 
     The model keeps, per layer, the accepted current-step values by worker, and applies the
-    rules of DESIGN §3 independently of the implementation.
+    rules of docs/semantics.md independently of the implementation.
     """
 
     workers = Bundle("workers")

@@ -1,6 +1,6 @@
 """Unit tests of the pure consistency core: ClusterState and ServerCore, no sockets, no loop.
 
-DESIGN §3 "Clocks and consistency", "Membership" and "Idempotence"; the pure-core halves of
+docs/semantics.md "Clocks and consistency", "Membership" and "Idempotence"; the pure-core halves of
 cases/ssp-bound.md and cases/bsp-dead-worker.md. Time is always passed in as ``now``. Expected
 values are derived by hand (closed forms in comments) or by the small independent model in
 :class:`ConsistencyMachine`; never copied from the code's output.
@@ -550,7 +550,7 @@ class ModelWorker:
 
 class ConsistencyMachine(RuleBasedStateMachine):
     """Random register / clock / push / leave / heartbeat / expire / pull-check sequences on the
-    pure ServerCore, against an independent model of DESIGN §3.
+    pure ServerCore, against an independent model of docs/semantics.md.
 
     The probe key ``v`` (float64, rule ``add``, BSP aggregation ``sum``) has one element per
     registration; registration k pushes ``2**clock`` into element k, so the value decodes

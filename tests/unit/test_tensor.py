@@ -1,4 +1,4 @@
-"""Unit tests for :mod:`paramserver.tensor` (DESIGN §3 "Tensors"); no sockets.
+"""Unit tests for :mod:`paramserver.tensor` (docs/semantics.md "Tensors"); no sockets.
 
 Expected bytes are built independently of the codec: arrays are made from explicit unsigned
 integer bit patterns, and the expected wire payload is those patterns converted to
