@@ -119,6 +119,16 @@ class KeyGate:
             self._tails[key] = done
         return Reservation(unique, tuple(prevs.values()), done)
 
+    def reserve_view(self, keys: Iterable[str]) -> Reservation:
+        """A reservation that only waits: behind the unfinished holders of ``keys``, taking no
+        place in their queues (nothing to release)."""
+        prevs: dict[int, asyncio.Future[None]] = {}
+        for key in dict.fromkeys(keys):
+            tail = self._tails.get(key)
+            if tail is not None and not tail.done():
+                prevs[id(tail)] = tail
+        return Reservation(tuple(keys), tuple(prevs.values()), None)
+
     def idle(self, keys: Iterable[str]) -> bool:
         """No unfinished reservation holds any of ``keys``: work on them done synchronously,
         right now (no ``await`` in between), is ordered after every earlier holder without
@@ -223,6 +233,20 @@ class Offload:
                 )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reopened.wait(), remaining)
+
+    async def settled(self, keys: Iterable[str], timeout_s: float = ADMIT_WAIT_S) -> None:
+        """Wait until no unfinished update holds any of ``keys`` (their values are final):
+        what a decision that reads the values (the range check of half-precision keys)
+        needs. Call in a loop with :meth:`idle` right before deciding (no ``await`` between).
+
+        Raises:
+            WaitTimeout: ``timeout_s`` passed first (DEADLINE_EXCEEDED).
+        """
+        await self.gate.reserve_view(keys).ready(timeout_s)
+
+    def idle(self, keys: Iterable[str]) -> bool:
+        """No unfinished update holds any of ``keys``."""
+        return self.gate.idle(keys)
 
     @property
     def holding_writers(self) -> bool:

@@ -49,6 +49,7 @@ from paramserver.errors import DimensionMismatch, InvalidArgument
 __all__ = [
     "BLOCK_ELEMENTS",
     "FLOAT_DTYPES",
+    "HALF_DTYPES",
     "RULE_KINDS",
     "Array",
     "UpdateRule",
@@ -641,7 +642,9 @@ def _apply_whole(
 
 
 # ------------------------------------------------------------------ storage range (overflow)
-_HALF_STORAGE: Final[tuple[np.dtype[Any], ...]] = FLOAT_DTYPES[:2]
+#: float16 and bfloat16: stored narrower than they are computed (range-checked updates).
+HALF_DTYPES: Final[tuple[np.dtype[Any], ...]] = FLOAT_DTYPES[:2]
+_HALF_STORAGE = HALF_DTYPES
 
 
 def storage_range(dtype: np.dtype[Any]) -> float:

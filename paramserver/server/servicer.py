@@ -42,7 +42,7 @@ from paramserver.server.decompress import Encoded, decode
 from paramserver.server.early_refusal import announce_refusal, drain_request_stream
 from paramserver.server.engine import InflightTicket, ServerEngine
 from paramserver.server.observe import observed_admit, observed_push, observed_snapshot
-from paramserver.server.optimizers import UpdateRule
+from paramserver.server.optimizers import HALF_DTYPES, UpdateRule
 from paramserver.server.session_service import SessionService
 from paramserver.server.table_service import TableRpcs, table_infos
 from paramserver.sharding import shard_map_to_proto
@@ -443,8 +443,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             and offload.worth_a_thread(grads)
             and await offload.all_finite(grads)
         )
-        if offload.holding_writers:  # (a checkpoint may hold decisions back) no await after
-            await offload.admit_writer()
+        # Half-precision keys are range-checked when the push is decided (before it is
+        # logged), which reads their values: wait until no earlier update of them is still
+        # applying. Both waits are re-checked together; no await between them and the decision.
+        ranged = [k for k, g in grads.items() if g.dtype in HALF_DTYPES]
+        while offload.holding_writers or (ranged and not offload.idle(ranged)):
+            if offload.holding_writers:  # (a checkpoint may hold decisions back)
+                await offload.admit_writer()
+            else:
+                await offload.settled(ranged)
         self.engine.check_serving()
         applied: list[asyncio.Future[None]] = []
         seq = 0

@@ -7,6 +7,7 @@ Expected values are closed forms (sgd lr 1 on gradients of ones: ``w == -applied
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 from pathlib import Path
@@ -123,3 +124,48 @@ async def test_a_failed_fsync_stops_mutations_and_pulls_and_turns_health_not_ser
             assert await _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
             # Status still answers (operators need to see why).
             await w.stub.Status(pb.StatusRequest(), timeout=5)
+
+
+async def test_an_overflow_refusal_is_decided_before_the_log_even_behind_a_pending_apply(
+    tmp_path: Path,
+) -> None:
+    """A float16 ``add`` whose result leaves float16's range is refused (ValueOutOfRange) when
+    it is decided, also while an earlier push of the key is still applying in a thread: it is
+    not logged, not counted, its request id not recorded, and the log replays cleanly after a
+    restart. Closed form: only the in-range pushes are in the value."""
+    n = 1 << 16  # 128 KiB of float16: over offload_min_bytes, so applies go to a thread
+    wal_dir = tmp_path / "wal"
+    config = {"consistency": "asp", "wal": True, "wal_dir": wal_dir, "offload_min_bytes": 1024}
+    add = pb.UpdateRule(kind=pb.RULE_KIND_ADD)
+    ok = np.full(n, 30000.0, np.float16)
+    async with running_server(**config) as d:
+        async with grpc.aio.insecure_channel(d.address) as channel:
+            w = ProtoWorker(channel)
+            await w.register()
+            await w.init({"h": np.zeros(n, np.float16)}, add)
+            # The second push is decided while the first may still apply in a thread:
+            # 30000 + 30000 = 60000 fits float16 (max 65504); a third 30000 would not.
+            results = await asyncio.gather(
+                w.push({"h": ok}, request_id=1),
+                w.push({"h": ok}, request_id=2),
+                w.push({"h": ok}, request_id=3),
+                return_exceptions=True,
+            )
+            refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+            assert len(refused) == 1, results
+            _expect = (grpc.StatusCode.INVALID_ARGUMENT, "ValueOutOfRange")
+            assert (refused[0].code(), trailer_class(refused[0])) == _expect
+            refused_rid = 1 + results.index(refused[0])
+            again = await asyncio.gather(
+                w.push({"h": ok}, request_id=refused_rid), return_exceptions=True
+            )
+            assert isinstance(again[0], grpc.aio.AioRpcError)  # refused again, not "duplicate"
+            _, values = await w.pull(["h"], observer=True)
+            np.testing.assert_array_equal(values["h"], np.full(n, 60000.0, np.float16))
+            st = await w.stub.Status(pb.StatusRequest(), timeout=5)
+            assert st.applied_updates == 2
+    # The log holds exactly the two applied pushes and replays into the same state.
+    async with running_server(**config) as d:
+        async with grpc.aio.insecure_channel(d.address) as channel:
+            _, values = await ProtoWorker(channel).pull(["h"], observer=True)
+            np.testing.assert_array_equal(values["h"], np.full(n, 60000.0, np.float16))
