@@ -15,6 +15,9 @@ flag                            environment variable
 ``--layout``                    ``PARAMSERVER_SPMD_LAYOUT``
 ``--timeout-s``                 ``PARAMSERVER_SPMD_TIMEOUT_S``
 ``--metrics-port``              ``PARAMSERVER_SPMD_METRICS_PORT``
+``--metrics-host``              ``PARAMSERVER_SPMD_METRICS_HOST``
+``--metrics-token-file``        ``PARAMSERVER_SPMD_METRICS_TOKEN_FILE``
+``--metrics-tls-cert/-key``     ``PARAMSERVER_SPMD_METRICS_TLS_CERT`` / ``_KEY``
 (test only)                     ``PARAMSERVER_SPMD_FAULTS``
 ==============================  =========================================
 
@@ -122,8 +125,24 @@ def add_subcommands(sub: Any) -> None:
         type=int,
         default=None,
         help="serve Prometheus metrics (/metrics) and the dashboard (/) on this port of "
-        "--host (0 = ephemeral)",
+        "--metrics-host (0 = ephemeral)",
     )
+    rs.add_argument(
+        "--metrics-host",
+        default=None,
+        help="interface of the metrics endpoint (default 127.0.0.1, loopback only; 0.0.0.0 "
+        "exposes it, e.g. to a Prometheus in another container)",
+    )
+    rs.add_argument(
+        "--metrics-token-file",
+        default=None,
+        help="file holding a bearer token every metrics request must present "
+        "(Authorization: Bearer TOKEN; others get 401)",
+    )
+    rs.add_argument(
+        "--metrics-tls-cert", default=None, help="PEM certificate: serve the metrics over HTTPS"
+    )
+    rs.add_argument("--metrics-tls-key", default=None, help="PEM private key of --metrics-tls-cert")
     rs.add_argument(
         "--no-fsync", action="store_true", help="do not fsync objects (faster, not durable)"
     )
@@ -298,6 +317,10 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankSe
         ("object_dir", args.object_dir, "OBJECT_DIR", Path),
         ("default_timeout_s", args.timeout_s, "TIMEOUT_S", float),
         ("metrics_port", args.metrics_port, "METRICS_PORT", int),
+        ("metrics_host", args.metrics_host, "METRICS_HOST", str),
+        ("metrics_token_file", args.metrics_token_file, "METRICS_TOKEN_FILE", str),
+        ("metrics_tls_cert", args.metrics_tls_cert, "METRICS_TLS_CERT", str),
+        ("metrics_tls_key", args.metrics_tls_key, "METRICS_TLS_KEY", str),
         ("max_object_bytes", args.max_object_bytes, "MAX_OBJECT_BYTES", int),
     ):
         value = pick(flag, name, convert)

@@ -66,7 +66,13 @@ from paramserver.errors import (
 from paramserver.keepalive import SERVER_KEEPALIVE_OPTIONS
 from paramserver.security import ClientSecurity, ServerSecurity, bind, open_channel
 from paramserver.server.dashboard import Dashboard
-from paramserver.server.metrics import MetricsServer, auth_refusal_counter, enable_reflection
+from paramserver.server.http_security import DEFAULT_METRICS_HOST
+from paramserver.server.metrics import (
+    MetricsServer,
+    auth_refusal_counter,
+    enable_reflection,
+    metrics_security,
+)
 from paramserver.spmd.errors import (
     BlockNotValid,
     CommandTimeout,
@@ -159,8 +165,12 @@ class RankServerConfig:
             (:class:`paramserver.security.ServerSecurity`); None: plain text, no tokens.
         peer_security: How this rank reaches its peers' rank servers (TLS and the token it
             presents; :func:`paramserver.security.peer_security`); None: plain text, no token.
-        metrics_port: serve Prometheus metrics (:mod:`paramserver.spmd.metrics`) on this TCP
-            port of ``host`` (0: ephemeral); ``None``: no metrics endpoint.
+        metrics_port: serve Prometheus metrics (:mod:`paramserver.spmd.metrics`) and the
+            dashboard on this TCP port of ``metrics_host`` (0: ephemeral); ``None``: none.
+        metrics_host: interface of the metrics endpoint (default loopback, ``127.0.0.1``).
+        metrics_token_file: file with the bearer token every metrics request must present.
+        metrics_tls_cert: PEM certificate to serve the metrics over HTTPS (with the key).
+        metrics_tls_key: PEM private key of ``metrics_tls_cert``.
         max_object_bytes: largest object ``PutObject`` accepts, bytes (larger declared sizes
             are refused, INVALID_ARGUMENT, before a byte is written).
     """
@@ -182,6 +192,10 @@ class RankServerConfig:
     security: ServerSecurity | None = None
     peer_security: ClientSecurity | None = None
     metrics_port: int | None = None
+    metrics_host: str = DEFAULT_METRICS_HOST
+    metrics_token_file: str | None = None
+    metrics_tls_cert: str | None = None
+    metrics_tls_key: str | None = None
     max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES
 
     def __post_init__(self) -> None:
@@ -1510,7 +1524,11 @@ async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
                 "object_store": config.object_dir is not None,
             }
             metrics = MetricsServer(
-                registry, config.host, config.metrics_port, Dashboard("rank", registry, info=info)
+                registry,
+                config.metrics_host,
+                config.metrics_port,
+                Dashboard("rank", registry, info=info),
+                security=metrics_security(config),
             )
             on_refusal = auth_refusal_counter(servicer.metrics.registry)
             # Before the gRPC port: grpc.aio keeps a port bound by a server that never started.

@@ -77,3 +77,39 @@ async def test_metrics_over_tls(tmp_path: Path) -> None:
         loop = asyncio.get_running_loop()
         url = f"https://127.0.0.1:{srv.metrics.port}/metrics"
         assert await loop.run_in_executor(None, _get, url, None, ctx) == 200
+
+
+async def test_a_rank_servers_metrics_default_to_loopback_and_take_a_token(tmp_path: Path) -> None:
+    """The rank server's endpoint follows the same rules: loopback unless ``--metrics-host``
+    says otherwise (also with ``--host 0.0.0.0``), and a bearer token on every path."""
+    from paramserver.spmd.layout import Layout
+    from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
+
+    token_file = tmp_path / "metrics-token"
+    token_file.write_text(TOKEN + "\n")
+    config = RankServerConfig(
+        instance_id="m",
+        rank=0,
+        host="0.0.0.0",
+        port=0,
+        layout=Layout(num_blocks=0, num_layers=1, outer_dim=1, page_size=4, inner_dim=8),
+        host_blocks=2,
+        disk_blocks=2,
+        disk_dir=tmp_path / "disk",
+        object_dir=None,
+        metrics_port=0,
+        metrics_token_file=str(token_file),
+    )
+    assert RankServerConfig(instance_id="d", rank=0).metrics_host == "127.0.0.1"
+    handle = await start_rank_server(config)
+    try:
+        assert handle.metrics is not None and handle.metrics._server is not None
+        bound = {sock.getsockname()[0] for sock in handle.metrics._server.sockets}
+        assert bound == {"127.0.0.1"}
+        base = f"http://127.0.0.1:{handle.metrics.port}"
+        loop = asyncio.get_running_loop()
+        for path in ("/metrics", "/"):
+            assert await loop.run_in_executor(None, _get, base + path) == 401
+        assert await loop.run_in_executor(None, _get, base + "/metrics", TOKEN) == 200
+    finally:
+        await handle.stop(0)
