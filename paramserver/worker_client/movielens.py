@@ -245,10 +245,17 @@ def add_flags(d: Any) -> None:
     """Flags of the movielens demo (on ``paramserver demo``)."""
     g = d.add_argument_group("--model movielens")
     g.add_argument("--factors", type=int, default=16, help="latent factors k (default 16)")
-    g.add_argument("--reg", type=float, default=0.05, help="L2 weight of the factors")
-    g.add_argument("--limit", type=int, help="use only the first N ratings (short runs)")
     g.add_argument(
-        "--rmse-tolerance", type=float, default=0.01, help="relative RMSE gap allowed (0.01)"
+        "--reg", type=float, default=0.05, help="L2 weight of the factors (default 0.05)"
+    )
+    g.add_argument(
+        "--limit", type=int, help="use only the first N ratings, for short runs (default: all)"
+    )
+    g.add_argument(
+        "--rmse-tolerance",
+        type=float,
+        default=0.01,
+        help="relative RMSE gap allowed (default 0.01)",
     )
 
 

@@ -874,7 +874,7 @@ def add_subcommands(sub: Any) -> None:
         default="digits",
         help="digits (an MLP on scikit-learn's digits) or movielens (biased matrix "
         "factorization on real MovieLens ratings with user and movie embedding tables on the "
-        "server; needs paramserver[recsys]; see docs/embedding-tables.md)",
+        "server; needs paramserver[recsys]; see docs/embedding-tables.md; default digits)",
     )
     from paramserver.worker_client.movielens import add_flags as _movielens_flags
 
