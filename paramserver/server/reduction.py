@@ -62,6 +62,7 @@ from paramserver.errors import (
     WaitTimeout,
     WorkerNotFound,
 )
+from paramserver.security import check_worker_identity
 from paramserver.server.aggregation import (
     AggregatedGradient,
     Asynchronous,
@@ -734,6 +735,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
     async def Register(
         self, request: pb.ReductionRegisterRequest, context: Any
     ) -> pb.ReductionRegisterResponse:
+        check_worker_identity(request.worker_name)  # (per-worker tokens: docs/security.md)
         reg = self.coordinator.register(
             request.worker_name,
             self.engine.now(),
@@ -750,6 +752,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
     async def Heartbeat(
         self, request: pb.ReductionHeartbeatRequest, context: Any
     ) -> pb.ReductionHeartbeatResponse:
+        check_worker_identity(request.worker_id)
         self.coordinator.heartbeat(request.worker_id, self.engine.now())
         return pb.ReductionHeartbeatResponse(
             lease_ms=self.engine.config.lease_ms, view=self._view()
@@ -759,6 +762,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
     async def Leave(
         self, request: pb.ReductionLeaveRequest, context: Any
     ) -> pb.ReductionLeaveResponse:
+        check_worker_identity(request.worker_id)
         self.coordinator.leave(request.worker_id)
         self.engine.notify()
         return pb.ReductionLeaveResponse(view=self._view())
@@ -771,6 +775,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
         header, gradients = await _read_reduce(request_iterator, config.max_tensor_bytes)
         if not header.worker_id:
             raise InvalidArgument("reduce header needs a worker_id")
+        check_worker_identity(header.worker_id)
         ticket = self.coordinator.submit(
             header.worker_id,
             int(header.step),
@@ -804,6 +809,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
 
     @grpc_errors
     async def Peers(self, request: pb.PeersRequest, context: Any) -> pb.PeersResponse:
+        check_worker_identity(request.worker_id)
         peers = self.coordinator.peers(request.worker_id, self.engine.now())
         strategy = self.coordinator.strategy
         return pb.PeersResponse(

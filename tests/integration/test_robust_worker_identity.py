@@ -94,3 +94,44 @@ async def test_a_role_only_token_may_act_as_any_worker(tmp_path: Path) -> None:
         for name in ("alice", "carol"):
             async with connect(f"127.0.0.1:{srv.port}", name, security=anyone) as ps:
                 await ps.heartbeat()
+
+
+async def test_the_reduction_server_enforces_the_binding_too(tmp_path: Path) -> None:
+    """``serve --mode reduce``: a token bound to alice registers, heartbeats and leaves only as
+    alice (the parameter server's rule on the reduction service's calls)."""
+    from paramserver.api.v1 import reduction_pb2 as rpb
+    from paramserver.api.v1 import reduction_pb2_grpc as rpb_grpc
+
+    path, tok = _tokens(tmp_path)
+    async with running_server(mode="reduce", auth_tokens=path, lease_ms=60_000) as srv:
+        address = f"127.0.0.1:{srv.port}"
+        alice = open_channel(address, ClientSecurity(token=tok["alice"]))
+        bob = open_channel(address, ClientSecurity(token=tok["bob"]))
+        try:
+            as_alice, as_bob = (
+                rpb_grpc.ReductionServiceStub(alice),
+                rpb_grpc.ReductionServiceStub(bob),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await as_alice.Register(rpb.ReductionRegisterRequest(worker_name="bob"), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            a = await as_alice.Register(
+                rpb.ReductionRegisterRequest(worker_name="alice"), timeout=10
+            )
+            b = await as_bob.Register(rpb.ReductionRegisterRequest(worker_name="bob"), timeout=10)
+            for call in (
+                as_alice.Heartbeat(
+                    rpb.ReductionHeartbeatRequest(worker_id=b.worker_id), timeout=10
+                ),
+                as_alice.Leave(rpb.ReductionLeaveRequest(worker_id=b.worker_id), timeout=10),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            await as_alice.Heartbeat(
+                rpb.ReductionHeartbeatRequest(worker_id=a.worker_id), timeout=10
+            )
+            await as_bob.Leave(rpb.ReductionLeaveRequest(worker_id=b.worker_id), timeout=10)
+        finally:
+            await alice.close()
+            await bob.close()
