@@ -108,6 +108,8 @@ class FastPath:
         #: The server has no Session RPC (an older server): every call uses the streams.
         self.disabled = False
         self.max_inline_bytes = MAX_INLINE_BYTES
+        #: The server takes pushed shared-memory gradients as one SlotBatch (its open said so).
+        self.slot_batches = False
         self.sessions_opened = 0
         self.offers_accepted = 0
         self._lock = asyncio.Lock()
@@ -203,7 +205,9 @@ class FastPath:
         try:
             resp = await self._roundtrip(
                 pb.SessionRequest(
-                    open=pb.SessionOpen(worker_id=worker_id, want_local_link=want_link)
+                    open=pb.SessionOpen(
+                        worker_id=worker_id, want_local_link=want_link, slot_batches=True
+                    )
                 )
             )
         except grpc.aio.AioRpcError as err:
@@ -216,6 +220,7 @@ class FastPath:
             self._drop()
             raise MalformedStream("session stream did not answer open with opened")
         self.max_inline_bytes = resp.opened.max_inline_bytes or MAX_INLINE_BYTES
+        self.slot_batches = resp.opened.slot_batches
         self.sessions_opened += 1
         if want_link and resp.opened.HasField("local_link"):
             await self._move_to_local_link(resp.opened.local_link, worker_id)
@@ -239,7 +244,9 @@ class FastPath:
             await link.write(
                 pb.SessionRequest(
                     seq=self._seq,
-                    open=pb.SessionOpen(worker_id=worker_id, local_ticket=offer.ticket),
+                    open=pb.SessionOpen(
+                        worker_id=worker_id, local_ticket=offer.ticket, slot_batches=True
+                    ),
                 )
             )
             answer = await asyncio.wait_for(link.read(), _LINK_CONNECT_TIMEOUT_S)
@@ -317,17 +324,41 @@ class FastPath:
             seg = self._segment
             assert seg is not None
             offset = 0
+            view = seg.push.view
+            if self.slot_batches:  # one header for every key: packed arrays
+                dtypes: list[int] = []
+                ndims: list[int] = []
+                dims: list[int] = []
+                offsets: list[int] = []
+                to_wire = tensor.dtype_to_wire
+                for arr in arrays.values():
+                    size = arr.nbytes
+                    shape = arr.shape
+                    np.copyto(view(offset, size, arr.dtype, shape), arr)
+                    dtypes.append(to_wire(arr.dtype))
+                    ndims.append(len(shape))
+                    dims.extend(shape)
+                    offsets.append(offset)
+                    offset = shm.align_up(offset + size)
+                batch = msg.slots
+                batch.keys.extend(arrays)
+                batch.dtypes.extend(dtypes)
+                batch.ndims.extend(ndims)
+                batch.dims.extend(dims)
+                batch.offsets.extend(offsets)
+                self.known_nbytes.update(sizes)
+                return
+            add = msg.tensors.add  # (fields set in place: no per-key message objects)
             for key, arr in arrays.items():
-                np.copyto(seg.push.view(offset, arr.nbytes, arr.dtype, arr.shape), arr)
-                msg.tensors.append(
-                    pb.SessionTensor(
-                        key=key,
-                        dtype=tensor.dtype_to_wire(arr.dtype),
-                        shape=arr.shape,
-                        slot=pb.ShmSlot(offset_bytes=offset, size_bytes=arr.nbytes),
-                    )
+                size = arr.nbytes
+                np.copyto(view(offset, size, arr.dtype, arr.shape), arr)
+                add(
+                    key=key,
+                    dtype=tensor.dtype_to_wire(arr.dtype),
+                    shape=arr.shape,
+                    slot={"offset_bytes": offset, "size_bytes": size},
                 )
-                offset = shm.align_up(offset + arr.nbytes)
+                offset = shm.align_up(offset + size)
         elif total <= self.max_inline_bytes:
             add = msg.tensors.add
             for key, arr in arrays.items():
@@ -343,6 +374,8 @@ class FastPath:
 
     def _decode(self, pulled: pb.SessionPulled, copy: bool) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
+        if pulled.HasField("slots"):
+            self._decode_slots(pulled.slots, copy, out)
         for t in pulled.tensors:
             key = t.key
             dtype = tensor.dtype_from_wire(t.dtype, key)
@@ -367,6 +400,37 @@ class FastPath:
             out[key] = arr
             self.known_nbytes[key] = arr.nbytes
         return out
+
+    def _decode_slots(self, batch: pb.SlotBatch, copy: bool, out: dict[str, np.ndarray]) -> None:
+        """The values of a pulled :class:`SlotBatch` (pull-region slots), into ``out``."""
+        keys = list(batch.keys)
+        dtypes = list(batch.dtypes)
+        ndims = list(batch.ndims)
+        dims = list(batch.dims)
+        offsets = list(batch.offsets)
+        if not (len(dtypes) == len(ndims) == len(offsets) == len(keys)) or sum(ndims) != len(dims):
+            raise MalformedStream("pulled SlotBatch arrays disagree in length")
+        if keys and self._segment is None:
+            raise MalformedStream(f"tensor {keys[0]!r} in shared memory, but none is mapped")
+        region = self._segment.pull if self._segment is not None else None
+        buffers = self.pull_buffers
+        known = self.known_nbytes
+        pos = 0
+        for key, wire_dtype, nd, offset in zip(keys, dtypes, ndims, offsets, strict=True):
+            dtype = tensor.dtype_from_wire(wire_dtype, key)
+            shape = tuple(dims[pos : pos + nd])
+            pos += nd
+            nbytes = tensor.tensor_nbytes(shape, dtype)
+            assert region is not None
+            view = region.view(offset, nbytes, dtype, shape)
+            if copy:
+                arr = buffers.empty(key, dtype, shape)
+                np.copyto(arr, view, casting="no")
+                buffers.keep(key, arr)
+            else:
+                arr = view
+            out[key] = arr
+            known[key] = nbytes
 
     def _pull_bytes(self, keys: list[str]) -> int | None:
         """Bytes the pull of ``keys`` needs in the pull region, when every size is known."""
