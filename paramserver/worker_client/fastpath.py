@@ -52,6 +52,11 @@ _REGION_STEP_BYTES = 1 << 20
 _LINK_CONNECT_TIMEOUT_S = 2.0
 
 
+#: The pull-buffer slot of many-key pulls' shared buffer (not a valid key: keys are non-empty
+#: and this one holds a NUL, which no caller's key reaches through this client).
+_ARENA_KEY = "\x00many-key pull"
+
+
 class Fallback(Exception):
     """This request cannot go over the Session stream (too large without shared memory, or the
     server has no Session RPC); the caller uses the Push/Pull streams instead."""
@@ -415,6 +420,10 @@ class FastPath:
         region = self._segment.pull if self._segment is not None else None
         buffers = self.pull_buffers
         known = self.known_nbytes
+        if copy and len(keys) > 1:
+            assert region is not None
+            if self._decode_arena(region, keys, dtypes, ndims, dims, offsets, out):
+                return
         pos = 0
         for key, wire_dtype, nd, offset in zip(keys, dtypes, ndims, offsets, strict=True):
             dtype = tensor.dtype_from_wire(wire_dtype, key)
@@ -431,6 +440,51 @@ class FastPath:
                 arr = view
             out[key] = arr
             known[key] = nbytes
+
+    def _decode_arena(
+        self,
+        region: shm.Region,
+        keys: list[str],
+        dtypes: list[int],
+        ndims: list[int],
+        dims: list[int],
+        offsets: list[int],
+        out: dict[str, np.ndarray],
+    ) -> bool:
+        """Copy the values of many keys out of the pull region in one pass into one private
+        buffer (reused once nothing refers to any of its values) and return views of it.
+
+        One contiguous copy instead of one per key: separately allocated destinations cost
+        up to ~1.7x the copy of the same bytes (measured with ResNet-50's 161 tensors), and
+        small ones fresh pages each pull. Any value the caller keeps keeps the whole buffer.
+        False (nothing done) when the slots are not laid out in order without overlap.
+        """
+        metas = []
+        pos = 0
+        prev_end = offsets[0]
+        start = offsets[0]
+        payload = 0
+        for key, wire_dtype, nd, offset in zip(keys, dtypes, ndims, offsets, strict=True):
+            dtype = tensor.dtype_from_wire(wire_dtype, key)
+            shape = tuple(dims[pos : pos + nd])
+            pos += nd
+            nbytes = tensor.tensor_nbytes(shape, dtype)
+            if offset < prev_end:
+                return False
+            prev_end = offset + nbytes
+            payload += nbytes
+            metas.append((key, dtype, shape, offset - start, nbytes))
+        span = prev_end - start
+        if span > 2 * payload + (len(keys) << 16):  # (padding only: else per key)
+            return False
+        arena = self.pull_buffers.empty(_ARENA_KEY, np.dtype(np.uint8), (span,))
+        np.copyto(arena, region.view(start, span, np.dtype(np.uint8), (span,)), casting="no")
+        self.pull_buffers.keep(_ARENA_KEY, arena)
+        known = self.known_nbytes
+        for key, dtype, shape, rel, nbytes in metas:
+            out[key] = arena[rel : rel + nbytes].view(dtype).reshape(shape)
+            known[key] = nbytes
+        return True
 
     def _pull_bytes(self, keys: list[str]) -> int | None:
         """Bytes the pull of ``keys`` needs in the pull region, when every size is known."""

@@ -836,3 +836,32 @@ async def test_client_batches_many_keys_through_shared_memory() -> None:
                 for k in keys:
                     np.testing.assert_array_equal(out[k], grads[k] + grads[k])
                     assert out[k].shape == grads[k].shape and out[k].flags.writeable
+
+
+async def test_many_key_pull_results_held_by_the_caller_are_never_overwritten() -> None:
+    # A many-key pull lands in one private buffer: a result the caller still holds (any one of
+    # its values) keeps its values through later pulls; once all are dropped it is reused.
+    shapes = [(4, 5), (1 << 18,), (3,)]  # over 1 MiB in all: the buffer is kept for reuse
+    keys = [f"k{i}" for i in range(len(shapes))]
+    async with running_server(consistency="asp") as daemon:
+        async with _client(daemon, "w0") as ps:
+            zeros = {k: np.zeros(s, np.float32) for k, s in zip(keys, shapes, strict=True)}
+            await ps.init(zeros, rule=ADD)
+            rng = np.random.default_rng(5)
+            want = {k: v.copy() for k, v in zeros.items()}
+            held: list[tuple[np.ndarray, np.ndarray]] = []
+            for round_ in range(4):
+                g = {
+                    k: rng.standard_normal(s).astype(np.float32)
+                    for k, s in zip(keys, shapes, strict=True)
+                }
+                want = {k: want[k] + g[k] for k in keys}
+                got = await ps.push_pull(g)
+                for k in keys:
+                    np.testing.assert_array_equal(got[k], want[k])
+                if round_ == 1:
+                    held.append((got["k2"], want["k2"].copy()))  # one small value kept
+                del got
+            kept, its_values = held[0]
+            np.testing.assert_array_equal(kept, its_values)  # untouched by rounds 2 and 3
+            assert ps.pull_buffers.reused >= 1  # a dropped round's buffer served a later one
