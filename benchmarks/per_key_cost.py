@@ -138,6 +138,8 @@ def main() -> int:
     parser.add_argument("--paths", default="shm,net", help="comma-separated subset of shm,net")
     parser.add_argument("--model", choices=models.MODELS, help="that model's shapes as the keys")
     args = parser.parse_args()
+    if benchlib.quick_from_env():  # make bench's smoke run
+        args.rounds, args.repeats = min(args.rounds, 10), min(args.repeats, 3)
     if args.keys < 2:
         parser.error("--keys must be at least 2")
     if args.model:

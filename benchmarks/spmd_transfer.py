@@ -81,6 +81,8 @@ def main() -> int:
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     parser.add_argument("--phase-s", type=float, default=1.0, help="raw echo phase length (s)")
     args = parser.parse_args()
+    if benchlib.quick_from_env():  # make bench's smoke run
+        args.mib_per_rank, args.phase_s = min(args.mib_per_rank, 8), min(args.phase_s, 0.25)
     nbytes = args.mib_per_rank << 20
     memcpy = _memcpy_gb_s(nbytes)
     benchlib.emit({"bench": "spmd_transfer", "machine": benchlib.machine_info()})
