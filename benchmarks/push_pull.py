@@ -39,10 +39,25 @@ skipped, with the reason, in its JSON line):
   of any asyncio request/reply design on this host), ``memcpy``: the ceilings
   (``benchlib/ceilings.py``).
 
+``--model resnet50|resnet18|bert-base`` (comma-separated for several) runs the workload of a real
+model instead: one float32 key per parameter tensor of that architecture (shapes written out in
+``benchlib/models.py``, their count and total checked against the documented figures), every key
+pushed and pulled in one ``push_pull`` per round (Ray: one ``apply_gradient_list`` call with the
+list of arrays; torch.rpc: one ``rpc_sync`` with the list of tensors; the fused one-call
+patterns). Each system of each model config also runs the same bytes as *one* tensor (``layout``
+``flat``) right after it, so the per-key cost reads off directly::
+
+    us_per_key = (s_per_round[model] - s_per_round[flat]) / (keys - 1)
+
+The ceilings (``grpc_raw*``, ``memcpy``...) run the flat bytes only. The model default systems
+are ``paramserver``, ``paramserver-net``, ``ray``, ``torch_rpc``, ``grpc_raw``,
+``grpc_raw_session`` and ``memcpy``.
+
 ``--profile-server DIR`` samples the paramserver server with py-spy during each config and writes
 a collapsed-stack file plus a summary of the hottest functions.
 
-Usage: ``python benchmarks/push_pull.py [--quick] [--systems paramserver,ray] [--sizes 1000]``.
+Usage: ``python benchmarks/push_pull.py [--quick] [--systems paramserver,ray] [--sizes 1000]``,
+``python benchmarks/push_pull.py --model resnet50 --workers 1,2``.
 Everything runs on 127.0.0.1.
 """
 
@@ -64,7 +79,8 @@ from typing import Any
 
 import benchlib
 import numpy as np
-from benchlib import profile
+from benchlib import models, profile
+from benchlib.ps_worker import keys_for
 
 SYSTEMS = (
     "paramserver",
@@ -83,6 +99,17 @@ SYSTEMS = (
 )
 RAW_GRPC = ("grpc_raw", "grpc_raw_unary", "grpc_raw_session")
 PEERS = ("ray", "torch_rpc")
+MODEL_SYSTEMS = (
+    "paramserver",
+    "paramserver-net",
+    "ray",
+    "torch_rpc",
+    "grpc_raw",
+    "grpc_raw_session",
+    "memcpy",
+)
+#: Systems that hold keys (run in both layouts of a model config); the rest move bytes only.
+KEYED = ("paramserver", "paramserver-view", "paramserver-grpc", "paramserver-net", *PEERS)
 LR = 2.0**-10
 DEFAULT_SIZES = (1_000, 1_000_000, 16_000_000)
 QUICK_SIZES = (1_000, 1_000_000)
@@ -96,17 +123,32 @@ def _record(system: str, n: int, workers: int) -> dict[str, Any]:
     return {"bench": "push_pull", "system": system, "n": n, "workers": workers}
 
 
+def _layout(args: argparse.Namespace) -> dict[str, Any]:
+    """``{"model", "layout", "keys"}`` of the running child (empty for a plain size run)."""
+    if not getattr(args, "model", None):
+        return {}
+    keys = len(args.shapes) if args.shapes else 1
+    return {"model": args.model[0], "layout": args.layout, "keys": keys}
+
+
 def _configs(args: argparse.Namespace) -> list[tuple[int, int]]:
     return [(n, w) for n in args.sizes for w in args.workers]
 
 
 def _result_record(
-    system: str, n: int, workers: int, result: dict[str, Any], extra: dict[str, Any]
+    system: str,
+    n: int,
+    workers: int,
+    result: dict[str, Any],
+    extra: dict[str, Any],
+    layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    layout = layout or {}
     rec = _record(system, n, workers)
     rec.update(benchlib.rates(n, workers, result["rounds_per_phase"], result["median_s"]))
     rec.update(result)
     rec.update(extra)
+    rec.update(layout)
     return rec
 
 
@@ -126,15 +168,24 @@ def _run_paramserver(args: argparse.Namespace, system: str = "paramserver") -> N
                 "shared_memory": not network_only,
                 "copy": system != "paramserver-view",
                 "local_link": system != "paramserver-grpc",
+                "shapes": args.shapes,
             }
             with benchlib.WorkerPool("benchlib.ps_worker:push_pull", cfg, workers) as pool:
                 result = benchlib.measure(pool.phase, n_elements=n, target_s=args.phase_s)
                 reports = pool.finish()
             profile = _stop_profiler(profiler)
-            status, values = benchlib.observer_read(server.address, ["w"])
+            keys = keys_for(args.shapes)
+            status, values = benchlib.observer_read(server.address, keys)
             pushes = sum(r["pushes"] for r in reports)
-            value_exact = bool(np.all(values["w"] == np.float32(-LR * pushes)))
-            key_updates = status.keys[0].updates if status.keys else -1
+            want = np.float32(-LR * pushes)
+            value_exact = len(values) == len(keys) and all(
+                bool(np.all(values[k] == want)) for k in keys
+            )
+            # Every key updated once per push (the minimum over keys; -1 if a key is missing).
+            per_key = {k.key: k.updates for k in status.keys}
+            key_updates = min((per_key.get(k, -1) for k in keys), default=-1)
+            if max((per_key.get(k, -1) for k in keys), default=-1) != key_updates:
+                key_updates = -1
             extra = {
                 "pushes": pushes,
                 "applied_updates": status.applied_updates,
@@ -152,7 +203,7 @@ def _run_paramserver(args: argparse.Namespace, system: str = "paramserver") -> N
             }
             if profile:
                 extra["profile"] = profile
-        benchlib.emit(_result_record(system, n, workers, result, extra))
+        benchlib.emit(_result_record(system, n, workers, result, extra, _layout(args)))
 
 
 def _paths(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -248,7 +299,7 @@ def _run_ceiling(system: str, args: argparse.Namespace) -> None:
                 extra["pattern"] = "uvloop Protocol echo of one framed message, Unix socket"
             else:
                 extra["pattern"] = "two np.copyto of N*4 bytes per round"
-            benchlib.emit(_result_record(system, n, workers, result, extra))
+            benchlib.emit(_result_record(system, n, workers, result, extra, _layout(args)))
     finally:
         if proc is not None:
             proc.terminate()
@@ -268,10 +319,14 @@ def _run_ray(args: argparse.Namespace) -> None:
     def report(n: int, workers: int, result: dict[str, Any], check: dict[str, Any]) -> None:
         extra = dict(check)
         extra["verified"] = check["applied_updates"] == check["pushes"] and check["value_exact"]
-        extra["pattern"] = "apply_gradients returns weights: 1 call/round"
-        benchlib.emit(_result_record("ray", n, workers, result, extra))
+        extra["pattern"] = (
+            "apply_gradient_list(grads) returns the weights list: 1 call/round"
+            if args.shapes
+            else "apply_gradients returns weights: 1 call/round"
+        )
+        benchlib.emit(_result_record("ray", n, workers, result, extra, _layout(args)))
 
-    ray_ps.run(_configs(args), LR, benchlib.measure, report, args.phase_s)
+    ray_ps.run(_configs(args), LR, benchlib.measure, report, args.phase_s, args.shapes)
 
 
 def _run_torch(args: argparse.Namespace) -> None:
@@ -282,7 +337,7 @@ def _run_torch(args: argparse.Namespace) -> None:
         for n, w in _configs(args):
             benchlib.emit({**_record("torch_rpc", n, w), "skipped": "torch built without rpc"})
         return
-    torch_rpc_ps.run(_configs(args), LR, args.phase_s)
+    torch_rpc_ps.run(_configs(args), LR, args.phase_s, args.shapes, _layout(args))
 
 
 def run_system(system: str, args: argparse.Namespace) -> None:
@@ -294,7 +349,7 @@ def run_system(system: str, args: argparse.Namespace) -> None:
     }.get(system)
     if missing:
         for n, w in _configs(args):
-            benchlib.emit({**_record(system, n, w), "skipped": missing})
+            benchlib.emit({**_record(system, n, w), **_layout(args), "skipped": missing})
         return
     if system in ("paramserver", "paramserver-view", "paramserver-grpc", "paramserver-net"):
         _run_paramserver(args, system)
@@ -307,8 +362,12 @@ def run_system(system: str, args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------- orchestration
-def _child_argv(system: str, configs: list[tuple[int, int]], args: argparse.Namespace) -> list[str]:
+def _child_argv(
+    system: str, configs: list[tuple[int, int]], args: argparse.Namespace, layout: str = ""
+) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--system", system]
+    if args.model:
+        argv += ["--model", args.model[0], "--layout", layout or "flat"]
     argv += ["--sizes", ",".join(str(n) for n in sorted({n for n, _ in configs}))]
     argv += ["--workers", ",".join(str(w) for w in sorted({w for _, w in configs}))]
     argv += ["--phase-s", str(args.phase_s)]
@@ -320,12 +379,12 @@ def _child_argv(system: str, configs: list[tuple[int, int]], args: argparse.Name
 
 
 def _run_child(
-    system: str, configs: list[tuple[int, int]], args: argparse.Namespace
+    system: str, configs: list[tuple[int, int]], args: argparse.Namespace, layout: str = ""
 ) -> list[dict[str, Any]]:
     """Measure ``configs`` of one system in a fresh subprocess; returns (and echoes) its lines."""
     records: list[dict[str, Any]] = []
     proc = subprocess.Popen(
-        _child_argv(system, configs, args),
+        _child_argv(system, configs, args, layout),
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,  # so a timeout can kill its whole process group
@@ -366,6 +425,8 @@ def _run_child(
     for n, w in configs:
         if (n, w) not in done:
             rec = {**_record(system, n, w), "error": f"no result (exit code {proc.returncode})"}
+            if args.model:
+                rec.update(model=args.model[0], layout=layout or "flat")
             records.append(rec)
             benchlib.emit(rec)
     return records
@@ -474,6 +535,96 @@ def _met(ratio: float | None, target: float) -> str:
     return "yes" if ratio >= target else "NO"
 
 
+def _s_per_round(rec: dict[str, Any] | None) -> float | None:
+    """Seconds one worker spends per round (the median phase over its rounds)."""
+    if not rec or "median_s" not in rec:
+        return None
+    return float(rec["median_s"]) / float(rec["rounds_per_phase"])
+
+
+def summarize_model(records: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Per-key cost and ratios of one model run: each keyed system, model layout against flat."""
+    model = args.model[0]
+    keys = len(models.shapes(model))
+    by = {(r["system"], r.get("layout", "flat"), r["workers"]): r for r in records}
+    rows = []
+    for n, w in _configs(args):
+        for system in args.systems:
+            if system not in KEYED:
+                continue
+            t_model = _s_per_round(by.get((system, "model", w)))
+            t_flat = _s_per_round(by.get((system, "flat", w)))
+            us_key = (t_model - t_flat) / (keys - 1) * 1e6 if t_model and t_flat else None
+            rec = by.get((system, "model", w), {})
+            line = {
+                "bench": "push_pull",
+                "summary": "per_key",
+                "model": model,
+                "keys": keys,
+                "n": n,
+                "workers": w,
+                "system": system,
+                "s_per_round_model": t_model,
+                "s_per_round_flat": t_flat,
+                "flat_over_model": _ratio(t_model, t_flat),
+                "us_per_key": us_key,
+                "verified": rec.get("verified"),
+            }
+            benchlib.emit(line)
+            rows.append([system, w, t_model, t_flat, line["flat_over_model"], us_key])
+    benchlib.print_table(
+        f"push_pull --model {model}: {keys} keys, {models.EXPECTED[model][1]:,} float32 "
+        "parameters; s/round per worker; us/key = (model - flat) / (keys - 1)",
+        ["system", "W", "s/round model", "s/round flat", "model/flat time", "us/key"],
+        rows,
+    )
+    rows = []
+    for _n, w in _configs(args):
+        ps = _value_l(by, ("paramserver", "model", w))
+        peers = [v for p in PEERS for lay in ("model", "flat") if (v := _value_l(by, (p, lay, w)))]
+        peers_model = [v for p in PEERS if (v := _value_l(by, (p, "model", w)))]
+        net = _value_l(by, ("paramserver-net", "model", w), "payload_gb_s")
+        raw = [
+            v for r in RAW_GRPC if (v := _value_l(by, (r, "flat", w), "payload_gb_s")) is not None
+        ]
+        rows.append(
+            [
+                w,
+                _ratio(ps, max(peers_model) if peers_model else None),
+                _ratio(ps, max(peers) if peers else None),
+                _met(_ratio(ps, max(peers) if peers else None), 2.0),
+                _ratio(net, max(raw) if raw else None),
+                _met(_ratio(net, max(raw) if raw else None), 0.8),
+            ]
+        )
+    benchlib.print_table(
+        f"push_pull --model {model}: paramserver against the targets (rounds/s; best peer of "
+        "either layout; raw gRPC = best of grpc_raw* moving the same bytes)",
+        ["W", "ps/best peer (model)", "ps/best peer (any)", ">= 2x", "net/raw grpc", ">= 0.8x"],
+        rows,
+    )
+
+
+def _value_l(
+    by: dict[tuple[str, str, int], dict[str, Any]],
+    key: tuple[str, str, int],
+    field: str = "rounds_per_s",
+) -> float | None:
+    rec = by.get(key)
+    return float(rec[field]) if rec and field in rec else None
+
+
+def _run_model(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every system of one model, config by config; keyed systems in both layouts."""
+    records: list[dict[str, Any]] = []
+    for config in _configs(args):
+        for system in args.systems:
+            for layout in ("model", "flat") if system in KEYED else ("flat",):
+                records += _run_child(system, [config], args, layout)
+    summarize_model(records, args)
+    return records
+
+
 def _parse_ints(text: str) -> list[int]:
     return [int(float(t)) for t in text.split(",") if t.strip()]
 
@@ -493,21 +644,44 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile-server", metavar="DIR", help="py-spy the paramserver server")
     parser.add_argument("--profile-native", action="store_true", help="py-spy --native")
+    parser.add_argument(
+        "--model",
+        help=f"real-model workload, comma-separated subset of {','.join(models.MODELS)}",
+    )
     parser.add_argument("--system", help=argparse.SUPPRESS)  # internal: one system, one process
+    parser.add_argument("--layout", choices=("model", "flat"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.model = args.model.split(",") if args.model else []
+    unknown_models = set(args.model) - set(models.MODELS)
+    if unknown_models:
+        parser.error(f"unknown models {sorted(unknown_models)}; choose from {models.MODELS}")
+    args.shapes = None
     quick = args.quick or benchlib.quick_from_env()
     args.sizes = args.sizes or list(QUICK_SIZES if quick else DEFAULT_SIZES)
     args.workers = args.workers or list(DEFAULT_WORKERS)
     args.phase_s = args.phase_s or (QUICK_PHASE_S if quick else DEFAULT_PHASE_S)
-    args.systems = args.systems.split(",") if args.systems else list(SYSTEMS)
+    default_systems = MODEL_SYSTEMS if args.model else SYSTEMS
+    args.systems = args.systems.split(",") if args.systems else list(default_systems)
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     if args.system:
+        if args.model:
+            shapes = models.shapes(args.model[0])
+            args.sizes = [sum(models.numel(s) for s in shapes)]
+            args.shapes = [list(s) for s in shapes] if args.layout == "model" else None
         run_system(args.system, args)
         return 0
     benchlib.emit({"bench": "push_pull", "machine": benchlib.machine_info(), "lr": LR})
     records: list[dict[str, Any]] = []
+    if args.model:
+        for model in args.model:
+            sub = argparse.Namespace(**vars(args))
+            sub.model = [model]
+            sub.sizes = [sum(models.numel(s) for s in models.shapes(model))]
+            records += _run_model(sub)
+        failed = [r for r in records if "error" in r or r.get("verified") is False]
+        return 1 if failed else 0
     if args.interleave:
         # One config at a time across all systems: on a shared, noisy host the ratios within
         # a config are then measured minutes apart at most.

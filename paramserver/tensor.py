@@ -111,6 +111,13 @@ def _lookup_wire(dtype: np.dtype[Any]) -> tensor_pb2.DType | None:
         return None
 
 
+#: Supported dtypes :func:`normalize` returns a C-contiguous array of as is (little-endian or
+#: byte-less): a caller may skip normalising such an array.
+WIRE_READY_DTYPES: frozenset[np.dtype[Any]] = frozenset(
+    dt for dt in _TO_WIRE if not _is_big_endian(dt)
+)
+
+
 def dtype_to_wire(dtype: npt.DTypeLike) -> int:
     """Map a numpy dtype to its ``tensor_pb2.DType`` wire value.
 

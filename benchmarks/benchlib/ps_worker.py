@@ -3,6 +3,8 @@
 ``push_pull``: each round pushes a gradient of ones (float32, N elements) and pulls the whole
 tensor back in one round trip (:meth:`WorkerClient.push_pull`; ASP, the server applies
 ``w -= lr * g`` on every push). ``cfg["shared_memory"]`` False forces the network path.
+``cfg["shapes"]`` (a list of shapes) holds one key per shape instead (:func:`keys_for`), all
+pushed and pulled in one ``push_pull`` per round, as a training step of a real model does.
 
 ``bsp_step``: each round is one BSP/SSP iteration: pull (waits as the model requires), a
 simulated compute of ``compute_s`` (``slow_factor`` times longer on the straggler ranks), push,
@@ -22,6 +24,11 @@ from paramserver.worker_client.client import WorkerClient
 KEY = "w"
 
 
+def keys_for(shapes: list[tuple[int, ...]] | None) -> list[str]:
+    """The key of each shape (``["w"]`` for the single tensor)."""
+    return [KEY] if not shapes else [f"p{i:03d}" for i in range(len(shapes))]
+
+
 class _Base:
     def __init__(self, rank: int, cfg: dict[str, Any]) -> None:
         self.rank = rank
@@ -36,7 +43,11 @@ class _Base:
             shared_memory=bool(cfg.get("shared_memory", True)),
             local_link=bool(cfg.get("local_link", True)),
         )
-        self.grad = np.ones(self.n, dtype=np.float32)
+        shapes = [tuple(s) for s in cfg.get("shapes") or [(self.n,)]]
+        self.keys = keys_for(cfg.get("shapes"))
+        self.shapes = dict(zip(self.keys, shapes, strict=True))
+        self.grads = {k: np.ones(s, dtype=np.float32) for k, s in self.shapes.items()}
+        self.grad = self.grads[self.keys[0]]
         self.copy = bool(cfg.get("copy", True))
         self.pushes = 0
         self.duplicates = 0
@@ -45,7 +56,9 @@ class _Base:
     async def setup(self) -> None:
         await self.client.open()
         rule = UpdateRule("sgd", lr=float(self.cfg["lr"]))
-        await self.client.init({KEY: np.zeros(self.n, dtype=np.float32)}, rule=rule)
+        await self.client.init(
+            {k: np.zeros(s, dtype=np.float32) for k, s in self.shapes.items()}, rule=rule
+        )
 
     async def _push(self) -> None:
         ack = await self.client.push({KEY: self.grad})
@@ -72,9 +85,9 @@ class _Base:
 
 class PushPull(_Base):
     async def round(self) -> None:
-        pulled = await self.client.push_pull({KEY: self.grad}, copy=self.copy)
+        pulled = await self.client.push_pull(self.grads, copy=self.copy)
         self.pushes += 1
-        assert pulled[KEY].shape == (self.n,)
+        assert len(pulled) == len(self.shapes)
 
 
 class BspStep(_Base):

@@ -5,7 +5,9 @@ After PyTorch's tutorials "Implementing a Parameter Server Using Distributed RPC
 TensorPipe backend on 127.0.0.1, rank 0 ("ps") owns a ``ParameterServer`` object held by an
 ``RRef``, and trainers call ``rpc_sync(ps_rref.owner(), ParameterServer.update_and_fetch_model,
 args=(ps_rref, grad))``, which applies ``w -= lr * g`` under a lock and returns the weights (one
-call per round: push and pull together). The ps drives the trainers with ``rpc_async`` as in the
+call per round: push and pull together). With several tensors (a real model's shapes) the
+gradient is the list of tensors and the call returns the list of weights (the fused one-call
+pattern of the batch-RPC tutorial). The ps drives the trainers with ``rpc_async`` as in the
 tutorial. TensorPipe keeps its defaults (it may pick its shared-memory transport on one host).
 
 Process layout: ``mp.spawn`` of 1 + max(W) processes; rank 0 prints one JSON line per config.
@@ -22,10 +24,11 @@ GRAD_CACHE: dict[int, Any] = {}
 
 
 class ParameterServer:
-    def __init__(self, n: int, lr: float) -> None:
+    def __init__(self, n: int, lr: float, shapes: list[tuple[int, ...]] | None = None) -> None:
         import torch
 
         self.weights = torch.zeros(n, dtype=torch.float32)
+        self.tensors = [torch.zeros(s, dtype=torch.float32) for s in shapes or []]
         self.lr = lr
         self.lock = threading.Lock()
         self.applied = 0
@@ -34,6 +37,11 @@ class ParameterServer:
     def update_and_fetch_model(ps_rref: Any, grad: Any) -> Any:
         self: ParameterServer = ps_rref.local_value()
         with self.lock:
+            if isinstance(grad, list):
+                for w, g in zip(self.tensors, grad, strict=True):
+                    w.add_(g, alpha=-self.lr)
+                self.applied += 1
+                return [w.clone() for w in self.tensors]
             self.weights.add_(grad, alpha=-self.lr)
             self.applied += 1
             return self.weights.clone()
@@ -42,10 +50,14 @@ class ParameterServer:
     def stats(ps_rref: Any) -> tuple[int, Any]:
         self: ParameterServer = ps_rref.local_value()
         with self.lock:
+            if self.tensors:
+                return self.applied, [w.clone() for w in self.tensors]
             return self.applied, self.weights.clone()
 
 
-def run_trainer_phase(ps_rref: Any, n: int, rounds: int) -> tuple[float, float, int]:
+def run_trainer_phase(
+    ps_rref: Any, n: int, rounds: int, shapes: list[tuple[int, ...]] | None = None
+) -> tuple[float, float, int]:
     """Runs on a trainer: ``rounds`` push+pull calls; returns (start, end, rounds)."""
     import torch
     from torch.distributed import rpc
@@ -53,16 +65,26 @@ def run_trainer_phase(ps_rref: Any, n: int, rounds: int) -> tuple[float, float, 
     grad = GRAD_CACHE.get(n)
     if grad is None:
         GRAD_CACHE.clear()
-        grad = GRAD_CACHE[n] = torch.ones(n, dtype=torch.float32)
+        if shapes:
+            grad = [torch.ones(s, dtype=torch.float32) for s in shapes]
+        else:
+            grad = torch.ones(n, dtype=torch.float32)
+        GRAD_CACHE[n] = grad
     owner = ps_rref.owner()
     t0 = time.monotonic()
     for _ in range(rounds):
         weights = rpc.rpc_sync(owner, ParameterServer.update_and_fetch_model, args=(ps_rref, grad))
-    assert weights.shape == grad.shape
+    assert len(weights) == len(grad)
     return t0, time.monotonic(), rounds
 
 
-def _ps_main(configs: list[tuple[int, int]], lr: float, target_s: float) -> None:
+def _ps_main(
+    configs: list[tuple[int, int]],
+    lr: float,
+    target_s: float,
+    shapes: list[tuple[int, ...]] | None,
+    layout: dict[str, Any],
+) -> None:
     import numpy as np
     import torch
     from torch.distributed import rpc
@@ -70,7 +92,7 @@ def _ps_main(configs: list[tuple[int, int]], lr: float, target_s: float) -> None
     import benchlib
 
     for n, workers in configs:
-        ps_rref = rpc.RRef(ParameterServer(n, lr))
+        ps_rref = rpc.RRef(ParameterServer(0 if shapes else n, lr, shapes))
         trainers = [f"trainer{r}" for r in range(1, workers + 1)]
         pushes = 0
 
@@ -79,7 +101,8 @@ def _ps_main(configs: list[tuple[int, int]], lr: float, target_s: float) -> None
         ) -> float:
             nonlocal pushes
             futs = [
-                rpc.rpc_async(t, run_trainer_phase, args=(ps_rref, n, rounds)) for t in trainers
+                rpc.rpc_async(t, run_trainer_phase, args=(ps_rref, n, rounds, shapes))
+                for t in trainers
             ]
             stamps = torch.futures.wait_all(futs)
             pushes += sum(r for _, _, r in stamps)
@@ -87,12 +110,14 @@ def _ps_main(configs: list[tuple[int, int]], lr: float, target_s: float) -> None
 
         result = benchlib.measure(phase, n_elements=n, target_s=target_s)
         applied, weights = ParameterServer.stats(ps_rref)
+        want = np.float32(-lr * pushes)
+        tensors = weights if isinstance(weights, list) else [weights]
         check = {
             "pushes": pushes,
             "applied_updates": applied,
-            "value_exact": bool(np.all(weights.numpy() == np.float32(-lr * pushes))),
+            "value_exact": all(bool(np.all(w.numpy() == want)) for w in tensors),
         }
-        benchlib.emit(_record(n, workers, result, check))
+        benchlib.emit({**_record(n, workers, result, check), **layout})
         del ps_rref
 
 
@@ -109,7 +134,14 @@ def _record(n: int, workers: int, result: dict[str, Any], check: dict[str, Any])
 
 
 def _rank_main(
-    rank: int, world: int, port: int, configs: list[tuple[int, int]], lr: float, target_s: float
+    rank: int,
+    world: int,
+    port: int,
+    configs: list[tuple[int, int]],
+    lr: float,
+    target_s: float,
+    shapes: list[tuple[int, ...]] | None = None,
+    layout: dict[str, Any] | None = None,
 ) -> None:
     from torch.distributed import rpc
 
@@ -122,17 +154,28 @@ def _rank_main(
     rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
     try:
         if rank == 0:
-            _ps_main(configs, lr, target_s)
+            _ps_main(configs, lr, target_s, shapes, layout or {})
     finally:
         rpc.shutdown()
 
 
-def run(configs: list[tuple[int, int]], lr: float, target_s: float) -> None:
-    """Spawn the rpc world (ps + max W trainers) and measure every config."""
+def run(
+    configs: list[tuple[int, int]],
+    lr: float,
+    target_s: float,
+    shapes: list[tuple[int, ...]] | None = None,
+    layout: dict[str, Any] | None = None,
+) -> None:
+    """Spawn the rpc world (ps + max W trainers) and measure every config.
+
+    ``shapes``: one tensor per shape (a model's parameters) instead of one of ``n`` elements;
+    ``layout``: fields added to every JSON line.
+    """
     import torch.multiprocessing as tmp
 
     import benchlib
 
     world = 1 + max(w for _, w in configs)
     port = benchlib.free_port()
-    tmp.spawn(_rank_main, args=(world, port, configs, lr, target_s), nprocs=world, join=True)
+    spawn_args = (world, port, configs, lr, target_s, shapes, layout)
+    tmp.spawn(_rank_main, args=spawn_args, nprocs=world, join=True)

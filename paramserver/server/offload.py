@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -364,6 +364,53 @@ class Offload:
         finally:
             self.gate.release(res)
 
+    async def snapshot_many(
+        self,
+        keys: Sequence[str],
+        outs: Sequence[np.ndarray],
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """:meth:`snapshot` of several keys into ``outs``, with one decision for them all.
+
+        When every key is small and idle the copies run inline, now (no ``await`` before they
+        are done, as :meth:`snapshot`'s fast path). Otherwise one reservation of all the keys
+        is taken and, once earlier updates of them have finished, the keys of at least
+        :attr:`min_bytes` are copied in one worker-thread call (the small ones inline): per
+        request, not per key, so a model's many keys cost one hop at most.
+
+        Args:
+            keys: Declared keys (distinct).
+            outs: One array per key, of the key's dtype and shape, to overwrite.
+            timeout_s: Deadline for earlier updates of the keys to finish.
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) an unknown key (nothing is copied).
+            WaitTimeout: (DEADLINE_EXCEEDED) earlier updates did not finish in time.
+        """
+        store = self._store()
+        entries = [store.get(key) for key in keys]
+        small = self.min_bytes
+        if all(e.value.nbytes < small for e in entries) and self.gate.idle(keys):
+            for entry, dst in zip(entries, outs, strict=True):
+                _copy_into(dst, entry.value)
+            return
+        res = self.gate.reserve(keys)
+        try:
+            await res.ready(timeout_s)
+            big: list[tuple[np.ndarray, np.ndarray]] = []
+            for entry, dst in zip(entries, outs, strict=True):
+                value = entry.value
+                if value.nbytes >= small:
+                    big.append((dst, value))
+                else:
+                    _copy_into(dst, value)
+            if big:
+                self.offloaded += 1
+                await _in_thread(self._executor(), _copy_pairs, big)
+        finally:
+            self.gate.release(res)
+
     def read_now(self, key: str) -> np.ndarray | None:
         """``key``'s live value when it may be read right now without a snapshot copy: the
         key is small (under :attr:`min_bytes`) and every earlier update of it has finished.
@@ -420,3 +467,8 @@ def _retrieve(done: asyncio.Future[None]) -> None:
 
 def _copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src, casting="no")
+
+
+def _copy_pairs(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src, casting="no")

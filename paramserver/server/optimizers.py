@@ -527,6 +527,10 @@ _STEPS: Final[dict[str, _Kernel]] = {
 }
 
 
+#: Parameter dtypes that are their own compute dtype (no cast in the update).
+_PLAIN_DTYPES: Final = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def _flat(a: Array) -> Array | None:
     """A flat view of a C-contiguous array (None if it is not one)."""
     return a.reshape(-1) if a.flags.c_contiguous else None
@@ -564,6 +568,29 @@ def apply_update(
         InvalidArgument: (INVALID_ARGUMENT) ``state`` does not fit ``rule`` and ``param``, or an
             optimizer rule on an integer parameter.
     """
+    if (
+        rule.kind == "sgd"
+        and not state
+        and rule.momentum == 0
+        and rule.weight_decay == 0
+        and grad.dtype == param.dtype
+        and param.dtype in _PLAIN_DTYPES
+        and grad.shape == param.shape
+        and 0 < param.size <= BLOCK_ELEMENTS
+        and param.flags.c_contiguous
+        and grad.flags.c_contiguous
+    ):
+        # The common case of a model's many small keys, without the general path's per-key
+        # bookkeeping: one block, same arithmetic (scratch = g * lr; p -= scratch), so the
+        # result is bit-identical to the blocked loop below.
+        if workspace is None or workspace.dtype != param.dtype or workspace.size < param.size:
+            workspace = thread_workspace(param.dtype)
+        if workspace.size >= param.size:
+            scratch = workspace.take(1)[0][: param.size]
+            flat = param.reshape(-1)
+            np.multiply(grad.reshape(-1), rule.lr, out=scratch)
+            flat -= scratch
+            return
     _check(rule, param, grad, state)
     if rule.kind == "assign":
         np.copyto(param, grad, casting="same_kind")

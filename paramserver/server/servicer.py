@@ -13,7 +13,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -564,6 +564,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         """
         wait_s = self.engine.config.wait_timeout_ms / 1000.0
         await self.engine.offload.snapshot(key, out, timeout_s=wait_s)
+
+    async def pull_snapshots_into(self, keys: Sequence[str], outs: Sequence[np.ndarray]) -> None:
+        """:meth:`pull_snapshot_into` of several keys at once (one decision and at most one
+        worker-thread hop for the request; see :meth:`Offload.snapshot_many`).
+
+        Args:
+            keys: Declared keys.
+            outs: One array per key, of its dtype and shape, to overwrite.
+        """
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        await self.engine.offload.snapshot_many(keys, outs, timeout_s=wait_s)
 
     async def Session(
         self, request_iterator: AsyncIterator[pb.SessionRequest], context: Any

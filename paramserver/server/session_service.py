@@ -63,6 +63,8 @@ class _Session:
     def __init__(self) -> None:
         self.worker_id = ""
         self.mapping: shm.ServerMapping | None = None
+        #: The client reads pulled shared-memory values as one SlotBatch (its open asked).
+        self.slot_batches = False
 
     def close(self) -> None:
         if self.mapping is not None:
@@ -163,7 +165,8 @@ class SessionService:
     def _open(self, session: _Session, req: pb.SessionRequest) -> pb.SessionResponse:
         check_worker_identity(req.open.worker_id)
         session.worker_id = req.open.worker_id
-        opened = pb.SessionOpened(max_inline_bytes=self.max_inline_bytes)
+        session.slot_batches = req.open.slot_batches
+        opened = pb.SessionOpened(max_inline_bytes=self.max_inline_bytes, slot_batches=True)
         if req.open.HasField("shm"):
             opened.shm.CopyFrom(self._attach(session, req.open.shm))
         link = self.local_link
@@ -276,6 +279,52 @@ class SessionService:
             out[key] = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
         return out
 
+    def _decode_slots(
+        self, session: _Session, batch: pb.SlotBatch, ticket: Any, out: dict[str, np.ndarray]
+    ) -> None:
+        """Gradients of a push's :class:`SlotBatch`, added to ``out``: views of the push
+        region (copies when BSP queues them), each checked as :meth:`_decode` checks a slot."""
+        keys = list(batch.keys)
+        dtypes = list(batch.dtypes)
+        ndims = list(batch.ndims)
+        dims = list(batch.dims)
+        offsets = list(batch.offsets)
+        n = len(keys)
+        if not (len(dtypes) == len(ndims) == len(offsets) == n) or sum(ndims) != len(dims):
+            raise MalformedStream(
+                f"SlotBatch arrays disagree: {n} keys, {len(dtypes)} dtypes, {len(ndims)} ndims, "
+                f"{len(offsets)} offsets, {len(dims)} dims for ranks summing to {sum(ndims)}"
+            )
+        if n and session.mapping is None:
+            raise InvalidArgument(
+                f"tensor {keys[0]!r}: shared-memory slot but no segment is mapped"
+            )
+        limit = self.servicer.engine.config.max_tensor_bytes
+        keep_copies = self.servicer.core.aggregator is not None
+        region = session.mapping.push if session.mapping is not None else None
+        from_wire = tensor.dtype_from_wire
+        pos = 0
+        for key, wire_dtype, nd, offset in zip(keys, dtypes, ndims, offsets, strict=True):
+            if not key:
+                raise MalformedStream("Session tensor with an empty key")
+            if key in out:
+                raise MalformedStream(f"key {key!r} appears twice in one push")
+            dtype = from_wire(wire_dtype, key)
+            shape = tuple(dims[pos : pos + nd])
+            pos += nd
+            nbytes = tensor.tensor_nbytes(shape, dtype)
+            if limit is not None and nbytes > limit:
+                raise InvalidArgument(
+                    f"tensor {key!r}: size_bytes {nbytes} exceeds max_tensor_bytes {limit}"
+                )
+            ticket.reserve(nbytes)
+            assert region is not None
+            try:
+                view = region.view(offset, nbytes, dtype, shape)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"tensor {key!r}: {exc.message}") from None
+            out[key] = view.copy() if keep_copies else view
+
     async def _push(self, session: _Session, push: pb.SessionPush) -> pb.PushResponse:
         header = push.header
         # Backpressure.ticket() without its generator-based context manager (per request).
@@ -283,6 +332,8 @@ class SessionService:
         try:
             ticket.enter(header.worker_id)
             grads = await self._decode(session, push.tensors, ticket)
+            if push.HasField("slots"):
+                self._decode_slots(session, push.slots, ticket, grads)
             return await self.servicer.apply_push_header(header, grads)
         finally:
             ticket.release()
@@ -310,20 +361,46 @@ class SessionService:
         if mapping is None or needed > mapping.pull.size_bytes:
             out.needed_bytes = needed
             return
+        # One pass for the whole request: the destinations, then one consistent copy of every
+        # key (inline when all are small and idle, else one reservation and one worker-thread
+        # hop for the big ones), then the response's slots (no per-key message objects).
         offset = 0
-        for key, value in zip(keys, values, strict=True):
-            size = value.nbytes
-            dst = mapping.pull.view(offset, size, value.dtype, value.shape)
-            await servicer.pull_snapshot_into(key, dst)
-            out.tensors.append(
-                pb.SessionTensor(
+        dsts = []
+        view = mapping.pull.view
+        to_wire = tensor.dtype_to_wire
+        if session.slot_batches:
+            dtypes: list[int] = []
+            ndims: list[int] = []
+            dims: list[int] = []
+            offsets: list[int] = []
+            for value in values:
+                size = value.nbytes
+                shape = value.shape
+                dsts.append(view(offset, size, value.dtype, shape))
+                dtypes.append(to_wire(value.dtype))
+                ndims.append(len(shape))
+                dims.extend(shape)
+                offsets.append(offset)
+                offset = shm.align_up(offset + size)
+            batch = out.slots
+            batch.keys.extend(keys)
+            batch.dtypes.extend(dtypes)
+            batch.ndims.extend(ndims)
+            batch.dims.extend(dims)
+            batch.offsets.extend(offsets)
+        else:
+            add = out.tensors.add
+            for key, value in zip(keys, values, strict=True):
+                size = value.nbytes
+                dsts.append(view(offset, size, value.dtype, value.shape))
+                add(
                     key=key,
-                    dtype=tensor.dtype_to_wire(value.dtype),
+                    dtype=to_wire(value.dtype),
                     shape=value.shape,
-                    slot=pb.ShmSlot(offset_bytes=offset, size_bytes=size),
+                    slot={"offset_bytes": offset, "size_bytes": size},
                 )
-            )
-            offset = shm.align_up(offset + size)
+                offset = shm.align_up(offset + size)
+        await servicer.pull_snapshots_into(keys, dsts)
 
     async def _rows(self, session: _Session, req: pb.SessionRows, out: pb.SessionRowsDone) -> None:
         """An embedding-table row pull or push (the servicer's table handlers decide)."""

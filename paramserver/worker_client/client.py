@@ -804,10 +804,14 @@ def normalized_tensors(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
         InvalidArgument: an empty or non-string key, or an unsupported dtype (INVALID_ARGUMENT).
     """
     out = {}
+    ready = tensor.WIRE_READY_DTYPES
     for key, value in tensors.items():
         if not isinstance(key, str) or not key:
             raise InvalidArgument(f"tensor keys must be non-empty strings, got {key!r}")
-        out[key] = tensor.normalize(value, key)
+        if type(value) is np.ndarray and value.dtype in ready and value.flags.c_contiguous:
+            out[key] = value  # already what normalize returns (as is): skip its checks
+        else:
+            out[key] = tensor.normalize(value, key)
     return out
 
 

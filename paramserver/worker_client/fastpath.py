@@ -52,6 +52,11 @@ _REGION_STEP_BYTES = 1 << 20
 _LINK_CONNECT_TIMEOUT_S = 2.0
 
 
+#: The pull-buffer slot of many-key pulls' shared buffer (not a valid key: keys are non-empty
+#: and this one holds a NUL, which no caller's key reaches through this client).
+_ARENA_KEY = "\x00many-key pull"
+
+
 class Fallback(Exception):
     """This request cannot go over the Session stream (too large without shared memory, or the
     server has no Session RPC); the caller uses the Push/Pull streams instead."""
@@ -108,6 +113,8 @@ class FastPath:
         #: The server has no Session RPC (an older server): every call uses the streams.
         self.disabled = False
         self.max_inline_bytes = MAX_INLINE_BYTES
+        #: The server takes pushed shared-memory gradients as one SlotBatch (its open said so).
+        self.slot_batches = False
         self.sessions_opened = 0
         self.offers_accepted = 0
         self._lock = asyncio.Lock()
@@ -203,7 +210,9 @@ class FastPath:
         try:
             resp = await self._roundtrip(
                 pb.SessionRequest(
-                    open=pb.SessionOpen(worker_id=worker_id, want_local_link=want_link)
+                    open=pb.SessionOpen(
+                        worker_id=worker_id, want_local_link=want_link, slot_batches=True
+                    )
                 )
             )
         except grpc.aio.AioRpcError as err:
@@ -216,6 +225,7 @@ class FastPath:
             self._drop()
             raise MalformedStream("session stream did not answer open with opened")
         self.max_inline_bytes = resp.opened.max_inline_bytes or MAX_INLINE_BYTES
+        self.slot_batches = resp.opened.slot_batches
         self.sessions_opened += 1
         if want_link and resp.opened.HasField("local_link"):
             await self._move_to_local_link(resp.opened.local_link, worker_id)
@@ -239,7 +249,9 @@ class FastPath:
             await link.write(
                 pb.SessionRequest(
                     seq=self._seq,
-                    open=pb.SessionOpen(worker_id=worker_id, local_ticket=offer.ticket),
+                    open=pb.SessionOpen(
+                        worker_id=worker_id, local_ticket=offer.ticket, slot_batches=True
+                    ),
                 )
             )
             answer = await asyncio.wait_for(link.read(), _LINK_CONNECT_TIMEOUT_S)
@@ -317,17 +329,41 @@ class FastPath:
             seg = self._segment
             assert seg is not None
             offset = 0
+            view = seg.push.view
+            if self.slot_batches:  # one header for every key: packed arrays
+                dtypes: list[int] = []
+                ndims: list[int] = []
+                dims: list[int] = []
+                offsets: list[int] = []
+                to_wire = tensor.dtype_to_wire
+                for arr in arrays.values():
+                    size = arr.nbytes
+                    shape = arr.shape
+                    np.copyto(view(offset, size, arr.dtype, shape), arr)
+                    dtypes.append(to_wire(arr.dtype))
+                    ndims.append(len(shape))
+                    dims.extend(shape)
+                    offsets.append(offset)
+                    offset = shm.align_up(offset + size)
+                batch = msg.slots
+                batch.keys.extend(arrays)
+                batch.dtypes.extend(dtypes)
+                batch.ndims.extend(ndims)
+                batch.dims.extend(dims)
+                batch.offsets.extend(offsets)
+                self.known_nbytes.update(sizes)
+                return
+            add = msg.tensors.add  # (fields set in place: no per-key message objects)
             for key, arr in arrays.items():
-                np.copyto(seg.push.view(offset, arr.nbytes, arr.dtype, arr.shape), arr)
-                msg.tensors.append(
-                    pb.SessionTensor(
-                        key=key,
-                        dtype=tensor.dtype_to_wire(arr.dtype),
-                        shape=arr.shape,
-                        slot=pb.ShmSlot(offset_bytes=offset, size_bytes=arr.nbytes),
-                    )
+                size = arr.nbytes
+                np.copyto(view(offset, size, arr.dtype, arr.shape), arr)
+                add(
+                    key=key,
+                    dtype=tensor.dtype_to_wire(arr.dtype),
+                    shape=arr.shape,
+                    slot={"offset_bytes": offset, "size_bytes": size},
                 )
-                offset = shm.align_up(offset + arr.nbytes)
+                offset = shm.align_up(offset + size)
         elif total <= self.max_inline_bytes:
             add = msg.tensors.add
             for key, arr in arrays.items():
@@ -343,6 +379,8 @@ class FastPath:
 
     def _decode(self, pulled: pb.SessionPulled, copy: bool) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
+        if pulled.HasField("slots"):
+            self._decode_slots(pulled.slots, copy, out)
         for t in pulled.tensors:
             key = t.key
             dtype = tensor.dtype_from_wire(t.dtype, key)
@@ -367,6 +405,86 @@ class FastPath:
             out[key] = arr
             self.known_nbytes[key] = arr.nbytes
         return out
+
+    def _decode_slots(self, batch: pb.SlotBatch, copy: bool, out: dict[str, np.ndarray]) -> None:
+        """The values of a pulled :class:`SlotBatch` (pull-region slots), into ``out``."""
+        keys = list(batch.keys)
+        dtypes = list(batch.dtypes)
+        ndims = list(batch.ndims)
+        dims = list(batch.dims)
+        offsets = list(batch.offsets)
+        if not (len(dtypes) == len(ndims) == len(offsets) == len(keys)) or sum(ndims) != len(dims):
+            raise MalformedStream("pulled SlotBatch arrays disagree in length")
+        if keys and self._segment is None:
+            raise MalformedStream(f"tensor {keys[0]!r} in shared memory, but none is mapped")
+        region = self._segment.pull if self._segment is not None else None
+        buffers = self.pull_buffers
+        known = self.known_nbytes
+        if copy and len(keys) > 1:
+            assert region is not None
+            if self._decode_arena(region, keys, dtypes, ndims, dims, offsets, out):
+                return
+        pos = 0
+        for key, wire_dtype, nd, offset in zip(keys, dtypes, ndims, offsets, strict=True):
+            dtype = tensor.dtype_from_wire(wire_dtype, key)
+            shape = tuple(dims[pos : pos + nd])
+            pos += nd
+            nbytes = tensor.tensor_nbytes(shape, dtype)
+            assert region is not None
+            view = region.view(offset, nbytes, dtype, shape)
+            if copy:
+                arr = buffers.empty(key, dtype, shape)
+                np.copyto(arr, view, casting="no")
+                buffers.keep(key, arr)
+            else:
+                arr = view
+            out[key] = arr
+            known[key] = nbytes
+
+    def _decode_arena(
+        self,
+        region: shm.Region,
+        keys: list[str],
+        dtypes: list[int],
+        ndims: list[int],
+        dims: list[int],
+        offsets: list[int],
+        out: dict[str, np.ndarray],
+    ) -> bool:
+        """Copy the values of many keys out of the pull region in one pass into one private
+        buffer (reused once nothing refers to any of its values) and return views of it.
+
+        One contiguous copy instead of one per key: separately allocated destinations cost
+        up to ~1.7x the copy of the same bytes (measured with ResNet-50's 161 tensors), and
+        small ones fresh pages each pull. Any value the caller keeps keeps the whole buffer.
+        False (nothing done) when the slots are not laid out in order without overlap.
+        """
+        metas = []
+        pos = 0
+        prev_end = offsets[0]
+        start = offsets[0]
+        payload = 0
+        for key, wire_dtype, nd, offset in zip(keys, dtypes, ndims, offsets, strict=True):
+            dtype = tensor.dtype_from_wire(wire_dtype, key)
+            shape = tuple(dims[pos : pos + nd])
+            pos += nd
+            nbytes = tensor.tensor_nbytes(shape, dtype)
+            if offset < prev_end:
+                return False
+            prev_end = offset + nbytes
+            payload += nbytes
+            metas.append((key, dtype, shape, offset - start, nbytes))
+        span = prev_end - start
+        if span > 2 * payload + (len(keys) << 16):  # (padding only: else per key)
+            return False
+        arena = self.pull_buffers.empty(_ARENA_KEY, np.dtype(np.uint8), (span,))
+        np.copyto(arena, region.view(start, span, np.dtype(np.uint8), (span,)), casting="no")
+        self.pull_buffers.keep(_ARENA_KEY, arena)
+        known = self.known_nbytes
+        for key, dtype, shape, rel, nbytes in metas:
+            out[key] = arena[rel : rel + nbytes].view(dtype).reshape(shape)
+            known[key] = nbytes
+        return True
 
     def _pull_bytes(self, keys: list[str]) -> int | None:
         """Bytes the pull of ``keys`` needs in the pull region, when every size is known."""

@@ -737,3 +737,135 @@ async def test_one_exchange_region_serves_a_push_pull_of_other_keys(consistency:
             assert seg.size_bytes < shm.HEADER_BYTES + 2 * (a0.nbytes + b0.nbytes)
         np.testing.assert_array_equal(got["a"], a0 + ga)
         np.testing.assert_array_equal(got["b"], b0)
+
+
+def _slot_batch(
+    entries: list[tuple[str, np.dtype[Any], tuple[int, ...], int]],
+) -> pb.SlotBatch:
+    batch = pb.SlotBatch()
+    for key, dtype, shape, offset in entries:
+        batch.keys.append(key)
+        batch.dtypes.append(tensor.dtype_to_wire(dtype))
+        batch.ndims.append(len(shape))
+        batch.dims.extend(shape)
+        batch.offsets.append(offset)
+    return batch
+
+
+async def test_slot_batches_round_trip_and_bad_ones_apply_nothing() -> None:
+    # Many keys under one SlotBatch header, both ways: the values match numpy; a batch whose
+    # arrays disagree, or with one slot outside the region, is INVALID_ARGUMENT, applies
+    # nothing (not even its good keys), and the stream keeps serving.
+    f32 = np.dtype(np.float32)
+    n_big = SMALL_INLINE_BYTES // 4 + 1000  # so the pull comes back through shared memory
+    async with running_server(consistency="asp") as daemon:
+        async with _client(daemon, "w0") as ps:
+            await ps.init(
+                {"a": np.zeros((2, 3), np.float32), "b": np.zeros(n_big, np.float32)}, rule=ADD
+            )
+        seg = shm.ClientSegment.create(1 << 20, 1 << 20)
+        try:
+            async with grpc.aio.insecure_channel(_address(daemon)) as channel:
+                stub = pb_grpc.ParameterServerStub(channel)
+                reg = await stub.Register(pb.RegisterRequest(worker_name="raw"))
+                call = stub.Session()
+                opening = pb.SessionOpen(worker_id="", slot_batches=True)
+                opening.shm.CopyFrom(seg.offer())
+                await call.write(pb.SessionRequest(seq=1, open=opening))
+                opened = (await call.read()).opened
+                assert opened.shm.accepted and opened.slot_batches
+                a = np.arange(6, dtype=np.float32).reshape(2, 3)
+                b = np.linspace(-1, 1, n_big, dtype=np.float32)
+                seg.push.view(0, a.nbytes, f32, a.shape)[:] = a
+                b_off = shm.align_up(a.nbytes)
+                seg.push.view(b_off, b.nbytes, f32, b.shape)[:] = b
+                good = [("a", f32, (2, 3), 0), ("b", f32, (n_big,), b_off)]
+                disagree = _slot_batch(good)
+                disagree.dims.append(7)  # one dimension too many
+                outside = _slot_batch([good[0], ("b", f32, (n_big,), seg.push.size_bytes)])
+                for i, batch in enumerate([disagree, outside]):
+                    push = pb.SessionPush(
+                        header=pb.PushHeader(worker_id=reg.worker_id, request_id=i, clock=0),
+                        slots=batch,
+                    )
+                    await call.write(pb.SessionRequest(seq=10 + i, push=push))
+                    resp = await call.read()
+                    assert resp.WhichOneof("body") == "error", resp
+                    assert resp.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                both = pb.SessionPushPull(
+                    push=pb.SessionPush(
+                        header=pb.PushHeader(worker_id=reg.worker_id, request_id=9, clock=0),
+                        slots=_slot_batch(good),
+                    ),
+                    pull=pb.PullRequest(worker_id=reg.worker_id, keys=["a", "b"]),
+                )
+                await call.write(pb.SessionRequest(seq=20, push_pull=both))
+                resp = await call.read()
+                assert resp.WhichOneof("body") == "push_pull", resp
+                pulled = resp.push_pull.pull
+                assert len(pulled.tensors) == 0 and list(pulled.slots.keys) == ["a", "b"]
+                dims = list(pulled.slots.dims)
+                assert list(pulled.slots.ndims) == [2, 1] and dims == [2, 3, n_big]
+                offs = list(pulled.slots.offsets)
+                got_a = seg.pull.view(offs[0], a.nbytes, f32, (2, 3))
+                got_b = seg.pull.view(offs[1], b.nbytes, f32, (n_big,))
+                # applied exactly once ("add" from zeros): the refused batches left nothing
+                np.testing.assert_array_equal(got_a, a)
+                np.testing.assert_array_equal(got_b, b)
+                call.cancel()
+        finally:
+            seg.close()
+
+
+async def test_client_batches_many_keys_through_shared_memory() -> None:
+    # The client's push_pull of many keys (over the local link and over gRPC) goes as one
+    # SlotBatch each way and returns every key's value (checked against numpy).
+    shapes = [(3, 4), (5,), (), (2, 2, 2), (SMALL_INLINE_BYTES // 4,)]
+    for link in (True, False):
+        async with running_server(consistency="asp") as daemon:
+            async with _client(daemon, "w0", local_link=link) as ps:
+                keys = [f"k{i}" for i in range(len(shapes))]
+                zeros = {k: np.zeros(s, np.float32) for k, s in zip(keys, shapes, strict=True)}
+                await ps.init(zeros, rule=ADD)
+                rng = np.random.default_rng(3)
+                grads = {
+                    k: rng.standard_normal(s).astype(np.float32)
+                    for k, s in zip(keys, shapes, strict=True)
+                }
+                out = await ps.push_pull(grads)
+                out = await ps.push_pull(grads)
+                fp = ps.fastpath
+                assert fp is not None and fp.shm_active and fp.slot_batches
+                assert fp.on_local_link is link
+                for k in keys:
+                    np.testing.assert_array_equal(out[k], grads[k] + grads[k])
+                    assert out[k].shape == grads[k].shape and out[k].flags.writeable
+
+
+async def test_many_key_pull_results_held_by_the_caller_are_never_overwritten() -> None:
+    # A many-key pull lands in one private buffer: a result the caller still holds (any one of
+    # its values) keeps its values through later pulls; once all are dropped it is reused.
+    shapes = [(4, 5), (1 << 18,), (3,)]  # over 1 MiB in all: the buffer is kept for reuse
+    keys = [f"k{i}" for i in range(len(shapes))]
+    async with running_server(consistency="asp") as daemon:
+        async with _client(daemon, "w0") as ps:
+            zeros = {k: np.zeros(s, np.float32) for k, s in zip(keys, shapes, strict=True)}
+            await ps.init(zeros, rule=ADD)
+            rng = np.random.default_rng(5)
+            want = {k: v.copy() for k, v in zeros.items()}
+            held: list[tuple[np.ndarray, np.ndarray]] = []
+            for round_ in range(4):
+                g = {
+                    k: rng.standard_normal(s).astype(np.float32)
+                    for k, s in zip(keys, shapes, strict=True)
+                }
+                want = {k: want[k] + g[k] for k in keys}
+                got = await ps.push_pull(g)
+                for k in keys:
+                    np.testing.assert_array_equal(got[k], want[k])
+                if round_ == 1:
+                    held.append((got["k2"], want["k2"].copy()))  # one small value kept
+                del got
+            kept, its_values = held[0]
+            np.testing.assert_array_equal(kept, its_values)  # untouched by rounds 2 and 3
+            assert ps.pull_buffers.reused >= 1  # a dropped round's buffer served a later one

@@ -171,3 +171,46 @@ async def test_gate_fifo_and_release_before_prev_defers() -> None:
     await asyncio.wait_for(r3.ready(), 1)
     gate.release(r3)
     assert gate.busy_keys() == []
+
+
+async def test_snapshot_many_waits_for_an_apply_in_progress_and_hops_once(
+    slow: SlowApply,
+) -> None:
+    # One request's keys: a consistent copy of each, after the apply decided before, in one
+    # worker-thread call for the request (not one per key).
+    store, offload = _setup()
+    done = offload.apply(_push(store, 2.0, ("k", "j")))
+    await asyncio.to_thread(slow.started.wait, 5)
+    before = offload.offloaded
+    outs = [np.empty(N, np.float32), np.empty(N, np.float32)]
+    await offload.snapshot_many(["k", "j"], outs, timeout_s=5)
+    for out in outs:
+        np.testing.assert_array_equal(out, np.full(N, 2.0, np.float32))
+    assert offload.offloaded == before + 1
+    await done
+    assert offload.gate.busy_keys() == []
+
+
+async def test_snapshot_many_small_and_idle_copies_inline() -> None:
+    store = ParameterStore()
+    store.init("a", np.arange(6, dtype=np.float32).reshape(2, 3), UpdateRule("assign"))
+    store.init("b", np.arange(4, dtype=np.int64), UpdateRule("assign"))
+    offload = Offload(lambda: store)  # default min_bytes: both keys are small
+    outs = [np.empty((2, 3), np.float32), np.empty(4, np.int64)]
+    await offload.snapshot_many(["a", "b"], outs)
+    np.testing.assert_array_equal(outs[0], np.arange(6, dtype=np.float32).reshape(2, 3))
+    np.testing.assert_array_equal(outs[1], np.arange(4, dtype=np.int64))
+    assert offload.offloaded == 0
+    assert offload.gate.busy_keys() == []
+
+
+async def test_snapshot_many_unknown_key_copies_nothing() -> None:
+    from paramserver.errors import KeyNotFound
+
+    store = ParameterStore()
+    store.init("a", np.ones(3, np.float32), UpdateRule("assign"))
+    offload = Offload(lambda: store)
+    out = np.zeros(3, np.float32)
+    with pytest.raises(KeyNotFound):
+        await offload.snapshot_many(["a", "missing"], [out, np.zeros(3, np.float32)])
+    np.testing.assert_array_equal(out, np.zeros(3, np.float32))
