@@ -34,6 +34,8 @@ def _worker(address: str, *extra: str) -> subprocess.CompletedProcess[str]:
             "--no-eval",
             "--min-accuracy",
             "0",
+            "--progress",
+            "json",  # one JSON object per event: the test reads the "done" event
             *extra,
         ],
         capture_output=True,
