@@ -404,10 +404,7 @@ class ServerCore:
             )
         # Decided: logged first, then the numeric apply runs now, or wherever the applier
         # schedules it (the engine runs big ones in a worker thread with the keys reserved).
-        for entry, grad in checked:  # decided on the final values (the engine waits for them)
-            refusal = out_of_range(entry, grad)
-            if refusal is not None:
-                raise refusal
+        self.store.check_range(checked)  # on the final values (the engine waits for them)
         if log is not None:
             log()
         if applier is None:

@@ -679,15 +679,20 @@ def storage_range(dtype: np.dtype[Any]) -> float:
     return float(ml_dtypes.finfo(dtype).max)  # type: ignore[no-untyped-call]
 
 
+#: Elements the range check computes at a time (its temporaries stay near 100 KiB).
+RANGE_CHECK_ELEMENTS: Final = 4096
+
+
 def overflowing_elements(
     rule: UpdateRule, param: Array, grad: Array, state: Mapping[str, Array]
 ) -> int:
     """Elements that :func:`apply_update` would turn non-finite although the parameter element
     and the gradient element are finite: a result outside the storage dtype's range.
 
-    Nothing is modified: the update is computed block by block on copies (block-sized
-    temporaries). Checked where the arithmetic is wider than the storage, which is where a
-    finite result can overflow on the final cast: float16/bfloat16 parameters under every rule
+    Nothing is modified: the update is computed on copies, :data:`RANGE_CHECK_ELEMENTS` at a
+    time (temporaries of a few times that, so a push allocates nothing of the key's size).
+    Checked where the arithmetic is wider than the storage, which is where a finite result can
+    overflow on the final cast: float16/bfloat16 parameters under every rule
     (the rules compute in float32), and ``assign``/``add`` of an aggregate wider than the
     parameter (float64 into float32). Same-dtype float32/float64 arithmetic is not checked.
 
@@ -712,8 +717,8 @@ def overflowing_elements(
     work = np.dtype(np.float64) if grad.dtype == np.float64 else np.dtype(np.float32)
     bad = 0
     with np.errstate(over="ignore", invalid="ignore"):
-        for start in range(0, flat_p.size, BLOCK_ELEMENTS):
-            stop = min(start + BLOCK_ELEMENTS, flat_p.size)
+        for start in range(0, flat_p.size, RANGE_CHECK_ELEMENTS):
+            stop = min(start + RANGE_CHECK_ELEMENTS, flat_p.size)
             p0 = flat_p[start:stop]
             g = flat_g[start:stop]
             if rule.kind == "assign":

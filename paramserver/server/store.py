@@ -365,11 +365,14 @@ class ParameterStore:
             KeyNotFound: (NOT_FOUND) unknown key.
             DimensionMismatch: (INVALID_ARGUMENT) shape or dtype differs.
             NonFiniteGradient: (INVALID_ARGUMENT) NaN/Inf present; nothing changes.
+            ValueOutOfRange: (INVALID_ARGUMENT) the result would overflow the key's dtype.
         """
         entry, array = self._validate(
             key, grad, allow_non_finite=allow_non_finite, allow_aggregate=True
         )
-        self.apply_checked([(entry, array)])
+        checked = [(entry, array)]
+        self.check_range(checked)
+        self.apply_checked(checked)
 
     def apply_many(
         self, grads: Mapping[str, ArrayOrScalar], *, allow_non_finite: bool = False
@@ -384,8 +387,12 @@ class ParameterStore:
             KeyNotFound: (NOT_FOUND) an unknown key; nothing is applied.
             DimensionMismatch: (INVALID_ARGUMENT) a shape or dtype differs; nothing is applied.
             NonFiniteGradient: (INVALID_ARGUMENT) NaN/Inf present; nothing is applied.
+            ValueOutOfRange: (INVALID_ARGUMENT) a result would overflow its key's dtype;
+                nothing is applied.
         """
-        self.apply_checked(self.check_many(grads, allow_non_finite=allow_non_finite))
+        checked = self.check_many(grads, allow_non_finite=allow_non_finite)
+        self.check_range(checked)
+        self.apply_checked(checked)
 
     def check_many(
         self,
@@ -415,22 +422,27 @@ class ParameterStore:
         ]
 
     @staticmethod
-    def apply_checked(checked: Iterable[Checked]) -> None:
-        """Apply gradients validated by :meth:`check_many` (the numeric part only).
-
-        Touches only the entries' arrays (never the key table), so it may run in a worker
-        thread while no one else reads or writes those keys.
+    def check_range(checked: Iterable[Checked]) -> None:
+        """Refuse updates whose result would overflow their key's dtype (:func:`out_of_range`),
+        before any is applied; call it on the values the updates will see.
 
         Raises:
-            ValueOutOfRange: (INVALID_ARGUMENT) an update's result would overflow its key's
-                dtype (:func:`out_of_range`); checked for every key before any is applied, so
-                nothing is applied.
+            ValueOutOfRange: (INVALID_ARGUMENT) naming the key, the rule and the range.
         """
-        checked = list(checked)
         for entry, grad in checked:
             refusal = out_of_range(entry, grad)
             if refusal is not None:
                 raise refusal
+
+    @staticmethod
+    def apply_checked(checked: Iterable[Checked]) -> None:
+        """Apply gradients validated by :meth:`check_many` and :meth:`check_range` (the
+        numeric part only; the caller ran both: the core when it decides a push, and at a BSP
+        step's close).
+
+        Touches only the entries' arrays (never the key table), so it may run in a worker
+        thread while no one else reads or writes those keys.
+        """
         for entry, grad in checked:
             entry.apply(grad)
 
