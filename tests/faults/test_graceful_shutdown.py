@@ -131,7 +131,11 @@ async def test_sigterm_with_waiting_streams_a_failing_push_and_a_checkpoint(
                         )
                     except grpc.aio.AioRpcError as err:
                         if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # a busy machine
-                            assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                            # A stopping grpc.aio server refuses a new call with UNAVAILABLE,
+                            # or CANCELLED when the call was accepted as the stop began (seen
+                            # under two CPU hogs); both say "not served", and clients retry both.
+                            refusals = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                            assert err.code() in refusals, err
                             refused_s = time.monotonic() - sent_at
                 assert not push.done(), "the held push ended before new calls were refused"
                 assert time.monotonic() - sent_at < GRACE_S, "new calls still served"
