@@ -60,7 +60,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 compose-ci: $(STAMP)  ## docker-compose cluster for real: build, run, restart `ps`, verdict, teardown
-	WORKER_EXTRA_FLAGS="$${WORKER_EXTRA_FLAGS---slow-factor 25}" PS_CLI=$(BIN)/paramserver bash scripts/compose_ci.sh
+	WORKER_EXTRA_FLAGS="$${WORKER_EXTRA_FLAGS---slow-factor 150}" PS_CLI=$(BIN)/paramserver bash scripts/compose_ci.sh
 
 bench: $(STAMP)  ## benchmarks (JSON lines on stdout)
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
