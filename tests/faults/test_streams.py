@@ -135,7 +135,9 @@ async def test_200_clients_cancelling_waiting_streams_leave_nothing_behind(
             )
         end = seen[-1]
     assert peak_tasks >= base.asyncio_tasks + CLIENTS
-    assert end.asyncio_tasks == base.asyncio_tasks
+    # Nothing left behind: back to the baseline or below it (a heartbeat or lease-reaper tick
+    # in flight when the baseline was read is a task for a moment: CI read 23 against 24).
+    assert end.asyncio_tasks <= base.asyncio_tasks
     growth = end.rss_bytes - base.rss_bytes
     assert growth < 24 * MiB, f"server RSS grew {growth / MiB:.1f} MiB over 2,600 streams"
     report(
