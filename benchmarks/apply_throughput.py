@@ -1,10 +1,10 @@
 """Server apply throughput per update rule and dtype, and the server's peak RSS per parameter byte.
 
-Part 1 calls :class:`paramserver.server.store.ParameterStore` directly (no network): one key of N
+Part 1 calls :class:`paramserver.core.store.ParameterStore` directly (no network): one key of N
 elements, ``store.apply(key, grad)`` repeated; a probe sizes each of 3 timed phases to about
 ``--phase-s`` seconds and the median is reported as GB/s of gradient bytes applied. Two
 components are timed the same way: ``validate_gradient`` alone (shape/dtype checks and the
-non-finite scan) and :func:`paramserver.server.optimizers.apply_update` alone (the rule's math),
+non-finite scan) and :func:`paramserver.core.optimizers.apply_update` alone (the rule's math),
 next to a plain ``np.copyto`` of the parameter (memory bandwidth) as the ceiling.
 
 Part 2 starts ``paramserver serve --consistency asp`` as a subprocess, declares one float32 key of
@@ -30,8 +30,8 @@ import benchlib
 import ml_dtypes
 import numpy as np
 
-from paramserver.server.optimizers import UpdateRule, apply_update
-from paramserver.server.store import ParameterStore
+from paramserver.core.optimizers import UpdateRule, apply_update
+from paramserver.core.store import ParameterStore
 
 RULES: dict[str, Callable[[], UpdateRule]] = {
     "assign": lambda: UpdateRule("assign"),

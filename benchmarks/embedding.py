@@ -14,7 +14,7 @@ rows. A timed phase lasts about ``--phase-s`` seconds after a warm-up round; rep
 Systems, each config in its own subprocess(es):
 
 - ``numpy``: one process, a dense (10M, dim) float32 array (pages touched lazily), gather
-  ``rows[ids]``, then the server's duplicate summing (``paramserver.server.tables.coalesce``)
+  ``rows[ids]``, then the server's duplicate summing (``paramserver.core.tables.coalesce``)
   and ``rows[u] -= lr * g``: the limit.
 - ``paramserver``: ``paramserver serve --consistency asp``, a table (sgd, zeros) and W worker
   processes calling ``pull_rows`` / ``push_rows`` over the plain gRPC streams
@@ -71,7 +71,7 @@ def run_numpy(dim: int, phase_s: float) -> float:
     batches = zipf_batches(0, 32)
     grads = np.ones((BATCH, dim), np.float32)
 
-    from paramserver.server.tables import coalesce
+    from paramserver.core.tables import coalesce
 
     def one(ids: np.ndarray) -> None:
         rows = table[ids]
@@ -117,7 +117,7 @@ def _ps_worker(
 
 
 def run_paramserver(dim: int, workers: int, phase_s: float, *, session: bool = False) -> float:
-    from paramserver.server.tables import Initializer, TableRule, TableSpec
+    from paramserver.core.tables import Initializer, TableRule, TableSpec
     from paramserver.worker_client import connect_sync
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -246,7 +246,7 @@ def run_ray(dim: int, workers: int, phase_s: float) -> float:
                 return self.table[ids]
 
             def push(self, ids: np.ndarray, grads: np.ndarray) -> None:
-                from paramserver.server.tables import coalesce
+                from paramserver.core.tables import coalesce
 
                 u, summed = coalesce(ids, grads)
                 self.table[u] -= LR * summed
@@ -276,7 +276,7 @@ def run_ray(dim: int, workers: int, phase_s: float) -> float:
 
 # ------------------------------------------------------------------------------ index
 def run_index(target_ids: int) -> list[dict[str, Any]]:
-    from paramserver.server.tables import IdIndex
+    from paramserver.core.tables import IdIndex
 
     batches = zipf_batches(7, 256)  # numpy's Zipf sampler is slow near a = 1: 256 batches, reused
     out = []

@@ -28,8 +28,8 @@ from typing import Any
 import benchlib
 import numpy as np
 
+from paramserver.core.optimizers import UpdateRule
 from paramserver.errors import WaitTimeout
-from paramserver.server.optimizers import UpdateRule
 from paramserver.worker_client.client import WorkerClient
 
 WORKERS = 2

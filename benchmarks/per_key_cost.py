@@ -36,7 +36,7 @@ import benchlib
 import numpy as np
 from benchlib import models
 
-from paramserver.server.optimizers import UpdateRule
+from paramserver.core.optimizers import UpdateRule
 from paramserver.worker_client.client import WorkerClient
 
 LR = 2.0**-10

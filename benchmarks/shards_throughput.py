@@ -73,7 +73,7 @@ def _worker(address: str, index: int, rounds: int, barrier: Any, out: Any) -> No
 
 
 def run(shards: int, workers: int, rounds: int) -> dict[str, Any]:
-    from paramserver.worker_client.local_cluster import start_servers, stop_servers
+    from paramserver.cli.demos.local_cluster import start_servers, stop_servers
 
     serve = [sys.executable, "-m", "paramserver", "--log-level", "WARNING", "serve"]
     serve += ["--consistency", "asp", "--max-inflight-push-bytes", str(4 << 30)]

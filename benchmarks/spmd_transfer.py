@@ -32,7 +32,7 @@ from typing import Any
 import benchlib
 import numpy as np
 
-from paramserver.spmd.demo import run_demo
+from paramserver.cli.demos.spmd_demo import run_demo
 
 LAYOUTS = {
     "32KiB": "num_layers=4,outer_dim=2,page_size=16,inner_dim=128,dtype=float16",

@@ -85,10 +85,10 @@ async def _observe(
     """Poll accuracy until every worker exits; returns (curve, seconds of training)."""
     import grpc
 
-    from paramserver import tensor
     from paramserver.api.v1 import parameter_server_pb2 as pb
     from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-    from paramserver.worker_client.training import accuracy, load_digits_split
+    from paramserver.cli.demos.digits import accuracy, load_digits_split
+    from paramserver.protocol import tensor
 
     data = load_digits_split(0)
     curve: list[tuple[float, float, int, int]] = []
@@ -185,7 +185,7 @@ def run_once(case: Case, repeat: int, args: argparse.Namespace) -> dict[str, Any
 
 def _steps_per_epoch() -> int:
     """Clocks per epoch of the digits job (as ``train_worker`` computes them)."""
-    from paramserver.worker_client.training import TrainConfig, load_digits_split
+    from paramserver.cli.demos.digits import TrainConfig, load_digits_split
 
     n_train = len(load_digits_split(0).y_train)
     return max(1, (n_train // WORKERS) // TrainConfig("", 0, WORKERS).batch_size)

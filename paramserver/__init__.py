@@ -13,16 +13,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from paramserver.cli.demos.local_cluster import LocalCluster, local_cluster
     from paramserver.worker_client import connect, connect_sync
-    from paramserver.worker_client.local_cluster import LocalCluster, local_cluster
 
 __version__ = "0.1.0"
 
 __all__ = ["LocalCluster", "__version__", "connect", "connect_sync", "local_cluster"]
 
 _LAZY = {
-    "LocalCluster": "paramserver.worker_client.local_cluster",
-    "local_cluster": "paramserver.worker_client.local_cluster",
+    "LocalCluster": "paramserver.cli.demos.local_cluster",
+    "local_cluster": "paramserver.cli.demos.local_cluster",
     "connect": "paramserver.worker_client",
     "connect_sync": "paramserver.worker_client",
 }

@@ -31,7 +31,8 @@ tell a refusal from a broken link; every refusal also names its class in the tra
 code gRPC itself also sends (a message over the receive limit): only a RESOURCE_EXHAUSTED whose
 trailer says ``ResourceExhausted`` is back-pressure to retry; without the trailer it is
 :class:`MessageTooLarge`, permanent. The server turns these into ``context.abort``
-(see :func:`paramserver.server.servicer.grpc_errors`); the client maps status codes back with
+(see :func:`paramserver.server.transports.grpc_service.grpc_errors`); the client maps status codes
+back with
 :func:`from_rpc_error`.
 """
 

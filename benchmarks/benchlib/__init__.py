@@ -468,9 +468,9 @@ def observer_read(address: str, keys: Sequence[str] = ()) -> tuple[Any, dict[str
     """
     import grpc
 
-    from paramserver import tensor
     from paramserver.api.v1 import parameter_server_pb2 as pb
     from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+    from paramserver.protocol import tensor
 
     async def read() -> tuple[Any, dict[str, Any]]:
         async with grpc.aio.insecure_channel(address) as channel:

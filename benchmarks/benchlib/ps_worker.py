@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.server.optimizers import UpdateRule
+from paramserver.core.optimizers import UpdateRule
 from paramserver.worker_client.client import WorkerClient
 
 KEY = "w"

@@ -37,12 +37,12 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from paramserver.core.aggregation import GradientUpdate
+from paramserver.core.consistency import WorkerRecord
+from paramserver.core.shard import PushResult, ServerCore
+from paramserver.core.store import ParameterStore
 from paramserver.errors import ParamServerError
-from paramserver.server.aggregation import GradientUpdate
-from paramserver.server.consistency import WorkerRecord
-from paramserver.server.core import PushResult, ServerCore
-from paramserver.server.cut import shard_manifest
-from paramserver.server.store import ParameterStore
+from paramserver.server.checkpoint_cut import shard_manifest
 
 logger = logging.getLogger(__name__)
 

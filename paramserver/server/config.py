@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from paramserver.core.consistency import Consistency, DeathPolicy
+from paramserver.core.sharding import parse_addresses
 from paramserver.errors import InvalidArgument
-from paramserver.memory import DEFAULT_RETAIN_BYTES, check_limit
-from paramserver.server.consistency import Consistency, DeathPolicy
-from paramserver.server.http_security import DEFAULT_METRICS_HOST
-from paramserver.sharding import parse_addresses
+from paramserver.security.http_access import DEFAULT_METRICS_HOST
+from paramserver.server.allocator import DEFAULT_RETAIN_BYTES, check_limit
 
 ENV_PREFIX = "PARAMSERVER_"
 AGGREGATIONS = ("mean", "sum", "weighted_mean")
@@ -69,10 +69,10 @@ class ServerConfig:
         use_uvloop: Run the daemon on uvloop when it is installed.
         mode: ``ps`` (parameter server, the default) or ``reduce`` (reduction server: workers
             submit per-layer gradients for a step and get the aggregate back; no parameters;
-            see :mod:`paramserver.server.reduction`).
+            see :mod:`paramserver.reduction.service`).
         reduce_strategy: ``reduce`` mode: ``synchronous``, ``asynchronous``,
             ``federated_average`` or ``gossip`` (the strategies of
-            :mod:`paramserver.server.aggregation`); ``aggregation`` is the reduction.
+            :mod:`paramserver.core.aggregation`); ``aggregation`` is the reduction.
         replicas_to_aggregate: ``synchronous``: aggregate once the first N active workers
             have sent (backup workers); None: every active worker.
         staleness_threshold: ``asynchronous``: largest accepted staleness, in steps.
@@ -83,7 +83,7 @@ class ServerConfig:
         shard_addresses: Comma-separated ``host:port`` of every shard in index order, as
             workers reach them (the shard map every shard serves); None: a single server.
         slice_bytes: Tensors above this many bytes are split into slices of it over the
-            shards (see :mod:`paramserver.sharding`).
+            shards (see :mod:`paramserver.core.sharding`).
         shard_map_epoch: Epoch of the shard map (bump it when the cluster is resharded).
         restore_from: Comma-separated checkpoint directories of an earlier cluster (any shard
             count): when ``checkpoint_dir`` holds no checkpoint yet, this shard's part of
@@ -96,16 +96,18 @@ class ServerConfig:
         metrics_tls_key: PEM private key of ``metrics_tls_cert``.
         shared_memory: Same-host data paths: accept workers' shared-memory segments for tensor
             bytes on the Session stream, and offer them the local-link socket for the Session
-            itself (:mod:`paramserver.server.local_link`). False: gRPC only, as between hosts.
+            itself (:mod:`paramserver.server.transports.link_service`). False: gRPC only, as
+            between hosts.
         tls_cert: PEM certificate the server presents; with ``tls_key`` the server speaks TLS
-            (see :mod:`paramserver.security`).
+            (see :mod:`paramserver.security.tls`).
         tls_key: PEM private key of ``tls_cert``.
         tls_ca: PEM CA bundle: require client certificates signed by it (mutual TLS).
         auth_tokens: File of ``ROLE TOKEN`` lines (roles ``worker``, ``admin``): every RPC but
             health and reflection then needs a bearer token.
         malloc_retain_bytes: glibc malloc keeps freed blocks below this many bytes in the
             process for reuse instead of returning them to the kernel (no fresh zeroed pages
-            for every round's buffers; see :mod:`paramserver.memory`); 0 keeps glibc's defaults.
+            for every round's buffers; see :mod:`paramserver.server.allocator`); 0 keeps glibc's
+            defaults.
             Applied by ``paramserver serve`` at process start (process-wide), not by a daemon
             started inside another program.
     """

@@ -1,4 +1,4 @@
-"""The one place that waits: asyncio around the pure :class:`~paramserver.server.core.ServerCore`.
+"""The one place that waits: asyncio around the pure :class:`~paramserver.core.shard.ServerCore`.
 
 Every mutation of the core is followed by :meth:`ServerEngine.notify`, which wakes the pulls that
 wait for a consistency condition; a lease reaper evicts workers whose lease lapsed. Every wait
@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterator
 
 from paramserver.api.v1 import wal_pb2 as wal_pb
+from paramserver.core.consistency import Admission, Consistency
+from paramserver.core.shard import ServerCore
 from paramserver.errors import (
     Aborted,
     ResourceExhausted,
@@ -22,12 +24,10 @@ from paramserver.errors import (
     Unavailable,
     WaitTimeout,
 )
+from paramserver.server.apply_threads import Offload
 from paramserver.server.config import ServerConfig
-from paramserver.server.consistency import Admission, Consistency
-from paramserver.server.core import ServerCore
-from paramserver.server.observe import ServingHooks, ShardObservations
-from paramserver.server.offload import Offload
-from paramserver.server.waiting import LeaseReaperBase
+from paramserver.server.observability.hooks import ServingHooks, ShardObservations
+from paramserver.server.wakeups import LeaseReaperBase
 from paramserver.server.wal import WriteAheadLog
 
 logger = logging.getLogger(__name__)

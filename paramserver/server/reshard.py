@@ -1,10 +1,11 @@
 """Restore a sharded cluster's checkpoints into a different number of shards.
 
-The checkpoints of S shards that share one ``cut_step`` (see :mod:`paramserver.server.cut`) form
+The checkpoints of S shards that share one ``cut_step`` (see
+:mod:`paramserver.server.checkpoint_cut`) form
 one consistent cut of the cluster. Resharding picks the newest cut every source shard has, loads
 and verifies those S checkpoints, merges them into the logical model (sliced tensors and their
 optimizer state reassembled bit-exactly from their slices), places the model on N shards under
-the same rule (:mod:`paramserver.sharding`), and writes one committed checkpoint per new shard:
+the same rule (:mod:`paramserver.core.sharding`), and writes one committed checkpoint per new shard:
 
     paramserver reshard --from ckpt/shard-0 ckpt/shard-1 ckpt/shard-2 --to-shards 2 --out new/
     # new/shard-0, new/shard-1: start shard i with --checkpoint-dir new/shard-i
@@ -33,14 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.errors import InvalidArgument, ParamServerError
-from paramserver.server.checkpoint import CheckpointError, CheckpointManager
-from paramserver.server.config import ServerConfig
-from paramserver.server.core import ServerCore
-from paramserver.server.optimizers import UpdateRule
-from paramserver.server.store import ParameterStore
-from paramserver.server.table_set import merge_table_states, split_table_states
-from paramserver.sharding import (
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.shard import ServerCore
+from paramserver.core.sharding import (
     DEFAULT_SLICE_BYTES,
     TensorLayout,
     decode_layout,
@@ -51,6 +47,11 @@ from paramserver.sharding import (
     parse_name,
     plan_layout,
 )
+from paramserver.core.store import ParameterStore
+from paramserver.core.table_set import merge_table_states, split_table_states
+from paramserver.errors import InvalidArgument, ParamServerError
+from paramserver.server.checkpoint import CheckpointError, CheckpointManager
+from paramserver.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def find_cut(sources: Sequence[Path | str], *, allow_inexact: bool = False) -> C
     Args:
         sources: One checkpoint directory per shard of the old cluster (any order), or
             directories holding ``shard-*`` subdirectories.
-        allow_inexact: Accept SSP/ASP cuts (see :mod:`paramserver.server.cut`).
+        allow_inexact: Accept SSP/ASP cuts (see :mod:`paramserver.server.checkpoint_cut`).
 
     Raises:
         ReshardError: shards missing or duplicated, or no cut common to all of them.

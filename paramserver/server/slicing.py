@@ -4,7 +4,7 @@ A request naming many keys (a 100,000-key push) must not hold the event loop for
 heartbeats would wait unread in the sockets and leases lapse while the workers are alive. Loops
 over the keys of one request yield to the event loop every :data:`SLICE_KEYS` keys
 (``await asyncio.sleep(0)``); work on many keys that cannot be interleaved runs in a worker
-thread (:data:`paramserver.server.offload.OFFLOAD_MIN_KEYS`).
+thread (:data:`paramserver.server.apply_threads.OFFLOAD_MIN_KEYS`).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from typing import Any, Final
 import numpy as np
 
 from paramserver.api.v1 import wal_pb2 as wal_pb
-from paramserver.rows_wire import spec_from_proto, spec_to_proto
-from paramserver.server.table_set import PreparedRowPush
-from paramserver.server.tables import TableSpec
+from paramserver.core.table_set import PreparedRowPush
+from paramserver.core.tables import TableSpec
+from paramserver.protocol.rows_wire import spec_from_proto, spec_to_proto
 
 __all__ = [
     "TABLE_RECORDS",
@@ -55,7 +55,7 @@ def record_expire_rows(table: str, now_s: float, clock: int) -> Any:
 
 
 def replay_table_record(core: Any, record: Any) -> None:
-    """Re-apply one table record to ``core`` (a :class:`~paramserver.server.core.ServerCore`).
+    """Re-apply one table record to ``core`` (a :class:`~paramserver.core.shard.ServerCore`).
 
     Raises:
         ParamServerError: the record does not re-apply (the caller wraps it in a WalError).

@@ -46,10 +46,10 @@ from typing import Any
 
 import numpy as np
 
-from paramserver import tensor
 from paramserver.api.v1 import tensor_pb2
 from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.errors import ParamServerError, StorageError, storage_error
+from paramserver.protocol import tensor
 
 logger = logging.getLogger(__name__)
 
@@ -374,8 +374,8 @@ def replay_into(
     Raises:
         WalError: a record that does not re-apply (the log and the checkpoint disagree).
     """
-    from paramserver.server.core import ServerCore
-    from paramserver.server.optimizers import UpdateRule
+    from paramserver.core.optimizers import UpdateRule
+    from paramserver.core.shard import ServerCore
     from paramserver.server.table_wal import TABLE_RECORDS, replay_table_record
 
     assert isinstance(core, ServerCore)

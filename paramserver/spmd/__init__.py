@@ -14,14 +14,22 @@ Public API::
 Modules: :mod:`~paramserver.spmd.layout` (layouts, tiers), :mod:`~paramserver.spmd.hashing`
 (sequence hashes), :mod:`~paramserver.spmd.planning` (pure validation/planning/merging),
 :mod:`~paramserver.spmd.pools` (G1/G2/G3 pools), :mod:`~paramserver.spmd.objects` (G4 store),
-:mod:`~paramserver.spmd.rank_server` (servicer + daemon), :mod:`~paramserver.spmd.client`,
-:mod:`~paramserver.spmd.workers` (the group), :mod:`~paramserver.spmd.notification`,
-:mod:`~paramserver.spmd.launcher`, :mod:`~paramserver.spmd.demo`, :mod:`~paramserver.spmd.cli`.
+:mod:`~paramserver.spmd.rank_server.service` (servicer + daemon),
+:mod:`~paramserver.spmd.rank_client`,
+:mod:`~paramserver.spmd.group` (the group), :mod:`~paramserver.spmd.notification`,
+:mod:`~paramserver.cli.demos.rank_launcher`, :mod:`~paramserver.cli.demos.spmd_demo`,
+:mod:`~paramserver.cli.rank`.
 """
 
 from __future__ import annotations
 
-from paramserver.spmd.errors import (
+from paramserver.spmd.group import ObjectKeys, RemoteDescriptor, RemoteLayout, SpmdParallelWorkers
+from paramserver.spmd.hashing import content_hash, object_key, sequence_hash, sequence_hashes
+from paramserver.spmd.layout import Layout, Tier
+from paramserver.spmd.notification import TransferCompleteNotification, TransferResult
+from paramserver.spmd.objects import FilesystemObjectStore, ObjectStore
+from paramserver.spmd.planning import KeyOutcome, KeyPresence, Placement, RankTransferResult
+from paramserver.spmd.transfer_errors import (
     BlockNotValid,
     BlocksBusy,
     CommandTimeout,
@@ -32,12 +40,6 @@ from paramserver.spmd.errors import (
     TierNotRegistered,
     TransferFailed,
 )
-from paramserver.spmd.hashing import content_hash, object_key, sequence_hash, sequence_hashes
-from paramserver.spmd.layout import Layout, Tier
-from paramserver.spmd.notification import TransferCompleteNotification, TransferResult
-from paramserver.spmd.objects import FilesystemObjectStore, ObjectStore
-from paramserver.spmd.planning import KeyOutcome, KeyPresence, Placement, RankTransferResult
-from paramserver.spmd.workers import ObjectKeys, RemoteDescriptor, RemoteLayout, SpmdParallelWorkers
 
 __all__ = [
     "BlockNotValid",

@@ -4,7 +4,8 @@
 The group starts one task per rank; :class:`TransferCompleteNotification` completes only when
 *every* rank task has finished — successfully, with a refusal, with a timeout, or because the
 rank server died — and then either succeeds with every rank's result or fails with
-:class:`~paramserver.spmd.errors.TransferFailed` carrying the error of **every** failing rank
+:class:`~paramserver.spmd.transfer_errors.TransferFailed` carrying the error of **every** failing
+rank
 (each naming its rank) and the results of the ranks that succeeded. It never waits on a rank
 forever: every rank call carries the command's deadline.
 """
@@ -18,8 +19,8 @@ from collections.abc import Generator, Mapping
 from typing import Any
 
 from paramserver.errors import ParamServerError
-from paramserver.spmd.errors import TransferFailed
 from paramserver.spmd.planning import RankTransferResult
+from paramserver.spmd.transfer_errors import TransferFailed
 
 __all__ = ["TransferCompleteNotification", "TransferResult"]
 
@@ -48,7 +49,7 @@ class TransferCompleteNotification:
     """Awaitable, pollable merged completion of one transfer over all ranks.
 
     ``await notification`` returns a :class:`TransferResult` or raises
-    :class:`~paramserver.spmd.errors.TransferFailed`; :meth:`poll` does the same without
+    :class:`~paramserver.spmd.transfer_errors.TransferFailed`; :meth:`poll` does the same without
     waiting (``None`` while ranks are still running). Created by the group inside the running
     loop; never constructed at import time.
 

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from paramserver.spmd.errors import ObjectNotFound
+from paramserver.spmd.transfer_errors import ObjectNotFound
 
 __all__ = ["FilesystemObjectStore", "ObjectStore", "ObjectWriter"]
 

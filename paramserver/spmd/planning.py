@@ -26,8 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from paramserver.errors import InvalidArgument, ParamServerError
-from paramserver.spmd.errors import BlocksBusy, TierNotRegistered
 from paramserver.spmd.layout import Layout, Tier
+from paramserver.spmd.transfer_errors import BlocksBusy, TierNotRegistered
 
 __all__ = [
     "BlockReservations",

@@ -11,7 +11,7 @@ event loop thread touches ``valid``.
 * :class:`DiskPool` (G3) is one preallocated file; blocks are moved with ``os.preadv`` /
   ``os.pwrite`` at ``block_id * bytes_per_block``. The file is removed on close.
 * :class:`DevicePool` (G1) exists only where PyTorch sees a CUDA GPU; elsewhere
-  :func:`make_device_pool` raises :class:`~paramserver.spmd.errors.TierNotRegistered`.
+  :func:`make_device_pool` raises :class:`~paramserver.spmd.transfer_errors.TierNotRegistered`.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from paramserver.spmd.errors import TierNotRegistered
 from paramserver.spmd.faults import Faults
 from paramserver.spmd.layout import Layout, Tier
 from paramserver.spmd.planning import Run
+from paramserver.spmd.transfer_errors import TierNotRegistered
 
 __all__ = [
     "COPY_CHUNK_BYTES",

@@ -14,7 +14,8 @@ request id, so the server applies it at most once.
 Pushes and pulls travel over one persistent ``Session`` stream per client (opened on first use,
 reopened after a broken link): small tensors inline, larger ones through shared memory when the
 server is on the same host (negotiated automatically), otherwise over the chunked Push/Pull
-streams (see :mod:`paramserver.worker_client.fastpath`). :meth:`WorkerClient.push_pull` pushes and
+streams (see :mod:`paramserver.worker_client.transports.session_stream`).
+:meth:`WorkerClient.push_pull` pushes and
 pulls in one round trip. Retries use exponential backoff with full
 jitter up to a deadline. A background task renews the lease every quarter lease. No channel is
 cached across event loops: the channel is created in ``__aenter__`` on the running loop.
@@ -33,10 +34,10 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from paramserver import shm, tensor, wire
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.api.v1 import tensor_pb2
+from paramserver.core.optimizers import UpdateRule
 from paramserver.errors import (
     REFUSAL_METADATA_KEY,
     AlreadyExists,
@@ -46,14 +47,14 @@ from paramserver.errors import (
     WaitTimeout,
     WorkerNotFound,
 )
-from paramserver.security import ClientSecurity
-from paramserver.server.optimizers import UpdateRule
+from paramserver.protocol import shm, tensor, wire
+from paramserver.security.tls import ClientSecurity
 from paramserver.worker_client.compression import Compression, GradientCompressor, WirePart
-from paramserver.worker_client.fastpath import Fallback, FastPath
+from paramserver.worker_client.embedding import TableClientMixin
+from paramserver.worker_client.lifecycle import ServiceSession
 from paramserver.worker_client.pull_buffers import DEFAULT_MAX_BYTES, PullBuffers
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
-from paramserver.worker_client.session import ServiceSession
-from paramserver.worker_client.tables import TableClientMixin
+from paramserver.worker_client.transports.session_stream import Fallback, FastPath
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ class PushAck:
 
 class ParameterServerStub(pb_grpc.ParameterServerStub):  # type: ignore[misc]
     """The generated stub, with Push requests written and Pull responses read by
-    :mod:`paramserver.wire` (tensor frames without protobuf copies of their payload; the same
+    :mod:`paramserver.protocol.wire` (tensor frames without protobuf copies of their payload; the
+    same
     bytes on the wire, so either end may be a plain protobuf peer)."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
@@ -137,7 +139,8 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             its state, or evicted the worker), register again under the same name and carry
             on from the cluster's current clock. A fenced worker is never re-registered.
         channel_options: Extra grpc channel options.
-        security: TLS / mutual TLS and bearer token (:class:`paramserver.security.ClientSecurity`);
+        security: TLS / mutual TLS and bearer token
+        (:class:`paramserver.security.tls.ClientSecurity`);
             None: plain text, no token.
         session: Send pushes and pulls over one persistent Session stream (False: one Push or
             Pull stream per call, as before).
@@ -148,7 +151,8 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         shared_memory_dir: Directory of the segments (default ``/dev/shm``; the server must
             see the same directory, which is how another host or container is told apart).
         local_link: With ``shared_memory``, move the Session onto the server's local-link
-            socket when it is on the same host (:mod:`paramserver.server.local_link`: the same
+            socket when it is on the same host (:mod:`paramserver.server.transports.link_service`:
+            the same
             messages without gRPC's per-message cost); unreachable or refused, the session
             stays on gRPC silently.
         recycle_pull_buffers: Receive a key's pulled value into the memory of one of the
@@ -561,7 +565,8 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
                 yield pb.PushRequest(header=header())
                 for key, key_parts in parts.items():
                     for part in key_parts:
-                        # Wire bytes of the frames (paramserver.wire: the payload copied once).
+                        # Wire bytes of the frames (paramserver.protocol.wire: the payload copied
+                        # once).
                         for frame in tensor.encode_frame_bytes(
                             key,
                             part.array,
@@ -831,9 +836,9 @@ def connect(address: str, worker_name: str, **kwargs: Any) -> WorkerClient:
 
     ``address`` may be any shard of a sharded cluster: the session asks it for the shard map
     on open and routes every call over the shards (see
-    :class:`paramserver.worker_client.sharded.ClusterWorkerClient`; ``discover=False`` talks
+    :class:`paramserver.worker_client.cluster.ClusterWorkerClient`; ``discover=False`` talks
     to ``address`` alone). Other keyword arguments are those of :class:`WorkerClient`.
     """
-    from paramserver.worker_client.sharded import ClusterWorkerClient
+    from paramserver.worker_client.cluster import ClusterWorkerClient
 
     return ClusterWorkerClient(address, worker_name, **kwargs)

@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 import numpy as np
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.tables import TableSpec
 from paramserver.errors import WaitTimeout
-from paramserver.server.optimizers import UpdateRule
-from paramserver.server.tables import TableSpec
 from paramserver.worker_client.client import PushAck, WorkerClient, connect
-from paramserver.worker_client.tables import RowPushAck
+from paramserver.worker_client.embedding import RowPushAck
 
 T = TypeVar("T")
 

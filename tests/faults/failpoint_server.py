@@ -19,7 +19,8 @@ the directory, directory fsync, pruning, WAL truncation. ``POINT`` picks where t
 ``committed``
     right after the rename (before the directory fsync, pruning and WAL truncation).
 
-Everything else is the real daemon (``paramserver.cli.main``), so the crash is a real SIGKILL of a
+Everything else is the real daemon (``paramserver.cli.main.main``), so the crash is a real SIGKILL
+of a
 real server process at a known point, independent of how fast this host writes files.
 """
 
@@ -80,6 +81,6 @@ def install(point: str) -> None:
 
 if __name__ == "__main__":
     install(sys.argv[1])
-    from paramserver.cli import main
+    from paramserver.cli.main import main
 
     sys.exit(main(sys.argv[2:]))

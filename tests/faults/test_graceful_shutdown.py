@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 from integration import case_stubs as raw
 
-from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import Unavailable
+from paramserver.protocol import tensor
 from paramserver.worker_client import RetryPolicy, UpdateRule, connect
 
 from .helpers import Server, report, status, verify_checkpoint

@@ -1,7 +1,8 @@
 """Raw-stub helpers for the case tests: hand-built frames, an independent decoder, Status.
 
 The encoder and decoder here are written from the wire format in ``tensor.proto`` (raw
-little-endian C-order bytes, header in frame 0 only), not with :mod:`paramserver.tensor`, so a
+little-endian C-order bytes, header in frame 0 only), not with :mod:`paramserver.protocol.tensor`,
+so a
 test that uses them checks the product's codec against an independent one.
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.api.v1 import tensor_pb2
-from paramserver.server.optimizers import UpdateRule
+from paramserver.core.optimizers import UpdateRule
 
 WIRE_DTYPES: dict[int, np.dtype[Any]] = {
     tensor_pb2.DTYPE_FLOAT16: np.dtype("<f2"),

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from paramserver.server.config import ServerConfig
-from paramserver.server.daemon import ParameterServerDaemon
+from paramserver.server.serving import ParameterServerDaemon
 
 
 @asynccontextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paramserver.worker_client.reduction import connect_reduction
+from paramserver.reduction.reduce_client import connect_reduction
 
 
 def _write_atomic(path: str, text: str) -> None:

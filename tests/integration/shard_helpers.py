@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from paramserver.core.sharding import ShardMap
 from paramserver.server.config import ServerConfig
-from paramserver.server.daemon import ParameterServerDaemon
-from paramserver.sharding import ShardMap
+from paramserver.server.serving import ParameterServerDaemon
 from paramserver.worker_client import UpdateRule, connect
 from paramserver.worker_client.client import WorkerClient
 

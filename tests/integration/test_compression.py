@@ -11,11 +11,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.api.v1 import tensor_pb2
 from paramserver.errors import InvalidArgument
+from paramserver.protocol import tensor
 from paramserver.worker_client import UpdateRule, connect
 from paramserver.worker_client.compression import Cast, TopK
 

@@ -87,7 +87,7 @@ def test_bad_configuration_exits_2_with_a_clear_message() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning")
 def test_serve_keeps_freed_memory_unless_told_not_to(tmp_path: Path) -> None:
-    from paramserver.memory import _glibc
+    from paramserver.server.allocator import _glibc
 
     if _glibc() is None:
         pytest.skip("needs glibc")

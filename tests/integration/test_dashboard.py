@@ -17,10 +17,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from paramserver.server.metrics import auth_refusal_counter
+from paramserver.server.observability.prometheus import auth_refusal_counter
 from paramserver.spmd import SpmdParallelWorkers, Tier
 from paramserver.spmd.layout import Layout
-from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
+from paramserver.spmd.rank_server.service import RankServerConfig, start_rank_server
 from paramserver.worker_client import UpdateRule, connect
 
 from .dashboard_helpers import get, get_json

@@ -209,10 +209,10 @@ def test_sharded_rank_and_reduction_pages_render_without_errors(tmp_path: Path) 
 async def _other_pages(tmp_path: Path) -> None:
     import numpy as np
 
-    from paramserver.sharding import home_shard
+    from paramserver.core.sharding import home_shard
     from paramserver.spmd import SpmdParallelWorkers, Tier
     from paramserver.spmd.layout import Layout
-    from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
+    from paramserver.spmd.rank_server.service import RankServerConfig, start_rank_server
     from paramserver.worker_client import UpdateRule, connect
 
     from .shard_helpers import running_cluster

@@ -18,11 +18,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from paramserver import tensor
 from paramserver.api.v1 import reduction_pb2 as pb
 from paramserver.api.v1 import reduction_pb2_grpc as pb_grpc
 from paramserver.errors import FailedPrecondition, InvalidArgument
-from paramserver.worker_client.gossip import GossipWorker
+from paramserver.protocol import tensor
+from paramserver.reduction.gossip_worker import GossipWorker
 
 from .ps_helpers import running_server
 

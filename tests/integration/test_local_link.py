@@ -1,4 +1,5 @@
-"""The same-host local link (paramserver.server.local_link): a Session moved off gRPC onto a
+"""The same-host local link (paramserver.server.transports.link_service): a Session moved off gRPC
+onto a
 ticketed Unix socket. Real servers on 127.0.0.1, real sockets; values checked against numpy.
 """
 
@@ -11,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
-from paramserver.server import local_link
-from paramserver.server.daemon import ParameterServerDaemon
+from paramserver.protocol import tensor
+from paramserver.server.serving import ParameterServerDaemon
+from paramserver.server.transports import link_service as local_link
 from paramserver.worker_client import UpdateRule, WorkerClient
 
 from .ps_helpers import eventually, running_server

@@ -25,14 +25,14 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import InvalidArgument
-from paramserver.server import local_link
+from paramserver.protocol import tensor
+from paramserver.server.transports import link_service as local_link
 from paramserver.spmd import SpmdParallelWorkers, Tier
 from paramserver.spmd.layout import Layout
-from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
+from paramserver.spmd.rank_server.service import RankServerConfig, start_rank_server
 from paramserver.worker_client import UpdateRule, WorkerClient, connect
 
 from .ps_helpers import ServerProcess, running_server
@@ -392,7 +392,7 @@ def test_rank_server_metrics_count_the_bytes_moved(tmp_path: Path, loop_name: st
         finally:
             await handle.stop(0.5)
 
-    from paramserver.spmd.cli import run_event_loop
+    from paramserver.cli.rank import run_event_loop
 
     scraped = run_event_loop(body(), loop_name)
     labels = {"direction": "local", "src_tier": "G2", "dst_tier": "G3", "path": "local"}
@@ -407,7 +407,7 @@ def test_rank_server_metrics_count_the_bytes_moved(tmp_path: Path, loop_name: st
 def test_json_formatter_keeps_extra_fields() -> None:
     import logging
 
-    from paramserver.logs import JsonFormatter, resolve_log_format
+    from paramserver.cli.logs import JsonFormatter, resolve_log_format
 
     record = logging.LogRecord("paramserver.x", logging.WARNING, __file__, 1, "a %s", ("b",), None)
     record.worker = "w0"

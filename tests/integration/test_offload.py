@@ -1,4 +1,4 @@
-"""Big pushes applied and big pulls copied in worker threads (paramserver.server.offload).
+"""Big pushes applied and big pulls copied in worker threads (paramserver.server.apply_threads).
 
 Several clients push and pull two keys above the offload threshold at once, over real gRPC.
 Every legal value is known in closed form: ``a`` (rule ``add``, gradients of ones) is a

@@ -1,4 +1,4 @@
-"""paramserver on a real 2-node Ray cluster on this machine (``paramserver.ray``).
+"""paramserver on a real 2-node Ray cluster on this machine (``paramserver.integrations.ray``).
 
 The cluster is two ``ray start`` nodes, 127.0.0.2 (head) and 127.0.0.3, started and stopped by
 PID (:mod:`integration.ray_cluster`; never ``ray stop``). The shards are Ray actors in a SPREAD
@@ -31,7 +31,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the Ray tests need Ray: pip install 'paramserver[ray]'")
 
 from integration.ray_cluster import HEAD_IP, NODE_IP, LocalRayCluster, live  # noqa: E402
-from paramserver.ray import DigitsJob, RayJobConfig, RayShardGroup  # noqa: E402
+from paramserver.integrations.ray import DigitsJob, RayJobConfig, RayShardGroup  # noqa: E402
 from paramserver.worker_client import UpdateRule  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from paramserver.errors import DimensionMismatch, InvalidArgument, WaitTimeout
-from paramserver.worker_client.reduction import ReductionClient, connect_reduction
+from paramserver.reduction.reduce_client import ReductionClient, connect_reduction
 
 from .ps_helpers import ServerProcess, eventually, running_server
 

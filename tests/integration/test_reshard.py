@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from paramserver.server.config import ServerConfig
-from paramserver.server.daemon import ParameterServerDaemon
 from paramserver.server.reshard import ReshardError
+from paramserver.server.serving import ParameterServerDaemon
 
 from .ps_helpers import running_server
 from .shard_helpers import run_job, running_cluster

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from paramserver import tensor
 from paramserver.errors import DimensionMismatch
+from paramserver.protocol import tensor
 from paramserver.worker_client import UpdateRule, connect
 
 from .ps_helpers import ServerProcess

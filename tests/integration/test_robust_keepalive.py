@@ -1,6 +1,6 @@
 """HTTP/2 keepalive (issue 19, item 4): a client pinging every 10 s survives a 90 s silent
 BSP wait; the server's ping policy is documented in docs/robustness.md and
-``paramserver/keepalive.py``."""
+``paramserver/protocol/keepalive.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paramserver.keepalive import CLIENT_KEEPALIVE_OPTIONS, SERVER_KEEPALIVE_OPTIONS
+from paramserver.protocol.keepalive import CLIENT_KEEPALIVE_OPTIONS, SERVER_KEEPALIVE_OPTIONS
 from paramserver.worker_client import UpdateRule, connect
 from paramserver.worker_client.retry import RetryPolicy
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
-from paramserver.server import local_link
+from paramserver.server.transports import link_service as local_link
 from paramserver.worker_client import UpdateRule
 from paramserver.worker_client.client import WorkerClient
 

@@ -31,16 +31,16 @@ from paramserver.api.v1 import (
     spmd_pb2_grpc,
     tensor_pb2,
 )
+from paramserver.cli.ops import check_health
 from paramserver.errors import MalformedStream, PermissionDenied, Unauthenticated
-from paramserver.security import ClientSecurity, ServerSecurity, open_channel, peer_security
-from paramserver.server.ops import check_health
+from paramserver.reduction.gossip_worker import GossipWorker
+from paramserver.reduction.reduce_client import connect_reduction
+from paramserver.security.tls import ClientSecurity, ServerSecurity, open_channel, peer_security
 from paramserver.spmd import RankFailures, RemoteLayout, SpmdParallelWorkers, Tier
-from paramserver.spmd.client import RankClient
 from paramserver.spmd.layout import Layout
-from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
+from paramserver.spmd.rank_client import RankClient
+from paramserver.spmd.rank_server.service import RankServerConfig, start_rank_server
 from paramserver.worker_client import UpdateRule, connect
-from paramserver.worker_client.gossip import GossipWorker
-from paramserver.worker_client.reduction import connect_reduction
 
 from .ps_helpers import ServerProcess, running_server
 from .shard_helpers import running_cluster
@@ -223,12 +223,12 @@ async def test_refusals_are_logged_with_method_and_peer_never_the_token(
 ) -> None:
     wrong = "s3cret-but-wrong-" + tokens.worker[:8]
     async with running_server(auth_tokens=tokens.path) as srv:
-        with caplog.at_level(logging.WARNING, logger="paramserver.security"):
+        with caplog.at_level(logging.WARNING, logger="paramserver.security.tls"):
             await call_every_method(srv.address, _only(PS, "Pull"), ClientSecurity(token=wrong))
             await call_every_method(
                 srv.address, _only(PS, "Checkpoint"), ClientSecurity(token=tokens.worker)
             )
-    records = [r.getMessage() for r in caplog.records if r.name == "paramserver.security"]
+    records = [r.getMessage() for r in caplog.records if r.name == "paramserver.security.tls"]
     assert len(records) == 2, records
     assert "/paramserver.api.v1.ParameterServer/Pull" in records[0]
     assert "UNAUTHENTICATED" in records[0] and "127.0.0.1" in records[0]

@@ -22,7 +22,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from paramserver import shm, tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import (
@@ -32,8 +31,9 @@ from paramserver.errors import (
     ParamServerError,
     StaleUpdate,
 )
-from paramserver.server.daemon import ParameterServerDaemon
-from paramserver.server.session_service import SMALL_INLINE_BYTES
+from paramserver.protocol import shm, tensor
+from paramserver.server.serving import ParameterServerDaemon
+from paramserver.server.transports.session_service import SMALL_INLINE_BYTES
 from paramserver.worker_client import UpdateRule, WorkerClient
 
 from .ps_helpers import ServerProcess, eventually, running_server
@@ -386,7 +386,7 @@ async def test_broken_session_retries_with_the_same_request_id_exactly_once() ->
 _WORKER = textwrap.dedent(
     """
     import asyncio, sys, numpy as np
-    from paramserver import shm
+    from paramserver.protocol import shm
     from paramserver.worker_client import UpdateRule, WorkerClient
 
     async def main(address, mode):

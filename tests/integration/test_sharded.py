@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.cli.demos.local_cluster import start_servers, stop_servers
+from paramserver.cli.ops import check_health
+from paramserver.core.sharding import home_shard, layout_key, parse_name
 from paramserver.errors import InvalidArgument, KeyNotFound, NonFiniteGradient
-from paramserver.server.ops import check_health
-from paramserver.sharding import home_shard, layout_key, parse_name
 from paramserver.worker_client import UpdateRule, connect, connect_sync
-from paramserver.worker_client.local_cluster import start_servers, stop_servers
-from paramserver.worker_client.sharded import ClusterWorkerClient, fetch_shard_map
+from paramserver.worker_client.cluster import ClusterWorkerClient, fetch_shard_map
 
 from .ps_helpers import running_server
 from .shard_helpers import job_params, run_job, running_cluster

@@ -27,6 +27,8 @@ import grpc
 import numpy as np
 import pytest
 
+from paramserver.cli.demos.rank_launcher import RankServerCluster, async_wait_for
+from paramserver.cli.rank import run_event_loop
 from paramserver.errors import FailedPrecondition, InvalidArgument, KeyNotFound
 from paramserver.spmd import (
     ObjectKeys,
@@ -36,10 +38,8 @@ from paramserver.spmd import (
     content_hash,
     sequence_hashes,
 )
-from paramserver.spmd.cli import run_event_loop
-from paramserver.spmd.client import RankClient
-from paramserver.spmd.launcher import RankServerCluster, async_wait_for
 from paramserver.spmd.layout import Layout
+from paramserver.spmd.rank_client import RankClient
 
 pytestmark = pytest.mark.slow
 
@@ -463,7 +463,7 @@ def test_put_batch_stores_new_keys_and_reports_existing_ones(
 WRITER = """
 import asyncio, sys
 from paramserver.api.v1 import spmd_pb2
-from paramserver.spmd.client import RankClient
+from paramserver.spmd.rank_client import RankClient
 
 async def main(address, key):
     async with RankClient(address, 0) as c:

@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import spmd_pb2
+from paramserver.cli.demos.rank_launcher import RankServerCluster, wait_for
+from paramserver.cli.rank import run_event_loop
 from paramserver.errors import FailedPrecondition, InvalidArgument, KeyNotFound, ParamServerError
 from paramserver.spmd import (
     RankFailures,
@@ -34,10 +36,8 @@ from paramserver.spmd import (
     TransferFailed,
     sequence_hashes,
 )
-from paramserver.spmd.cli import run_event_loop
-from paramserver.spmd.client import RankClient
-from paramserver.spmd.launcher import RankServerCluster, wait_for
 from paramserver.spmd.layout import Layout
+from paramserver.spmd.rank_client import RankClient
 
 pytestmark = pytest.mark.slow
 
@@ -514,8 +514,8 @@ def test_import_creates_no_asyncio_objects_and_uvloop_after_import_works(
 ) -> None:
     code = f"""
 import asyncio, sys
-import paramserver.spmd, paramserver.spmd.rank_server, paramserver.spmd.workers
-import paramserver.spmd.cli, paramserver.spmd.demo
+import paramserver.spmd, paramserver.spmd.rank_server.service, paramserver.spmd.group
+import paramserver.cli.rank, paramserver.cli.demos.spmd_demo
 policy = asyncio.get_event_loop_policy()
 assert policy._local._loop is None, "a loop was created at import"
 import uvloop

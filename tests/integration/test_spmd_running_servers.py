@@ -24,13 +24,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from paramserver.cli.demos.rank_launcher import RankServerCluster, wait_serving
+from paramserver.cli.rank import run_event_loop
 from paramserver.errors import InvalidArgument, ResourceExhausted
 from paramserver.spmd import SpmdParallelWorkers
-from paramserver.spmd.cli import run_event_loop
-from paramserver.spmd.launcher import RankServerCluster, wait_serving
 from paramserver.spmd.layout import Layout
 from paramserver.spmd.objects import FilesystemObjectStore, _FsWriter
-from paramserver.spmd.rank_server import SERVICE_NAME, RankServerConfig, start_rank_server
+from paramserver.spmd.rank_server.service import SERVICE_NAME, RankServerConfig, start_rank_server
 
 pytestmark = pytest.mark.slow
 

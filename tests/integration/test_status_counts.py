@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paramserver.server.status_view import render_status
+from paramserver.server.observability.status_table import render_status
 from paramserver.worker_client import UpdateRule, WorkerClient
 
 from .ps_helpers import running_server

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paramserver.errors import InvalidArgument, KeyNotFound, WaitTimeout
-from paramserver.server.tables import (
+from paramserver.core.tables import (
     EmbeddingTable,
     Initializer,
     TableRule,
     TableSpec,
 )
+from paramserver.errors import InvalidArgument, KeyNotFound, WaitTimeout
 from paramserver.worker_client import UpdateRule, connect
 
 from .ps_helpers import ServerProcess, running_server

@@ -19,7 +19,7 @@ from paramserver.api.v1 import parameter_server_pb2 as pb  # noqa: E402
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc  # noqa: E402
 from paramserver.api.v1 import tensor_pb2  # noqa: E402
 from paramserver.errors import InvalidArgument  # noqa: E402
-from paramserver.torch_adapter import (  # noqa: E402
+from paramserver.integrations.torch import (  # noqa: E402
     TorchWorker,
     init_from_module,
     load_parameters,

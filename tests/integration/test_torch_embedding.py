@@ -8,13 +8,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from paramserver.server.tables import Initializer, TableRule, TableSpec, initial_rows
+from paramserver.core.tables import Initializer, TableRule, TableSpec, initial_rows
 from paramserver.worker_client import connect, connect_sync
 
 from .ps_helpers import running_server
 
 torch = pytest.importorskip("torch")
-from paramserver.torch_adapter import RemoteEmbedding, RemoteEmbeddingBag  # noqa: E402
+from paramserver.integrations.torch import RemoteEmbedding, RemoteEmbeddingBag  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

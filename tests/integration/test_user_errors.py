@@ -23,15 +23,15 @@ from cryptography.hazmat.primitives import serialization
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from paramserver.cli import main as cli_main
+from paramserver.cli.demos.local_cluster import free_ports
+from paramserver.cli.main import main as cli_main
 from paramserver.errors import TLS_MISMATCH_HINT, InvalidArgument, Unavailable, from_rpc_error
-from paramserver.security import ClientSecurity, ServerSecurity, TokenTable, peer_security
+from paramserver.security.tls import ClientSecurity, ServerSecurity, TokenTable, peer_security
 from paramserver.server.config import ServerConfig
-from paramserver.server.daemon import ParameterServerDaemon
-from paramserver.server.metrics import MetricsServer
-from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
+from paramserver.server.observability.prometheus import MetricsServer
+from paramserver.server.serving import ParameterServerDaemon
+from paramserver.spmd.rank_server.service import RankServerConfig, start_rank_server
 from paramserver.worker_client import UpdateRule, connect, connect_sync
-from paramserver.worker_client.local_cluster import free_ports
 
 from .ps_helpers import ServerProcess, running_server
 from .tls_helpers import Pki, make_pki, make_tokens

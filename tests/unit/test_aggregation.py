@@ -1,4 +1,4 @@
-"""Unit tests of :mod:`paramserver.server.aggregation` (issue #3, docs/semantics.md "Aggregation").
+"""Unit tests of :mod:`paramserver.core.aggregation` (issue #3, docs/semantics.md "Aggregation").
 
 Expected values are derived by hand (closed forms in comments) or computed with numpy in the
 test; never copied from the code's output.
@@ -25,15 +25,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from paramserver.errors import (
-    DimensionMismatch,
-    FailedPrecondition,
-    InvalidArgument,
-    NonFiniteGradient,
-    StaleUpdate,
-    WorkerNotFound,
-)
-from paramserver.server.aggregation import (
+from paramserver.core.aggregation import (
     AggregatedGradient,
     Asynchronous,
     DistributedOptimizer,
@@ -43,6 +35,14 @@ from paramserver.server.aggregation import (
     OptimizerStats,
     Synchronous,
     accumulation_dtype,
+)
+from paramserver.errors import (
+    DimensionMismatch,
+    FailedPrecondition,
+    InvalidArgument,
+    NonFiniteGradient,
+    StaleUpdate,
+    WorkerNotFound,
 )
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from paramserver.core.aggregation import DistributedOptimizer, GradientUpdate, Synchronous
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.shard import ServerCore
 from paramserver.errors import DimensionMismatch
-from paramserver.server.aggregation import DistributedOptimizer, GradientUpdate, Synchronous
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
-from paramserver.server.core import ServerCore
-from paramserver.server.optimizers import UpdateRule
 
 pytestmark = pytest.mark.timeout(30)
 

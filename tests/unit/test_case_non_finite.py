@@ -9,10 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.shard import ServerCore
 from paramserver.errors import InvalidArgument, NonFiniteGradient
 from paramserver.server.config import ServerConfig
-from paramserver.server.core import ServerCore
-from paramserver.server.optimizers import UpdateRule
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.shard import DEDUP_WINDOW, ServerCore
 from paramserver.errors import FailedPrecondition, NonFiniteGradient
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
-from paramserver.server.core import DEDUP_WINDOW, ServerCore
-from paramserver.server.optimizers import UpdateRule
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,11 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.shard import ServerCore
 from paramserver.server import checkpoint as ckpt_mod
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
-from paramserver.server.core import ServerCore
-from paramserver.server.optimizers import UpdateRule
 
 
 def _trained_core(consistency: str = "asp") -> ServerCore:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import paramserver
-from paramserver.cli import build_parser
-from paramserver.worker_client.training import compression_note
+from paramserver.cli.demos.digits import compression_note
+from paramserver.cli.main import build_parser
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import tensor_pb2
+from paramserver.core.decompress import Encoded, decode
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.store import ParameterStore
 from paramserver.errors import DimensionMismatch, InvalidArgument, KeyNotFound, MalformedStream
-from paramserver.server.decompress import Encoded, decode
-from paramserver.server.optimizers import UpdateRule
-from paramserver.server.store import ParameterStore
 from paramserver.worker_client.compression import Cast, GradientCompressor, TopK
 
 

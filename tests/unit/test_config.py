@@ -57,7 +57,7 @@ def test_bad_values_name_the_setting(env: dict[str, str], fragment: str) -> None
 
 
 def test_bsp_forces_zero_staleness_in_the_core() -> None:
-    from paramserver.server.core import ServerCore
+    from paramserver.core.shard import ServerCore
 
     core = ServerCore(ServerConfig(consistency="bsp", staleness=4))
     assert core.cluster.staleness == 0

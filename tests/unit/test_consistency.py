@@ -18,6 +18,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from paramserver.core.consistency import ClusterState, Consistency, DeathPolicy
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.shard import ServerCore
 from paramserver.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -25,9 +28,6 @@ from paramserver.errors import (
     WorkerNotFound,
 )
 from paramserver.server.config import ServerConfig
-from paramserver.server.consistency import ClusterState, Consistency, DeathPolicy
-from paramserver.server.core import ServerCore
-from paramserver.server.optimizers import UpdateRule
 
 pytestmark = pytest.mark.timeout(60)
 

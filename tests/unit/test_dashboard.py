@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from paramserver.server.dashboard import ASSETS, Dashboard, asset
-from paramserver.server.metrics import PromServingHooks
+from paramserver.server.observability.dashboard import ASSETS, Dashboard, asset
+from paramserver.server.observability.prometheus import PromServingHooks
 
 
 class Clock:

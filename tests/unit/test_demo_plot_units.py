@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paramserver.worker_client.training import consistency_list
+from paramserver.cli.demos.digits import consistency_list
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,7 +37,7 @@ def test_plot_writes_a_png_with_one_line_per_curve(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from paramserver.worker_client.plot import plot_accuracy_curves
+    from paramserver.cli.demos.plot import plot_accuracy_curves
 
     curves = {
         "bsp": [(0.0, 0.1), (1.0, 0.8), (2.0, 0.95)],
@@ -53,7 +53,7 @@ def test_plot_writes_a_png_with_one_line_per_curve(tmp_path: Path) -> None:
 
 
 def test_plot_refuses_empty_input(tmp_path: Path) -> None:
-    from paramserver.worker_client.plot import plot_accuracy_curves
+    from paramserver.cli.demos.plot import plot_accuracy_curves
 
     with pytest.raises(ValueError, match="no curves"):
         plot_accuracy_curves({}, tmp_path / "x.png")

@@ -1,4 +1,4 @@
-"""Unit tests of push-sum gossip averaging (:mod:`paramserver.server.gossip`, issue #3).
+"""Unit tests of push-sum gossip averaging (:mod:`paramserver.core.push_sum`, issue #3).
 
 Source of the algorithm: Kempe, Dobra and Gehrke, FOCS 2003. Expected values are the numpy mean
 of the initial values; the round bounds were measured over 2000 seeds (fanout 1: at most 48
@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from paramserver.core.aggregation import DistributedOptimizer, GossipAverage
+from paramserver.core.push_sum import GossipRound, PushSumMessage, PushSumNode
 from paramserver.errors import InvalidArgument, WorkerNotFound
-from paramserver.server.aggregation import DistributedOptimizer, GossipAverage
-from paramserver.server.gossip import GossipRound, PushSumMessage, PushSumNode
 
 TOLERANCE = 1e-6
 ROUND_BOUND = {1: 60, 2: 40}

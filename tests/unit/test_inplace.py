@@ -17,18 +17,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from paramserver import tensor
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tensor_pb2
-from paramserver.errors import InvalidArgument
-from paramserver.server.optimizers import (
+from paramserver.core.optimizers import (
     BLOCK_ELEMENTS,
     UpdateRule,
     apply_update,
     init_state,
     thread_workspace,
 )
-from paramserver.server.store import ParameterStore, count_non_finite
+from paramserver.core.store import ParameterStore, count_non_finite
+from paramserver.errors import InvalidArgument
+from paramserver.protocol import tensor
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,5 @@
-"""paramserver.memory: freed large blocks stay in the process (counted in page faults), the
+"""paramserver.server.allocator: freed large blocks stay in the process (counted in page faults),
+the
 user's own glibc settings win, and the server config carries the limit."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 from paramserver.errors import InvalidArgument
-from paramserver.memory import (
+from paramserver.server.allocator import (
     DEFAULT_RETAIN_BYTES,
     MAX_RETAIN_BYTES,
     MIN_RETAIN_BYTES,
@@ -26,7 +27,7 @@ ROUNDS = 10
 # 64 MiB block ROUNDS times and print the minor page faults that took.
 _PROBE = r"""
 import resource, sys
-from paramserver.memory import retain_freed_memory
+from paramserver.server.allocator import retain_freed_memory
 applied = retain_freed_memory(int(sys.argv[1]), {}) if sys.argv[1] != "0" else 0
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(int(sys.argv[2])):

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.shard import ServerCore
 from paramserver.errors import InvalidArgument, StaleUpdate
 from paramserver.server.config import ServerConfig
-from paramserver.server.core import ServerCore
-from paramserver.server.observe import BucketCounts, ShardObservations
-from paramserver.server.optimizers import UpdateRule
+from paramserver.server.observability.hooks import BucketCounts, ShardObservations
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""Per-key reservations of :mod:`paramserver.server.offload`, with a deliberately slow apply.
+"""Per-key reservations of :mod:`paramserver.server.apply_threads`, with a deliberately slow apply.
 
 The apply is replaced by one that writes the update in four parts with pauses in a worker
 thread, so any read or write that overlapped it would see (or make) a torn value.
@@ -14,10 +14,10 @@ from collections.abc import Iterable
 import numpy as np
 import pytest
 
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.store import Checked, ParameterStore
 from paramserver.errors import WaitTimeout
-from paramserver.server.offload import KeyGate, Offload
-from paramserver.server.optimizers import UpdateRule
-from paramserver.server.store import Checked, ParameterStore
+from paramserver.server.apply_threads import KeyGate, Offload
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -138,7 +138,7 @@ async def test_small_free_apply_runs_inline() -> None:
 async def test_a_push_of_many_small_keys_runs_in_a_thread_not_on_the_loop() -> None:
     """Issue 19 item 1 (docs/robustness.md): per-key work of a many-key push would hold the
     event loop; from OFFLOAD_MIN_KEYS keys it is applied in a worker thread."""
-    from paramserver.server.offload import OFFLOAD_MIN_KEYS
+    from paramserver.server.apply_threads import OFFLOAD_MIN_KEYS
 
     store = ParameterStore()
     keys = [f"k{i}" for i in range(OFFLOAD_MIN_KEYS)]

@@ -1,4 +1,4 @@
-"""Unit tests of paramserver.server.optimizers.
+"""Unit tests of paramserver.core.optimizers.
 
 Expected values come from closed forms and from numpy references written here from the PyTorch
 ``torch.optim`` documentation formulas (SGD, Adam, AdamW, Adagrad pages), never from the code under
@@ -22,13 +22,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from paramserver.api.v1 import parameter_server_pb2 as ps_pb2
-from paramserver.errors import DimensionMismatch, InvalidArgument
-from paramserver.server.optimizers import (
+from paramserver.core.optimizers import (
     RULE_KINDS,
     UpdateRule,
     apply_update,
     init_state,
 )
+from paramserver.errors import DimensionMismatch, InvalidArgument
 
 Array = npt.NDArray[Any]
 BF16 = np.dtype(ml_dtypes.bfloat16)

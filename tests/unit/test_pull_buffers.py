@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from paramserver import tensor
 from paramserver.errors import InvalidArgument, ResourceExhausted
+from paramserver.protocol import tensor
 from paramserver.worker_client.pull_buffers import MIN_BYTES, PullBuffers, refcounts_exact
 
 pytestmark = [

@@ -1,4 +1,5 @@
-"""paramserver.ray without a cluster: the job config's checks, and the CLI's lazy import of Ray."""
+"""paramserver.integrations.ray without a cluster: the job config's checks, and the CLI's lazy
+import of Ray."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 def test_paramserver_help_lists_ray_launch_without_importing_ray() -> None:
     """`paramserver --help` (and every other command) must not pay for, or need, Ray."""
     code = (
-        "import sys; from paramserver.cli import build_parser; p = build_parser(); "
+        "import sys; from paramserver.cli.main import build_parser; p = build_parser(); "
         "assert 'ray-launch' in p._subparsers._group_actions[0].choices; "
         "print('ray' in sys.modules)"
     )
@@ -35,9 +36,11 @@ def test_paramserver_help_lists_ray_launch_without_importing_ray() -> None:
     ],
 )
 def test_job_config_refuses_bad_values(changes: dict[str, object], complaint: str) -> None:
-    pytest.importorskip("ray", reason="paramserver.ray needs Ray: pip install 'paramserver[ray]'")
+    pytest.importorskip(
+        "ray", reason="paramserver.integrations.ray needs Ray: pip install 'paramserver[ray]'"
+    )
     from paramserver.errors import InvalidArgument
-    from paramserver.ray import RayJobConfig
+    from paramserver.integrations.ray import RayJobConfig
 
     with pytest.raises(InvalidArgument, match=complaint):
         RayJobConfig(**changes)  # type: ignore[arg-type]
@@ -46,7 +49,9 @@ def test_job_config_refuses_bad_values(changes: dict[str, object], complaint: st
 def test_ray_launch_names_the_flag_of_a_bad_value() -> None:
     """A bad value ends `paramserver ray-launch` with exit 2 and one line naming the flag,
     before any connection to a cluster."""
-    pytest.importorskip("ray", reason="paramserver.ray needs Ray: pip install 'paramserver[ray]'")
+    pytest.importorskip(
+        "ray", reason="paramserver.integrations.ray needs Ray: pip install 'paramserver[ray]'"
+    )
     out = subprocess.run(
         [sys.executable, "-m", "paramserver", "ray-launch", "--shards", "0"],
         capture_output=True,

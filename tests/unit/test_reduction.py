@@ -7,7 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paramserver.cli import build_parser
+from paramserver.cli.main import build_parser
+from paramserver.core.aggregation import (
+    Asynchronous,
+    FederatedAverage,
+    GossipAverage,
+    Synchronous,
+)
 from paramserver.errors import (
     AlreadyExists,
     DimensionMismatch,
@@ -16,18 +22,12 @@ from paramserver.errors import (
     StaleUpdate,
     WorkerNotFound,
 )
-from paramserver.server.aggregation import (
-    Asynchronous,
-    FederatedAverage,
-    GossipAverage,
-    Synchronous,
-)
-from paramserver.server.config import ServerConfig
-from paramserver.server.reduction import (
+from paramserver.reduction.service import (
     ReductionCoordinator,
     Ticket,
     strategy_from_config,
 )
+from paramserver.server.config import ServerConfig
 
 
 def test_mode_and_strategy_from_the_environment() -> None:

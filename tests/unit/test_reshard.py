@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from paramserver.core.optimizers import UpdateRule, apply_update, init_state
+from paramserver.core.sharding import layout_key, parse_name
 from paramserver.server.config import ServerConfig
-from paramserver.server.optimizers import UpdateRule, apply_update, init_state
 from paramserver.server.reshard import (
     LogicalEntry,
     ReshardError,
@@ -19,7 +20,6 @@ from paramserver.server.reshard import (
     merge_stores,
     split_model,
 )
-from paramserver.sharding import layout_key, parse_name
 
 pytestmark = pytest.mark.timeout(30)
 

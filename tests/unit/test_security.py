@@ -1,4 +1,4 @@
-"""Unit tests of paramserver.security: the RPC role table, token files, the token verdicts of
+"""Unit tests of paramserver.security.tls: the RPC role table, token files, the token verdicts of
 the server interceptor, and the precedence and validation of the security settings (no
 sockets; the TLS handshakes are in tests/integration/test_security.py)."""
 
@@ -16,7 +16,7 @@ import pytest
 
 import paramserver.api.v1 as api
 from paramserver.errors import InvalidArgument, PermissionDenied, Unauthenticated, from_rpc_error
-from paramserver.security import (
+from paramserver.security.tls import (
     OPEN_SERVICES,
     RPC_ROLES,
     ClientSecurity,
@@ -51,7 +51,7 @@ def test_every_rpc_of_every_service_is_classified() -> None:
     rpcs = all_rpcs()
     assert len(rpcs) >= 30  # ParameterServer, ReductionService, PushSumPeer, RankServer
     missing = sorted(rpcs - set(RPC_ROLES))
-    assert not missing, f"classify these RPCs in paramserver.security.RPC_ROLES: {missing}"
+    assert not missing, f"classify these RPCs in paramserver.security.tls.RPC_ROLES: {missing}"
     admin = {name for name, role in RPC_ROLES.items() if role is Role.ADMIN}
     assert admin == {
         "/paramserver.api.v1.ParameterServer/Checkpoint",
@@ -169,7 +169,7 @@ async def test_open_services_pass_and_refusals_keep_the_streaming_kind(
             raise RuntimeError(f"{code.name}: {detail}")
 
     with (
-        caplog.at_level(logging.WARNING, logger="paramserver.security"),
+        caplog.at_level(logging.WARNING, logger="paramserver.security.tls"),
         pytest.raises(RuntimeError, match="UNAUTHENTICATED"),
     ):
         await refused.stream_stream(iter(()), Context())
@@ -315,9 +315,9 @@ def test_endpoint_security_of_a_gossip_worker(pem: dict[str, str]) -> None:
 
 
 def test_command_line_flags_of_servers_and_clients(pem: dict[str, str], tmp_path: Path) -> None:
-    from paramserver.cli import build_parser
-    from paramserver.security import client_security_from_args
-    from paramserver.spmd.cli import config_from_args
+    from paramserver.cli.main import build_parser
+    from paramserver.cli.rank import config_from_args
+    from paramserver.security.tls import client_security_from_args
 
     parser = build_parser()
     tls = ["--tls-cert", pem["cert"], "--tls-key", pem["key"], "--tls-ca", pem["ca"]]

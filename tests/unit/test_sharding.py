@@ -1,4 +1,4 @@
-"""Placement and slicing of keys over shards (pure; paramserver.sharding)."""
+"""Placement and slicing of keys over shards (pure; paramserver.core.sharding)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from paramserver.errors import DimensionMismatch, InvalidArgument, MalformedStream
-from paramserver.sharding import (
+from paramserver.core.sharding import (
     DEFAULT_SLICE_BYTES,
     PLACEMENT,
     ShardMap,
@@ -31,6 +30,7 @@ from paramserver.sharding import (
     slice_key,
     split,
 )
+from paramserver.errors import DimensionMismatch, InvalidArgument, MalformedStream
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""paramserver.shm without sockets: segment layout, slot validation, nonce check, sweeping.
+"""paramserver.protocol.shm without sockets: segment layout, slot validation, nonce check, sweeping.
 
 Segments are made in a temporary directory (standing in for /dev/shm), so nothing here touches
 the real one.
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paramserver import shm
 from paramserver.errors import InvalidArgument
+from paramserver.protocol import shm
 
 pytestmark = pytest.mark.timeout(30)
 

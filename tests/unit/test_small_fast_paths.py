@@ -17,10 +17,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from paramserver import tensor
-from paramserver.server.offload import Offload
-from paramserver.server.optimizers import BLOCK_ELEMENTS, UpdateRule
-from paramserver.server.store import Checked, ParameterStore, count_non_finite
+from paramserver.core.optimizers import BLOCK_ELEMENTS, UpdateRule
+from paramserver.core.store import Checked, ParameterStore, count_non_finite
+from paramserver.protocol import tensor
+from paramserver.server.apply_threads import Offload
 
 pytestmark = pytest.mark.timeout(30)
 

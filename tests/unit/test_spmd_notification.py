@@ -12,11 +12,11 @@ from typing import Any
 import grpc
 import pytest
 
+from paramserver.cli.rank import run_event_loop
 from paramserver.errors import ParamServerError, Unavailable, WaitTimeout
-from paramserver.spmd.cli import run_event_loop
-from paramserver.spmd.errors import TransferFailed
 from paramserver.spmd.notification import TransferCompleteNotification
 from paramserver.spmd.planning import Placement, RankTransferResult
+from paramserver.spmd.transfer_errors import TransferFailed
 
 LOOPS = ["asyncio", "uvloop"]
 

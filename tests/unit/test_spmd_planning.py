@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paramserver.errors import InvalidArgument, ParamServerError, WaitTimeout
-from paramserver.spmd.errors import BlocksBusy, RankFailures, TierNotRegistered, TransferFailed
 from paramserver.spmd.layout import Layout, Tier
 from paramserver.spmd.planning import (
     BlockReservations,
@@ -26,6 +25,12 @@ from paramserver.spmd.planning import (
     merge_presence,
     server_budget_s,
     split_stream,
+)
+from paramserver.spmd.transfer_errors import (
+    BlocksBusy,
+    RankFailures,
+    TierNotRegistered,
+    TransferFailed,
 )
 
 L16 = Layout(num_blocks=16, num_layers=2, outer_dim=2, page_size=8, inner_dim=64)

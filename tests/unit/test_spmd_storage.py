@@ -16,9 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paramserver.spmd.errors import ObjectNotFound, TierNotRegistered
+from paramserver.cli.demos.rank_launcher import wait_for
 from paramserver.spmd.faults import Faults
-from paramserver.spmd.launcher import wait_for
 from paramserver.spmd.layout import Layout
 from paramserver.spmd.objects import FilesystemObjectStore
 from paramserver.spmd.planning import coalesce_runs
@@ -30,6 +29,7 @@ from paramserver.spmd.pools import (
     copy_blocks,
     make_device_pool,
 )
+from paramserver.spmd.transfer_errors import ObjectNotFound, TierNotRegistered
 
 LAYOUT = Layout(num_blocks=16, num_layers=2, outer_dim=2, page_size=8, inner_dim=64)
 BPB = LAYOUT.bytes_per_block  # 4096
@@ -198,7 +198,7 @@ def test_g1_is_not_registered_without_a_gpu() -> None:
 
 
 def test_rank_server_refuses_g1_blocks_without_a_gpu(tmp_path: Path) -> None:
-    from paramserver.spmd.rank_server import RankServerConfig, RankServicer
+    from paramserver.spmd.rank_server.service import RankServerConfig, RankServicer
 
     try:
         import torch

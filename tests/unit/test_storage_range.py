@@ -6,9 +6,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.store import ParameterStore
 from paramserver.errors import InvalidArgument, ValueOutOfRange
-from paramserver.server.optimizers import UpdateRule
-from paramserver.server.store import ParameterStore
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -1,4 +1,4 @@
-"""Unit tests of paramserver.server.store.ParameterStore.
+"""Unit tests of paramserver.core.store.ParameterStore.
 
 Expected values are computed here independently (closed forms such as ``p - lr * g``); refused
 requests are checked to leave every value, state array and counter bit-for-bit unchanged.
@@ -19,6 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.store import SUPPORTED_DTYPES, Entry, ParameterStore
 from paramserver.errors import (
     DimensionMismatch,
     InvalidArgument,
@@ -26,8 +28,6 @@ from paramserver.errors import (
     KeyNotFound,
     NonFiniteGradient,
 )
-from paramserver.server.optimizers import UpdateRule
-from paramserver.server.store import SUPPORTED_DTYPES, Entry, ParameterStore
 
 Array = npt.NDArray[Any]
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -8,14 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paramserver.errors import AlreadyExists, KeyNotFound, StaleUpdate
-from paramserver.server.checkpoint import CheckpointManager
-from paramserver.server.config import ServerConfig
-from paramserver.server.consistency import ClusterState, Consistency
-from paramserver.server.core import ServerCore
-from paramserver.server.reshard import reshard
-from paramserver.server.table_set import TableSet
-from paramserver.server.tables import (
+from paramserver.core.consistency import ClusterState, Consistency
+from paramserver.core.shard import ServerCore
+from paramserver.core.table_set import TableSet
+from paramserver.core.tables import (
     EmbeddingTable,
     Initializer,
     TableRule,
@@ -23,6 +19,10 @@ from paramserver.server.tables import (
     initial_rows,
     shard_of_ids,
 )
+from paramserver.errors import AlreadyExists, KeyNotFound, StaleUpdate
+from paramserver.server.checkpoint import CheckpointManager
+from paramserver.server.config import ServerConfig
+from paramserver.server.reshard import reshard
 
 
 def _cluster(*names: str) -> tuple[ClusterState, list[str]]:
@@ -192,7 +192,7 @@ def test_table_metrics_series() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
     from paramserver.server.engine import ServerEngine
-    from paramserver.server.table_metrics import TableCollector
+    from paramserver.server.observability.table_metrics import TableCollector
 
     engine = ServerEngine(ServerConfig(consistency="asp"))
     engine.core.tables.init(TableSpec("clicks", 2, min_pushes=2))

@@ -9,8 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from paramserver.errors import InvalidArgument
-from paramserver.server.tables import (
+from paramserver.core.tables import (
     EmbeddingTable,
     IdIndex,
     Initializer,
@@ -21,6 +20,7 @@ from paramserver.server.tables import (
     initial_rows,
     shard_of_ids,
 )
+from paramserver.errors import InvalidArgument
 
 try:
     import torch

@@ -1,4 +1,4 @@
-"""Unit tests for :mod:`paramserver.tensor` (docs/semantics.md "Tensors"); no sockets.
+"""Unit tests for :mod:`paramserver.protocol.tensor` (docs/semantics.md "Tensors"); no sockets.
 
 Expected bytes are built independently of the codec: arrays are made from explicit unsigned
 integer bit patterns, and the expected wire payload is those patterns converted to
@@ -18,9 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from paramserver import errors, tensor
+from paramserver import errors
 from paramserver.api.v1 import tensor_pb2
-from paramserver.tensor import (
+from paramserver.protocol import tensor
+from paramserver.protocol.tensor import (
     DEFAULT_CHUNK_BYTES,
     SUPPORTED_DTYPES,
     TensorAssembler,

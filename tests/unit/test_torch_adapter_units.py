@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from paramserver.errors import InvalidArgument  # noqa: E402
-from paramserver.torch_adapter import (  # noqa: E402
+from paramserver.integrations.torch import (  # noqa: E402
     gradients,
     load_parameters,
     module_parameters,
@@ -114,7 +114,7 @@ def test_missing_torch_names_the_extra() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "try:\n"
-        "    import paramserver.torch_adapter\n"
+        "    import paramserver.integrations.torch\n"
         "except ImportError as e:\n"
         "    print(e)\n"
     )

@@ -10,7 +10,9 @@ import grpc
 import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
-from paramserver.cli import error_line, run_command
+from paramserver.cli.main import error_line, run_command
+from paramserver.core.aggregation import DistributedOptimizer, Synchronous
+from paramserver.core.sharding import parse_address
 from paramserver.errors import (
     InvalidArgument,
     KeyNotFound,
@@ -18,9 +20,7 @@ from paramserver.errors import (
     PermissionDenied,
     Unavailable,
 )
-from paramserver.server.aggregation import DistributedOptimizer, Synchronous
-from paramserver.server.status_view import render_status
-from paramserver.sharding import parse_address
+from paramserver.server.observability.status_table import render_status
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -115,7 +115,7 @@ def test_run_command_logs_the_error_as_a_record_under_json(
     def fail(_: argparse.Namespace) -> int:
         raise PermissionDenied("no")
 
-    with caplog.at_level(logging.ERROR, logger="paramserver.cli"):
+    with caplog.at_level(logging.ERROR, logger="paramserver.cli.main"):
         assert run_command("paramserver x", argparse.Namespace(func=fail), "json") == 1
     assert capsys.readouterr().err == ""  # the record goes through logging only
     (record,) = caplog.records
@@ -147,7 +147,7 @@ def test_aggregation_log_says_how_a_worker_went(caplog: pytest.LogCaptureFixture
     opt = DistributedOptimizer(Synchronous())
     opt.register_worker("w-0")
     opt.register_worker("w-1")
-    with caplog.at_level(logging.INFO, logger="paramserver.server.aggregation"):
+    with caplog.at_level(logging.INFO, logger="paramserver.core.aggregation"):
         assert opt.evict_worker("w-0", "left")
         assert opt.evict_worker("w-1")
     messages = [r.getMessage() for r in caplog.records]

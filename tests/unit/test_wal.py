@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import wal_pb2 as wal_pb
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.shard import ServerCore
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
-from paramserver.server.core import ServerCore
-from paramserver.server.optimizers import UpdateRule
 from paramserver.server.wal import (
     WalError,
     WriteAheadLog,

@@ -1,4 +1,5 @@
-"""paramserver.wire against protobuf itself: the frame bytes it writes are what the generated
+"""paramserver.protocol.wire against protobuf itself: the frame bytes it writes are what the
+generated
 classes parse, and what it reads from their bytes are the same fields."""
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver import tensor, wire
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tensor_pb2
+from paramserver.protocol import tensor, wire
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from paramserver.cli import build_parser
-from paramserver.worker_client.training import _emit, progress_format, progress_line
+from paramserver.cli.demos.digits import _emit, progress_format, progress_line
+from paramserver.cli.main import build_parser
 
 EPOCH = {
     "event": "epoch",

@@ -1,0 +1,1 @@
+"""Demos and launchers: the digits and MovieLens jobs, the local cluster, the SPMD demo, the plot."""

@@ -1,0 +1,946 @@
+"""A ready worker that trains a real model on a real data set, and the local-cluster demo.
+
+Data: scikit-learn's bundled digits set (1,797 8x8 images, shipped inside the scikit-learn wheel,
+no download), split 80/20 with a fixed seed and standardised with training statistics. Model: a
+one-hidden-layer MLP (tanh, 64 -> hidden -> 10) or, with ``--hidden 0``, softmax regression,
+trained with cross-entropy. Worker i trains on slice ``i::n`` of the training split; each
+iteration is pull -> gradient -> push -> clock, the server applying SGD with momentum.
+
+``paramserver worker`` runs one worker against a server anywhere; ``paramserver demo`` starts a
+server and N worker processes on 127.0.0.1 and reports per-epoch loss and test accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from paramserver.cli.demos.local_cluster import start_servers, stop_servers
+from paramserver.cli.logs import resolve_log_format
+from paramserver.core.optimizers import UpdateRule
+from paramserver.core.sharding import parse_address
+from paramserver.errors import InvalidArgument, Unavailable
+from paramserver.security.tls import (
+    ClientSecurity,
+    add_client_security_flags,
+    client_security_from_args,
+)
+from paramserver.worker_client.client import connect
+from paramserver.worker_client.compression import Cast, Compression, TopK
+from paramserver.worker_client.retry import RetryPolicy
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DigitsData:
+    """Standardised digits split. X: float64 (n, 64); y: int64 (n,) in [0, 10)."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+
+
+def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
+    """Load scikit-learn's bundled digits and split/standardise deterministically.
+
+    Raises:
+        SystemExit: scikit-learn is not installed (``pip install 'paramserver[demo]'``).
+    """
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise SystemExit(
+            "the digits job needs scikit-learn: pip install 'paramserver[demo]'"
+        ) from None
+    x, y = load_digits(return_X_y=True)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(y))
+    n_test = round(len(y) * test_fraction)
+    test, train = order[:n_test], order[n_test:]
+    mean = x[train].mean(axis=0)
+    std = x[train].std(axis=0) + 1e-6
+    xs = (x - mean) / std
+    return DigitsData(xs[train], y[train].astype(np.int64), xs[test], y[test].astype(np.int64))
+
+
+def init_params(hidden: int, seed: int = 0, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """Glorot-uniform initial parameters of the MLP (or softmax regression if hidden == 0)."""
+    rng = np.random.default_rng(seed)
+    dims = [64, hidden, 10] if hidden else [64, 10]
+    params = {}
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
+        limit = np.sqrt(6.0 / (a + b))
+        params[f"layer{i}/weight"] = rng.uniform(-limit, limit, size=(a, b)).astype(dtype)
+        params[f"layer{i}/bias"] = np.zeros(b, dtype=dtype)
+    return params
+
+
+def _forward(params: dict[str, np.ndarray], x: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    n_layers = len(params) // 2
+    acts = [x]
+    h = x
+    for i in range(n_layers):
+        z = h @ params[f"layer{i}/weight"].astype(np.float64) + params[f"layer{i}/bias"]
+        h = np.tanh(z) if i < n_layers - 1 else z
+        acts.append(h)
+    return acts, h
+
+
+def loss_and_grads(
+    params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+) -> tuple[float, dict[str, np.ndarray]]:
+    """Mean cross-entropy of a batch and its gradients (each in its parameter's dtype)."""
+    acts, logits = _forward(params, x)
+    logits = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    n = len(y)
+    loss = float(-np.log(p[np.arange(n), y] + 1e-12).mean())
+    delta = p
+    delta[np.arange(n), y] -= 1.0
+    delta /= n
+    grads: dict[str, np.ndarray] = {}
+    n_layers = len(params) // 2
+    for i in reversed(range(n_layers)):
+        w = params[f"layer{i}/weight"]
+        grads[f"layer{i}/weight"] = (acts[i].T @ delta).astype(w.dtype)
+        grads[f"layer{i}/bias"] = delta.sum(axis=0).astype(w.dtype)
+        if i:
+            delta = (delta @ w.astype(np.float64).T) * (1.0 - acts[i] ** 2)
+    return loss, grads
+
+
+def accuracy(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
+    """Fraction of ``x`` classified as ``y``."""
+    _, logits = _forward(params, x)
+    return float((logits.argmax(axis=1) == y).mean())
+
+
+class DigitsModel(Protocol):
+    """What the digits loop needs of a model: parameters by key, gradients, accuracy.
+
+    ``x`` is float64 (n, 64) standardised pixels, ``y`` int64 (n,) labels in [0, 10).
+    """
+
+    def initial_params(self) -> dict[str, np.ndarray]: ...
+
+    def loss_and_grads(
+        self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray
+    ) -> tuple[float, dict[str, np.ndarray]]: ...
+
+    def accuracy(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float: ...
+
+
+@dataclass(frozen=True)
+class NumpyMLP:
+    """The numpy MLP above (keys ``layer{i}/weight`` (in, out) and ``layer{i}/bias``)."""
+
+    hidden: int
+    seed: int = 0
+
+    def initial_params(self) -> dict[str, np.ndarray]:
+        return init_params(self.hidden, self.seed)
+
+    def loss_and_grads(
+        self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray
+    ) -> tuple[float, dict[str, np.ndarray]]:
+        return loss_and_grads(dict(params), x, y)
+
+    def accuracy(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
+        return accuracy(dict(params), x, y)
+
+
+FRAMEWORKS = ("numpy", "torch")
+
+
+def digits_model(framework: str, hidden: int, seed: int = 0) -> DigitsModel:
+    """The digits model of ``framework``: ``numpy`` (:class:`NumpyMLP`) or ``torch``
+    (:class:`~paramserver.cli.demos.torch_digits.TorchMLP`, one torch thread).
+
+    Raises:
+        ValueError: an unknown framework.
+        SystemExit: ``torch`` without PyTorch installed (``pip install 'paramserver[torch]'``).
+    """
+    if framework == "numpy":
+        return NumpyMLP(hidden, seed)
+    if framework == "torch":
+        try:
+            from paramserver.cli.demos.torch_digits import TorchMLP
+        except ImportError as exc:
+            raise SystemExit(
+                f"--framework torch needs PyTorch: pip install 'paramserver[torch]' ({exc})"
+            ) from None
+        return TorchMLP(hidden, seed, threads=1)
+    raise ValueError(f"unknown framework {framework!r}; expected one of {', '.join(FRAMEWORKS)}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One worker's training job (digits)."""
+
+    server: str
+    worker_index: int
+    num_workers: int
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 0.1
+    momentum: float = 0.9
+    hidden: int = 32
+    seed: int = 0
+    evaluate: bool = True
+    slow_factor: float = 1.0
+    start_timeout_s: float = 60.0
+    compression: str = "none"
+    topk_ratio: float = 0.1
+    framework: str = "numpy"
+    #: Fence a live registration of this worker's name (a restarted worker) instead of
+    #: failing with AlreadyExists; the fenced process's next call is refused.
+    replace: bool = False
+    #: TLS / token of the worker's channels (:class:`paramserver.security.tls.ClientSecurity`).
+    security: ClientSecurity | None = None
+    #: Backoff for UNAVAILABLE while a shard restarts (None: the client's default, 30 s).
+    retry: RetryPolicy | None = None
+    #: Progress on stdout: ``text`` (one readable line per event) or ``json`` (one object).
+    progress: str = "text"
+
+
+def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[str, Compression]:
+    """Wire compression for every key: ``none``, ``fp16``, ``bf16`` or ``topk``."""
+    if kind == "none":
+        return {}
+    scheme: Compression
+    if kind in ("fp16", "bf16"):
+        scheme = Cast("float16" if kind == "fp16" else "bfloat16")
+    elif kind == "topk":
+        scheme = TopK(topk_ratio)
+    else:
+        raise ValueError(f"unknown compression {kind!r}")
+    return dict.fromkeys(keys, scheme)
+
+
+def _emit(event: dict[str, Any], progress: str = "json") -> None:
+    """Print one progress event: a JSON object, or with ``progress="text"`` a line such as
+    ``worker 0: epoch 3/10  loss 0.2120  test accuracy 0.9500  clock 33  [1.2 s]``."""
+    print(json.dumps(event) if progress == "json" else progress_line(event), flush=True)
+
+
+def progress_line(event: Mapping[str, Any]) -> str:
+    """The human-readable form of a ``start`` / ``epoch`` / ``done`` progress event."""
+    who = f"worker {event.get('worker', '?')}:"
+    acc = event.get("test_accuracy")
+    acc_text = f"  test accuracy {acc:.4f}" if isinstance(acc, float) else ""
+    kind = event.get("event")
+    if kind == "start":
+        return f"{who} every worker registered, training starts{acc_text}"
+    if kind == "epoch":
+        epochs = f"/{event['epochs']}" if "epochs" in event else ""
+        return (
+            f"{who} epoch {event['epoch']}{epochs}  loss {event['loss']:.4f}{acc_text}  "
+            f"clock {event['clock']}  [{event.get('train_elapsed_s', 0.0):.1f} s]"
+        )
+    if kind == "done":
+        return (
+            f"{who} done after {event['steps']} steps in {event['elapsed_s']:.1f} s, "
+            f"test accuracy {event['test_accuracy']:.4f}"
+        )
+    return f"{who} " + "  ".join(f"{k} {v}" for k, v in event.items() if k != "worker")
+
+
+async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
+    """Train on slice ``worker_index::num_workers``; prints progress on stdout (JSON lines
+    with ``progress="json"``, else readable lines): a ``start`` event once every worker is
+    registered (with the initial test accuracy when evaluating), one ``epoch`` event per epoch
+    (``train_elapsed_s``: seconds since ``start``), and ``done``.
+
+    Returns:
+        The final summary: ``{"event": "done", "worker": i, "test_accuracy": a, ...}``.
+    """
+    data = load_digits_split(cfg.seed)
+    model = digits_model(cfg.framework, cfg.hidden, cfg.seed)
+    mine = np.arange(cfg.worker_index, len(data.y_train), cfg.num_workers)
+    steps = max(1, (len(data.y_train) // cfg.num_workers) // cfg.batch_size)
+    rule = UpdateRule("sgd", lr=cfg.lr, momentum=cfg.momentum)
+    t0 = time.monotonic()
+    initial = model.initial_params()
+    schemes = compression_schemes(cfg.compression, sorted(initial), cfg.topk_ratio)
+    async with connect(
+        cfg.server,
+        worker_name=f"worker-{cfg.worker_index}",
+        compression=schemes,
+        security=cfg.security,
+        replace=cfg.replace,
+        retry=cfg.retry,
+    ) as ps:
+        params = await ps.init(initial, rule=rule)
+        keys = sorted(params)
+        await ps.wait_for_workers(cfg.num_workers, timeout_s=cfg.start_timeout_s)
+        t_train = time.monotonic()
+        start: dict[str, Any] = {"event": "start", "worker": cfg.worker_index}
+        if cfg.evaluate:
+            start["test_accuracy"] = model.accuracy(params, data.x_test, data.y_test)
+        _emit(start, cfg.progress)
+        acc = float("nan")
+        for epoch in range(cfg.epochs):
+            rng = np.random.default_rng([cfg.seed, epoch, cfg.worker_index])
+            order = rng.permutation(mine)
+            losses = []
+            for step in range(steps):
+                params = await ps.pull(keys)
+                t_step = time.monotonic()
+                idx = order[(step * cfg.batch_size) % len(order) :][: cfg.batch_size]
+                loss, grads = model.loss_and_grads(params, data.x_train[idx], data.y_train[idx])
+                if cfg.slow_factor > 1.0:
+                    await asyncio.sleep(
+                        (time.monotonic() - t_step) * (cfg.slow_factor - 1.0)
+                        + 0.002 * cfg.slow_factor
+                    )
+                await ps.push(grads, num_samples=len(idx))
+                await ps.clock()
+                losses.append(loss)
+            event: dict[str, Any] = {
+                "event": "epoch",
+                "worker": cfg.worker_index,
+                "epoch": epoch + 1,
+                "epochs": cfg.epochs,
+                "loss": float(np.mean(losses)),
+                "clock": ps.clock_value,
+                "elapsed_s": round(time.monotonic() - t0, 3),
+            }
+            if cfg.evaluate:
+                params = await ps.pull(keys)
+                acc = model.accuracy(params, data.x_test, data.y_test)
+                event["test_accuracy"] = acc
+            event["train_elapsed_s"] = round(time.monotonic() - t_train, 4)
+            _emit(event, cfg.progress)
+        params = await ps.pull(keys)  # waits for the last step, so our update is in
+        acc = model.accuracy(params, data.x_test, data.y_test)
+    summary = {
+        "event": "done",
+        "worker": cfg.worker_index,
+        "test_accuracy": acc,
+        "steps": steps * cfg.epochs,
+        "elapsed_s": round(time.monotonic() - t0, 3),
+    }
+    _emit(summary, cfg.progress)
+    return summary
+
+
+# ---------------------------------------------------------------------- CLI: worker
+def progress_format(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """The worker's progress format: ``--progress``, else the log format (``--log-format``,
+    then ``PARAMSERVER_LOG_FORMAT``, then ``text``)."""
+    return str(args.progress or resolve_log_format(getattr(args, "log_format", None), env))
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from paramserver.server.serving import run_loop
+
+    cfg = TrainConfig(
+        server=parse_address(args.server, "--server"),
+        worker_index=args.worker_index,
+        num_workers=args.num_workers,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=args.momentum,
+        hidden=args.hidden,
+        seed=args.seed,
+        evaluate=not args.no_eval,
+        slow_factor=args.slow_factor,
+        compression=args.compression,
+        topk_ratio=args.topk_ratio,
+        framework=args.framework,
+        replace=args.replace,
+        security=client_security_from_args(args, os.environ),
+        retry=RetryPolicy(deadline_s=args.retry_deadline_s)
+        if args.retry_deadline_s is not None
+        else None,
+        progress=args.progress or resolve_log_format(getattr(args, "log_format", None), os.environ),
+    )
+    if args.retry_deadline_s is not None and not args.retry_deadline_s > 0:
+        print("paramserver worker: --retry-deadline-s must be > 0", file=sys.stderr)
+        return 2
+    if cfg.num_workers < 1 or not 0 <= cfg.worker_index < cfg.num_workers:
+        print(
+            f"paramserver worker: --num-workers must be >= 1 and --worker-index in "
+            f"[0, --num-workers); got {cfg.worker_index} of {cfg.num_workers}",
+            file=sys.stderr,
+        )
+        return 2
+    if cfg.batch_size < 1 or cfg.epochs < 0:
+        print("paramserver worker: --batch-size must be >= 1 and --epochs >= 0", file=sys.stderr)
+        return 2
+    summary = run_loop(_until_sigterm(train_worker(cfg)), use_uvloop=not args.no_uvloop)
+    if summary is None:
+        print("paramserver worker: stopped by SIGTERM (left the cluster)", file=sys.stderr)
+        return 143
+    if summary["test_accuracy"] < args.min_accuracy:
+        print(
+            f"paramserver worker: test accuracy {summary['test_accuracy']:.4f} is below "
+            f"--min-accuracy {args.min_accuracy}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+async def _until_sigterm(job: Coroutine[Any, Any, T]) -> T | None:
+    """Run ``job``; SIGTERM cancels it, so its ``async with connect(...)`` leaves cleanly (the
+    worker's name is free at once instead of after its lease). Returns None when cancelled."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(job)
+    try:
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+        pass
+    try:
+        return await task
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if me is not None and me.cancelling():  # we were cancelled ourselves: propagate
+            raise
+        return None
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGTERM)
+
+
+# ---------------------------------------------------------------------- CLI: demo
+def _wait_for_file(path: Path, proc: subprocess.Popen[Any], timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text().strip()
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited early with code {proc.returncode}")
+        time.sleep(0.05)
+    raise SystemExit(f"server did not report its port within {timeout_s} s")
+
+
+CONSISTENCY_MODELS = ("bsp", "ssp", "asp")
+
+
+def consistency_list(text: str) -> list[str]:
+    """``--consistency`` value: one model or a comma-separated list (``bsp,ssp,asp``).
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown or repeated model.
+    """
+    names = [n.strip().lower() for n in text.split(",")]
+    bad = [n for n in names if n not in CONSISTENCY_MODELS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown consistency model(s) {', '.join(map(repr, bad))} in {text!r}; "
+            f"expected a comma-separated list of {', '.join(CONSISTENCY_MODELS)}"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"consistency model repeated in {text!r}")
+    return names
+
+
+def compression_note(kind: str, topk_ratio: float) -> str:
+    """The demo's start line says when pushed gradients are compressed (empty when not)."""
+    if kind == "none":
+        return ""
+    if kind == "topk":
+        return f", compression topk ({topk_ratio:g} of entries, error feedback)"
+    return f", compression {kind} (gradients cast for the wire)"
+
+
+def _model_label(consistency: str, staleness: int) -> str:
+    return f"ssp (s={staleness})" if consistency == "ssp" else consistency
+
+
+def check_demo_args(args: argparse.Namespace) -> None:
+    """Refuse bad demo flags before any process starts (not after minutes of training).
+
+    Raises:
+        InvalidArgument: the flag and its value named (INVALID_ARGUMENT; exit 2).
+        SystemExit: ``--plot`` without matplotlib installed.
+    """
+    from paramserver.server.config import ServerConfig
+
+    for flag, value, low in (
+        ("--workers", args.workers, 1),
+        ("--epochs", args.epochs, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--shards", args.shards, 1),
+        ("--staleness", args.staleness, 0),
+        ("--hidden", args.hidden, 0),
+        ("--lease-ms", args.lease_ms, 1),
+    ):
+        if value < low:
+            raise InvalidArgument(f"{flag} must be >= {low}, got {value}")
+    if not args.timeout_s > 0:
+        raise InvalidArgument(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if not 0 < args.topk_ratio <= 1:
+        raise InvalidArgument(f"--topk-ratio must be in (0, 1], got {args.topk_ratio}")
+    for consistency in args.consistency:  # what the demo's servers would refuse, refused here
+        ServerConfig(
+            consistency=consistency,
+            staleness=args.staleness,
+            aggregation=args.aggregation,
+            lease_ms=args.lease_ms,
+            **({"slice_bytes": args.slice_bytes} if args.slice_bytes is not None else {}),
+        )
+    if args.plot is not None:
+        from paramserver.cli.demos.plot import require_matplotlib
+
+        require_matplotlib()
+        import matplotlib.figure
+
+        kinds = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+        suffix = args.plot.suffix.lower().lstrip(".")
+        if suffix not in kinds:
+            raise InvalidArgument(
+                f"--plot {str(args.plot)!r}: the file name must end in a figure format "
+                f"matplotlib writes ({', '.join('.' + k for k in sorted(kinds))})"
+            )
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    if getattr(args, "model", "digits") == "movielens":
+        from paramserver.cli.demos import movielens
+
+        return movielens.main(args)
+    check_demo_args(args)
+    curves: dict[str, list[tuple[float, float]]] = {}
+    finals: dict[str, float] = {}
+    rc = 0
+    for consistency in args.consistency:
+        code, curve, final = _demo_run(args, consistency)
+        label = _model_label(consistency, args.staleness)
+        curves[label] = curve
+        finals[label] = final
+        rc = rc or code
+    if len(args.consistency) > 1:
+        print(
+            "summary: "
+            + ", ".join(f"{label} {acc:.4f}" for label, acc in finals.items())
+            + f" (bar {args.min_accuracy:.2f}): {'OK' if rc == 0 else 'FAILED'}",
+            flush=True,
+        )
+    if args.plot is not None:
+        from paramserver.cli.demos.plot import plot_accuracy_curves
+
+        for label in [label for label, points in curves.items() if not points]:
+            print(f"plot: no accuracy reports from the {label} run; left out", file=sys.stderr)
+            del curves[label]
+        if not curves:
+            print("plot: nothing to plot, no file written", file=sys.stderr)
+            return rc or 1
+        path = plot_accuracy_curves(
+            curves,
+            args.plot,
+            title=(
+                f"paramserver demo: {args.workers} {args.framework} workers, digits, "
+                f"{args.epochs} epochs"
+            ),
+            bar=args.min_accuracy,
+        )
+        print(f"plot: {path} ({len(curves)} curves: {', '.join(curves)})", flush=True)
+    return rc
+
+
+def _demo_run(
+    args: argparse.Namespace, consistency: str
+) -> tuple[int, list[tuple[float, float]], float]:
+    """One local cluster under ``consistency``; returns (exit code, worker 0's
+    (seconds since start, test accuracy) points, final test accuracy)."""
+    py = sys.executable
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    with tempfile.TemporaryDirectory(prefix="paramserver-demo-") as tmp:
+        server_cmd = [
+            py,
+            "-m",
+            "paramserver",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "--consistency",
+            consistency,
+            "--staleness",
+            str(args.staleness),
+            "--aggregation",
+            args.aggregation,
+            "--lease-ms",
+            str(args.lease_ms),
+        ]
+        if args.no_uvloop:
+            server_cmd.append("--no-uvloop")
+        try:
+            servers, addresses = start_servers(
+                server_cmd, args.shards, Path(tmp), env=env, slice_bytes=args.slice_bytes
+            )
+        except Unavailable as exc:  # its own error line is already on stderr
+            raise Unavailable(f"the demo's parameter server did not start: {exc.message}") from None
+        workers: list[subprocess.Popen[str]] = []
+        try:
+            address = addresses[0]  # any shard: workers fetch the shard map from it
+            where = address if args.shards == 1 else f"{args.shards} shards {','.join(addresses)}"
+            print(
+                f"paramserver demo: server on {where} ({consistency}"
+                f"{f', staleness {args.staleness}' if consistency == 'ssp' else ''}), "
+                f"{args.workers} {args.framework} workers, {args.epochs} epochs on digits"
+                f"{compression_note(args.compression, args.topk_ratio)}",
+                flush=True,
+            )
+            t0 = time.monotonic()
+            for i in range(args.workers):
+                cmd = [
+                    py,
+                    "-m",
+                    "paramserver",
+                    "--log-level",
+                    "WARNING",
+                    "worker",
+                    "--progress",  # parsed below; the workers' own logs keep the user's format
+                    "json",
+                    "--server",
+                    address,
+                    "--worker-index",
+                    str(i),
+                    "--num-workers",
+                    str(args.workers),
+                    "--epochs",
+                    str(args.epochs),
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--lr",
+                    str(args.lr),
+                    "--momentum",
+                    str(args.momentum),
+                    "--hidden",
+                    str(args.hidden),
+                    "--seed",
+                    str(args.seed),
+                    "--compression",
+                    args.compression,
+                    "--topk-ratio",
+                    str(args.topk_ratio),
+                    "--framework",
+                    args.framework,
+                    "--min-accuracy",  # the demo's bar, not the worker's default
+                    str(args.min_accuracy),
+                ]
+                if i != 0:
+                    cmd.append("--no-eval")
+                if args.no_uvloop:
+                    cmd.append("--no-uvloop")
+                workers.append(
+                    subprocess.Popen(
+                        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                    )
+                )
+            rc, curve = _follow(workers, args, t0)
+            accuracy_final = _final_accuracy(address, args)
+            elapsed = time.monotonic() - t0
+            ok = rc == 0 and accuracy_final >= args.min_accuracy
+            print(
+                f"final test accuracy {accuracy_final:.4f} (bar {args.min_accuracy:.2f}) in "
+                f"{elapsed:.1f} s: {'OK' if ok else 'FAILED'}",
+                flush=True,
+            )
+            return (0 if ok else 1), curve, accuracy_final
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+                    w.wait()
+            stop_servers(servers)
+
+
+def _follow(
+    workers: list[subprocess.Popen[str]], args: argparse.Namespace, t0: float
+) -> tuple[int, list[tuple[float, float]]]:
+    """Print worker 0's per-epoch report as it arrives, with every worker's loss.
+
+    Returns:
+        The exit code (1 when a worker failed or the demo timed out) and worker 0's (seconds
+        since every worker registered, test accuracy) points: its ``start`` and ``epoch``
+        reports.
+    """
+    import queue
+    import threading
+
+    lines: queue.Queue[tuple[int, str | None]] = queue.Queue()
+    last_errors = [collections.deque[str](maxlen=3) for _ in workers]
+    pumps: list[threading.Thread] = []
+
+    def pump(i: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put((i, line))
+        lines.put((i, None))
+
+    def pump_errors(i: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # passed on as they come (JSON log lines stay JSON), the
+            sys.stderr.write(line)  # last ones kept to say why the worker failed
+            sys.stderr.flush()
+            if line.strip():
+                last_errors[i].append(line.strip())
+
+    for i, w in enumerate(workers):
+        threading.Thread(target=pump, args=(i, w), daemon=True).start()
+        pumps.append(threading.Thread(target=pump_errors, args=(i, w), daemon=True))
+        pumps[-1].start()
+    losses: dict[int, dict[int, float]] = {}
+    curve: list[tuple[float, float]] = []
+    open_streams = len(workers)
+    deadline = time.monotonic() + args.timeout_s
+    while open_streams:
+        try:
+            i, line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            print(f"demo timed out after {args.timeout_s} s", file=sys.stderr)
+            return 1, curve
+        if line is None:
+            open_streams -= 1
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            print(f"[worker {i}] {line.rstrip()}")
+            continue
+        if i == 0 and "test_accuracy" in event:
+            if event.get("event") == "start":
+                curve.append((0.0, float(event["test_accuracy"])))
+            elif event.get("event") == "epoch" and "train_elapsed_s" in event:
+                curve.append((float(event["train_elapsed_s"]), float(event["test_accuracy"])))
+        if event.get("event") == "epoch":
+            losses.setdefault(event["epoch"], {})[i] = event["loss"]
+            if i == 0:
+                per = losses[event["epoch"]]
+                print(
+                    f"epoch {event['epoch']:>3}/{args.epochs}  loss {event['loss']:.4f}  "
+                    f"test accuracy {event.get('test_accuracy', float('nan')):.4f}  "
+                    # seconds since every worker registered: the plot's time axis too
+                    f"clock {event['clock']}  "
+                    f"[{event.get('train_elapsed_s', time.monotonic() - t0):6.1f} s]  "
+                    f"({len(per)}/{len(workers)} workers reported)",
+                    flush=True,
+                )
+    rc = 0
+    for i, w in enumerate(workers):
+        code = w.wait(timeout=max(1.0, deadline - time.monotonic()))
+        pumps[i].join(timeout=2.0)  # its stderr is read to the end
+        if code != 0:
+            reason = " | ".join(last_errors[i]) or "no error output"
+            print(f"worker {i} exited with code {code}: {reason}", file=sys.stderr)
+            rc = 1
+    return rc, curve
+
+
+def _final_accuracy(address: str, args: argparse.Namespace) -> float:
+    from paramserver.server.serving import run_loop
+
+    async def read() -> float:
+        async with connect(address, worker_name="demo-evaluator", heartbeat=False) as ps:
+            params = await ps.pull(observer=True)
+        data = load_digits_split(args.seed)
+        model = digits_model(args.framework, args.hidden, args.seed)
+        return model.accuracy(params, data.x_test, data.y_test)
+
+    return float(run_loop(read(), use_uvloop=not args.no_uvloop))
+
+
+def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int, framework: bool = True) -> None:
+    p.add_argument("--epochs", type=int, default=epochs, help=f"epochs (default {epochs})")
+    p.add_argument("--batch-size", type=int, default=32, help="examples per push (default 32)")
+    p.add_argument(
+        "--lr", type=float, default=0.1, help="server-side SGD learning rate (default 0.1)"
+    )
+    p.add_argument(
+        "--momentum", type=float, default=0.9, help="server-side SGD momentum (default 0.9)"
+    )
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=32,
+        help="hidden units of the MLP; 0 = softmax regression (default 32)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the initial parameters, the data split and the batch order (default 0)",
+    )
+    p.add_argument(
+        "--min-accuracy",
+        type=float,
+        default=0.93,
+        help="exit 1 when the final test accuracy is below this bar (default 0.93)",
+    )
+    p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
+    p.add_argument(
+        "--compression",
+        choices=["none", "fp16", "bf16", "topk"],
+        default="none",
+        help="wire compression of pushed gradients: fp16 / bf16 casts, or topk (the largest "
+        "--topk-ratio of entries, with error feedback) (default none)",
+    )
+    p.add_argument(
+        "--topk-ratio",
+        type=float,
+        default=0.1,
+        help="topk: fraction of entries sent per push (default 0.1)",
+    )
+    if framework:
+        p.add_argument(
+            "--framework",
+            choices=FRAMEWORKS,
+            default="numpy",
+            help="model implementation: a numpy MLP, or a torch.nn MLP through "
+            "paramserver.integrations.torch (needs the torch extra) (default numpy)",
+        )
+
+
+def add_subcommands(sub: Any) -> None:
+    """Register ``worker`` and ``demo``."""
+    w = sub.add_parser("worker", help="train the digits model against a running server")
+    w.add_argument("--server", required=True, help="HOST:PORT of the parameter server")
+    w.add_argument(
+        "--worker-index",
+        type=int,
+        required=True,
+        help="this worker's index in [0, --num-workers): it trains on slice i::n of the data",
+    )
+    w.add_argument(
+        "--num-workers",
+        type=int,
+        required=True,
+        help="workers of the job; training starts once that many are registered",
+    )
+    w.add_argument("--no-eval", action="store_true", help="skip per-epoch test evaluation")
+    w.add_argument(
+        "--slow-factor",
+        type=float,
+        default=1.0,
+        help="straggler simulation: each step takes this many times longer (default 1)",
+    )
+    w.add_argument(
+        "--replace",
+        action="store_true",
+        help=(
+            "take over the name worker-INDEX while an earlier registration of it is still live "
+            "(a restarted worker, or an engine's retry of index i): the old registration is "
+            "fenced (its next call is refused with FAILED_PRECONDITION). Without it such a "
+            "start exits 1 with AlreadyExists"
+        ),
+    )
+    w.add_argument(
+        "--retry-deadline-s",
+        type=float,
+        help="how long calls retry an unavailable server, e.g. while a shard restarts (default 30)",
+    )
+    w.add_argument(
+        "--progress",
+        choices=["text", "json"],
+        default=None,
+        help="progress on stdout: text, one readable line per epoch, or json, one object per "
+        "line (events start, epoch, done); default: json under --log-format json, else text",
+    )
+    _add_training_flags(w, epochs=10)
+    add_client_security_flags(w)
+    w.set_defaults(func=_cmd_worker)
+
+    d = sub.add_parser(
+        "demo", help="start a local cluster (1 server + N workers) training on digits"
+    )
+    _add_demo_flags(d, workers=4)
+    d.add_argument(
+        "--model",
+        choices=["digits", "movielens"],
+        default="digits",
+        help="digits (an MLP on scikit-learn's digits) or movielens (biased matrix "
+        "factorization on real MovieLens ratings with user and movie embedding tables on the "
+        "server; needs paramserver[recsys]; see docs/embedding-tables.md; default digits)",
+    )
+    from paramserver.cli.demos.movielens import add_flags as _movielens_flags
+
+    _movielens_flags(d)
+    d.set_defaults(func=_cmd_demo)
+
+    t = sub.add_parser(
+        "torch-demo",
+        help="the demo with torch.nn workers (= demo --framework torch --workers 2)",
+    )
+    _add_demo_flags(t, workers=2, framework=False)
+    t.set_defaults(func=_cmd_demo, framework="torch")
+
+
+def _add_demo_flags(d: argparse.ArgumentParser, *, workers: int, framework: bool = True) -> None:
+    d.add_argument(
+        "--workers",
+        type=int,
+        default=workers,
+        help=f"worker processes, each training on its slice of the data (default {workers})",
+    )
+    d.add_argument(
+        "--consistency",
+        type=consistency_list,
+        default=["ssp"],
+        metavar="MODEL[,MODEL...]",
+        help="bsp, ssp or asp; a comma-separated list (bsp,ssp,asp) runs the cluster once per "
+        "model, one after another (default ssp)",
+    )
+    d.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="write test accuracy against wall time, one curve per consistency model "
+        "(needs matplotlib: the plot extra) (default: no plot)",
+    )
+    d.add_argument(
+        "--staleness",
+        type=int,
+        default=2,
+        help="SSP staleness bound in clocks: a pull waits until the slowest worker is at most "
+        "this many clocks behind (default 2; ignored by bsp and asp)",
+    )
+    d.add_argument(
+        "--aggregation",
+        choices=["mean", "sum", "weighted_mean"],
+        default="mean",
+        help="how the server combines one BSP step's gradients (default mean)",
+    )
+    d.add_argument(
+        "--lease-ms",
+        type=int,
+        default=10_000,
+        help="worker lease in ms: a worker silent this long is evicted (default 10000)",
+    )
+    d.add_argument("--shards", type=int, default=1, help="parameter-server shards (default 1)")
+    d.add_argument(
+        "--slice-bytes",
+        type=int,
+        help="with --shards > 1: slice tensors above this many bytes over the shards "
+        "(default 4 MiB)",
+    )
+    d.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="give up after this many seconds (default 600)",
+    )
+    _add_training_flags(d, epochs=10, framework=framework)

@@ -1,0 +1,192 @@
+"""``paramserver ray-launch``: a job on a running Ray cluster (shards as actors, workers as
+tasks; :mod:`paramserver.integrations.ray.placement`). Ray is imported only when the command
+runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+from typing import Any
+
+from paramserver.errors import InvalidArgument
+
+
+def _load_function(spec: str) -> Any:
+    """``package.module:function`` -> the function (importable on every Ray node too)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise InvalidArgument(f"--train must be MODULE:FUNCTION, got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidArgument(f"--train {spec}: {exc}") from None
+    if not callable(fn):
+        raise InvalidArgument(f"--train {spec}: not a function")
+    return fn
+
+
+#: RayJobConfig field -> the ray-launch flag that sets it (for error messages).
+_FLAG_OF = {
+    "num_shards": "--shards",
+    "num_workers": "--workers",
+    "base_port": "--base-port",
+    "worker_failure": "--worker-failure",
+    "shard_max_restarts": "--shard-max-restarts",
+    "worker_max_retries": "--worker-max-retries",
+    "start_timeout_s": "--start-timeout-s",
+    "job_timeout_s": "--timeout-s",
+    "retry_deadline_s": "--retry-deadline-s",
+    "serve_args": "--serve-args",
+    "strategy": "--strategy",
+}
+
+
+def _job_config(args: argparse.Namespace, config_class: Any) -> Any:
+    return config_class(
+        num_shards=args.shards,
+        num_workers=args.workers,
+        base_port=args.base_port,
+        state_dir=args.state_dir,
+        serve_args=tuple(shlex.split(args.serve_args)),
+        strategy=args.strategy,
+        shard_max_restarts=args.shard_max_restarts,
+        worker_max_retries=args.worker_max_retries,
+        worker_failure=args.worker_failure,
+        shard_num_cpus=args.shard_cpus,
+        worker_num_cpus=args.worker_cpus,
+        start_timeout_s=args.start_timeout_s,
+        job_timeout_s=args.timeout_s,
+        retry_deadline_s=args.retry_deadline_s,
+        name=args.name,
+    )
+
+
+def _cmd_ray_launch(args: argparse.Namespace) -> int:
+    try:
+        import ray
+    except ImportError:
+        print("paramserver ray-launch: needs Ray: pip install 'paramserver[ray]'", file=sys.stderr)
+        return 2
+    from paramserver.integrations.ray.placement import DigitsJob, RayJobConfig, launch
+
+    try:
+        cfg = _job_config(args, RayJobConfig)
+    except InvalidArgument as exc:  # named as the flags, not as the config's fields
+        message = exc.message
+        for field_name, flag in _FLAG_OF.items():
+            message = message.replace(field_name, flag)
+        raise InvalidArgument(message) from None
+    job: Any
+    if args.train:
+        job = _load_function(args.train)
+    else:
+        job = DigitsJob(
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            momentum=args.momentum,
+            hidden=args.hidden,
+            seed=args.seed,
+            slow_factor=args.slow_factor,
+        )
+    ray.init(address=args.address, log_to_driver=args.worker_logs)
+    try:
+        result = launch(cfg, job)
+    finally:
+        ray.shutdown()
+    print(result.to_json(), flush=True)
+    for w in result.workers:
+        if not w.ok:
+            print(f"paramserver ray-launch: worker {w.index} failed: {w.error}", file=sys.stderr)
+    if not result.ok:
+        return 1
+    accuracy = result.metrics.get("test_accuracy")
+    if accuracy is not None and accuracy < args.min_accuracy:
+        print(
+            f"paramserver ray-launch: test accuracy {accuracy:.4f} is below --min-accuracy "
+            f"{args.min_accuracy}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def add_subcommands(sub: Any) -> None:
+    """Register ``ray-launch``."""
+    p = sub.add_parser(
+        "ray-launch",
+        help="run a job on a Ray cluster: shards as actors, workers as tasks (paramserver[ray])",
+        description="Run a paramserver job on a running Ray cluster: S shards as restartable "
+        "Ray actors in a placement group (each bound to its node's IP on BASE_PORT + i, with "
+        "its own checkpoints and write-ahead log), N workers as Ray tasks running the digits "
+        "job or --train MODULE:FUNCTION. Prints the job result as one JSON object; exit 0 "
+        "iff every worker returned (and the digits job reached --min-accuracy).",
+    )
+    p.add_argument("--address", default="auto", help="Ray cluster address (default auto)")
+    p.add_argument("--shards", type=int, default=2, help="server shards (default 2)")
+    p.add_argument("--workers", type=int, default=4, help="worker tasks (default 4)")
+    p.add_argument("--base-port", type=int, default=50051, help="shard i listens on BASE_PORT+i")
+    p.add_argument(
+        "--state-dir",
+        default="/tmp/paramserver-ray",
+        help="per-node directory of shard-<i>/checkpoints and shard-<i>/wal",
+    )
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="extra `paramserver serve` flags for every shard, one string "
+        "(e.g. '--consistency ssp --staleness 2 --checkpoint-every-s 30')",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=["SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK"],
+        default="SPREAD",
+        help="placement-group strategy of the shards (default SPREAD)",
+    )
+    p.add_argument(
+        "--shard-max-restarts",
+        type=int,
+        default=3,
+        help="times Ray restarts a dead shard (0: a dead shard fails the job; default 3)",
+    )
+    p.add_argument(
+        "--worker-max-retries",
+        type=int,
+        default=0,
+        help="times Ray re-runs a failed worker task (default 0)",
+    )
+    p.add_argument(
+        "--worker-failure",
+        choices=["fail", "continue"],
+        default="fail",
+        help="a worker that failed for good: cancel the others and fail (default), or let "
+        "them continue",
+    )
+    p.add_argument("--shard-cpus", type=float, default=1.0, help="Ray CPUs per shard")
+    p.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs per worker")
+    p.add_argument("--start-timeout-s", type=float, default=120.0)
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="deadline of the workers")
+    p.add_argument(
+        "--retry-deadline-s",
+        type=float,
+        default=120.0,
+        help="how long workers retry an unavailable shard (a restart must fit)",
+    )
+    p.add_argument("--name", default="paramserver", help="prefix of actor and worker names")
+    p.add_argument(
+        "--train",
+        metavar="MODULE:FUNCTION",
+        help="run train(client, worker_index, num_workers) instead of the digits job",
+    )
+    p.add_argument("--worker-logs", action="store_true", help="stream worker output here")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-factor", type=float, default=1.0, help="workers x slower")
+    p.add_argument("--min-accuracy", type=float, default=0.93, help="exit 1 below this bar")
+    p.set_defaults(func=_cmd_ray_launch)

@@ -1,0 +1,419 @@
+"""A shard's embedding tables with their per-table consistency (pure, synchronous).
+
+Each table declares ``asp``, ``ssp(s)`` or ``bsp`` at init, independent of the server's dense
+keys (PERSIA's hybrid, Lian et al. 2022: sparse asynchronous within a bound, dense synchronous).
+Clocks and membership are the shard's (:class:`~paramserver.core.consistency.ClusterState`);
+a table only brings its own bound:
+
+* **asp**: pulls never wait; a push is applied on arrival.
+* **ssp(s)**: a pull by worker p waits until ``min_q c_q >= c_p - s``; pushes apply on arrival.
+* **bsp**: a pull waits until ``min_q c_q >= c_p``; the row pushes of clock t are queued, summed
+  per id over the step and divided by the number of live workers (a mean over workers, as the
+  dense BSP ``mean``; the live count, not the count of workers that pushed rows to this shard,
+  so the result does not depend on how ids spread over shards), then applied once when every
+  live worker has clocked past t (:meth:`TableSet.close_steps`, called whenever the minimum
+  clock may have advanced).
+
+A push is decided in two steps so that the caller can log it in between: :meth:`TableSet.prepare`
+validates everything and changes nothing; :meth:`TableSet.commit` applies (or queues) it and
+cannot fail. Retried pushes (same registration and request id) are answered as duplicates.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from paramserver.core.consistency import Admission, ClusterState
+from paramserver.core.tables import (
+    EmbeddingTable,
+    PushRowsResult,
+    TableLimits,
+    TableSpec,
+    coalesce,
+)
+from paramserver.errors import AlreadyExists, InvalidArgument, KeyNotFound, StaleUpdate
+
+__all__ = ["PreparedRowPush", "RowPushOutcome", "TableSet", "TableStats"]
+
+#: Row-push request ids remembered per worker name (deduplication of retries).
+ROW_DEDUP_WINDOW = 8192
+
+
+@dataclass(frozen=True)
+class RowPushOutcome:
+    """What a row push did (the reply).
+
+    Attributes:
+        duplicate: The request id was seen before; nothing was applied again.
+        queued: bsp: the push waits for its step to close.
+        result: Counts of the applied push (zeros when duplicate or queued).
+        staleness: Clocks between the newest clock applied to the table and the push's clock.
+    """
+
+    duplicate: bool
+    queued: bool = False
+    result: PushRowsResult = field(default_factory=lambda: PushRowsResult(0, 0, 0, 0))
+    staleness: int = 0
+
+
+@dataclass
+class PreparedRowPush:
+    """A validated row push, not yet applied (see :meth:`TableSet.prepare`)."""
+
+    table: EmbeddingTable
+    worker_name: str  # the registration's worker id (request ids are scoped to it)
+    request_id: int
+    clock: int
+    ids: npt.NDArray[np.int64]
+    grads: np.ndarray
+    duplicate: RowPushOutcome | None = None
+
+
+@dataclass
+class TableStats:
+    """Per-table staleness and BSP counters (metrics, status)."""
+
+    newest_clock: int = -1
+    staleness_max: int = 0
+    staleness_sum: int = 0
+    applied_pushes: int = 0
+    duplicate_pushes: int = 0
+    #: bsp: clock -> queued pushes (worker id, ids, float32 grads, server seconds).
+    queued: dict[int, list[tuple[str, npt.NDArray[np.int64], np.ndarray, float]]] = field(
+        default_factory=dict
+    )
+
+    def queued_pushes(self) -> int:
+        return sum(len(v) for v in self.queued.values())
+
+
+class TableSet:
+    """The embedding tables of one shard.
+
+    Args:
+        limits: Per-request bounds applied to every table.
+    """
+
+    def __init__(self, limits: TableLimits | None = None) -> None:
+        self.limits = limits or TableLimits()
+        self.tables: dict[str, EmbeddingTable] = {}
+        self.stats: dict[str, TableStats] = {}
+        self._dedup: dict[str, OrderedDict[int, RowPushOutcome]] = {}
+
+    # ------------------------------------------------------------------ declaration
+    def init(self, spec: TableSpec) -> tuple[bool, TableSpec]:
+        """Declare a table; first writer wins.
+
+        Returns:
+            (created, the stored spec). A later declaration of the same name with the same
+            spec is a no-op.
+
+        Raises:
+            AlreadyExists: the name is declared with a different spec (ALREADY_EXISTS).
+        """
+        have = self.tables.get(spec.name)
+        if have is not None:
+            if have.spec != spec:
+                raise AlreadyExists(
+                    f"table {spec.name!r} exists with a different declaration "
+                    f"({have.spec.to_dict()}); got {spec.to_dict()}"
+                )
+            return False, have.spec
+        self.tables[spec.name] = EmbeddingTable(spec, self.limits)
+        self.stats[spec.name] = TableStats()
+        return True, spec
+
+    def get(self, name: str) -> EmbeddingTable:
+        """The table ``name``.
+
+        Raises:
+            KeyNotFound: no such table on this shard (NOT_FOUND).
+        """
+        table = self.tables.get(name)
+        if table is None:
+            raise KeyNotFound(f"table {name!r} is not declared on this shard (InitTable first)")
+        return table
+
+    # ------------------------------------------------------------------ pulls
+    def check_pull(self, cluster: ClusterState, worker_id: str, name: str) -> Admission:
+        """Whether a row pull by ``worker_id`` may read ``name`` now (its own bound).
+
+        Raises:
+            KeyNotFound (NOT_FOUND), WorkerNotFound (FAILED_PRECONDITION).
+        """
+        spec = self.get(name).spec
+        if not worker_id or spec.consistency == "asp":
+            if worker_id:
+                cluster.require_live(worker_id)
+            return Admission(True, reason="no wait")
+        rec = cluster.require_live(worker_id)
+        need = rec.clock - spec.staleness
+        behind = tuple(sorted(w.name for w in cluster.holding_workers() if w.clock < need))
+        if not behind:
+            return Admission(True, reason=f"min clock >= {need}")
+        return Admission(
+            False,
+            waiting_for=behind,
+            reason=(
+                f"row pull of table {name!r} by {rec.name!r} at clock {rec.clock} "
+                f"({spec.consistency}, staleness {spec.staleness}) waits for clock >= {need} "
+                f"from {', '.join(behind)}"
+            ),
+        )
+
+    # ------------------------------------------------------------------ pushes
+    def prepare(
+        self,
+        cluster: ClusterState,
+        worker_id: str,
+        request_id: int,
+        clock: int,
+        name: str,
+        ids: np.ndarray,
+        grads: np.ndarray,
+    ) -> PreparedRowPush:
+        """Validate a row push completely; changes nothing.
+
+        Raises:
+            KeyNotFound: unknown table (NOT_FOUND).
+            WorkerNotFound: unknown or evicted worker (FAILED_PRECONDITION).
+            InvalidArgument: bad ids or gradient rows, naming the table (INVALID_ARGUMENT).
+            StaleUpdate: bsp push for a step that already closed, or a clock ahead of the
+                worker's (FAILED_PRECONDITION).
+        """
+        table = self.get(name)
+        rec = cluster.require_live(worker_id)
+        seen = self._dedup.get(rec.worker_id)  # request ids are scoped to one registration
+        if seen is not None and request_id in seen:
+            return PreparedRowPush(
+                table, rec.worker_id, request_id, clock, ids, grads, duplicate=seen[request_id]
+            )
+        checked = table.check_push(ids, grads)
+        if clock > rec.clock:
+            raise StaleUpdate(
+                f"row push to table {name!r} for clock {clock}, but worker {rec.name!r} is at "
+                f"clock {rec.clock}"
+            )
+        if table.spec.consistency == "bsp" and clock < cluster.min_clock():
+            raise StaleUpdate(
+                f"row push to bsp table {name!r} for clock {clock}: that step closed "
+                f"(min clock {cluster.min_clock()})"
+            )
+        return PreparedRowPush(table, rec.worker_id, request_id, clock, checked, grads)
+
+    def commit(self, push: PreparedRowPush, *, now_s: float) -> RowPushOutcome:
+        """Apply (asp/ssp) or queue (bsp) a prepared push; never fails."""
+        name = push.table.spec.name
+        stats = self.stats[name]
+        if push.duplicate is not None:
+            stats.duplicate_pushes += 1
+            return RowPushOutcome(True, push.duplicate.queued, push.duplicate.result)
+        if push.table.spec.consistency == "bsp":
+            grads = np.array(push.grads, dtype=np.float32)  # own copy: buffers are not kept
+            stats.queued.setdefault(push.clock, []).append(
+                (push.worker_name, push.ids.copy(), grads, now_s)
+            )
+            outcome = RowPushOutcome(False, queued=True)
+        else:
+            result = push.table.push(push.ids, push.grads, now_s=now_s, clock=push.clock)
+            outcome = RowPushOutcome(
+                False, result=result, staleness=self._staleness(name, push.clock)
+            )
+        self._remember(push.worker_name, push.request_id, outcome)
+        return outcome
+
+    def _staleness(self, name: str, clock: int) -> int:
+        stats = self.stats[name]
+        stats.newest_clock = max(stats.newest_clock, clock)
+        stale = stats.newest_clock - clock
+        stats.staleness_max = max(stats.staleness_max, stale)
+        stats.staleness_sum += stale
+        stats.applied_pushes += 1
+        return stale
+
+    def _remember(self, worker_name: str, request_id: int, outcome: RowPushOutcome) -> None:
+        seen = self._dedup.get(worker_name)
+        if seen is None:
+            seen = self._dedup[worker_name] = OrderedDict()
+        seen[request_id] = outcome
+        if len(seen) > ROW_DEDUP_WINDOW:
+            seen.popitem(last=False)
+
+    def close_steps(self, min_clock: int, live_workers: int) -> int:
+        """Apply every queued bsp step t < ``min_clock``, in step order; returns steps closed.
+
+        A step's pushes are summed per id and divided by ``live_workers`` (at least the number
+        of distinct workers that pushed in the step), then applied as one push, stamped with
+        the latest server time of its pushes (expiry). The shard's core calls this whenever
+        its minimum clock may have advanced (clock, leave, eviction), so the divisor is the
+        live count at that moment, on replay too.
+        """
+        closed = 0
+        for name, stats in self.stats.items():
+            if not stats.queued:
+                continue
+            table = self.tables[name]
+            for step in sorted(t for t in stats.queued if t < min_clock):
+                pushes = stats.queued.pop(step)
+                workers = max(live_workers, len({p[0] for p in pushes}), 1)
+                now_s = max(p[3] for p in pushes)
+                ids = np.concatenate([p[1] for p in pushes])
+                grads = np.concatenate([p[2] for p in pushes])
+                uniq, summed = coalesce(ids, grads)
+                summed /= np.float32(workers)
+                table.apply_coalesced(uniq, summed, now_s=now_s, clock=step)
+                for _ in pushes:
+                    self._staleness(name, step)
+                closed += 1
+        return closed
+
+    # ------------------------------------------------------------------ memory policy
+    def expire(self, *, now_s: float, clock: int) -> int:
+        """Run every table's expiry sweep; returns rows dropped."""
+        return sum(t.expire(now_s=now_s, clock=clock) for t in self.tables.values())
+
+    # ------------------------------------------------------------------ durability
+    def state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Arrays (``table/<name>/<field>``) and a JSON-able manifest of every table, its
+        queued bsp pushes and the row-push deduplication window."""
+        arrays: dict[str, np.ndarray] = {}
+        manifest: dict[str, Any] = {"tables": {}, "dedup": {}}
+        for name, table in self.tables.items():
+            for f, arr in table.state_arrays().items():
+                arrays[f"table/{name}/{f}"] = arr
+            stats = self.stats[name]
+            queued = []
+            for i, (step, pushes) in enumerate(sorted(stats.queued.items())):
+                for j, (worker, ids, grads, now_s) in enumerate(pushes):
+                    arrays[f"table/{name}/queued/{i}/{j}/ids"] = ids
+                    arrays[f"table/{name}/queued/{i}/{j}/grads"] = grads
+                    queued.append([step, worker, i, j, now_s])
+            manifest["tables"][name] = {
+                "spec": table.spec.to_dict(),
+                "counters": {
+                    k: getattr(table, k)
+                    for k in (
+                        "pushes",
+                        "rows_pushed",
+                        "pulls",
+                        "rows_pulled",
+                        "filtered",
+                        "expired",
+                    )
+                },
+                "newest_clock": stats.newest_clock,
+                "queued": queued,
+            }
+        manifest["dedup"] = {
+            w: [[rid, o.queued] for rid, o in seen.items()] for w, seen in self._dedup.items()
+        }
+        return arrays, manifest
+
+    def restore(self, arrays: dict[str, np.ndarray], manifest: dict[str, Any]) -> None:
+        """Replace every table by :meth:`state` output (bit-exact rows and state)."""
+        self.tables.clear()
+        self.stats.clear()
+        for name, entry in manifest.get("tables", {}).items():
+            spec = TableSpec.from_dict(entry["spec"])
+            self.init(spec)
+            prefix = f"table/{name}/"
+            fields = {
+                k[len(prefix) :]: v
+                for k, v in arrays.items()
+                if k.startswith(prefix) and "/" not in k[len(prefix) :]
+            }
+            table = self.tables[name]
+            table.load_state_arrays(fields)
+            for k, v in entry.get("counters", {}).items():
+                setattr(table, k, int(v))
+            stats = self.stats[name]
+            stats.newest_clock = int(entry.get("newest_clock", -1))
+            for step, worker, i, j, now_s in entry.get("queued", []):
+                stats.queued.setdefault(int(step), []).append(
+                    (
+                        str(worker),
+                        arrays[f"{prefix}queued/{i}/{j}/ids"],
+                        arrays[f"{prefix}queued/{i}/{j}/grads"],
+                        float(now_s),
+                    )
+                )
+        self._dedup = {
+            w: OrderedDict((int(rid), RowPushOutcome(True, queued=bool(q))) for rid, q in seen)
+            for w, seen in manifest.get("dedup", {}).items()
+        }
+
+
+# ------------------------------------------------------------------------------ reshard
+def merge_table_states(
+    parts: list[tuple[dict[str, np.ndarray], dict[str, Any]]],
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Merge the :meth:`TableSet.state` of every shard of a cluster into one (resharding).
+
+    Every id lives on exactly one shard, so the rows (and the frequency filter's counts) are a
+    disjoint union, sorted by id. Counters are summed; queued bsp steps and deduplication
+    windows are not carried (workers of the new cluster register afresh and redo the open
+    step, as for dense keys).
+
+    Raises:
+        InvalidArgument: the shards disagree on a table's declaration.
+    """
+    specs: dict[str, dict[str, Any]] = {}
+    counters: dict[str, dict[str, int]] = {}
+    fields: dict[str, dict[str, list[np.ndarray]]] = {}
+    for arrays, manifest in parts:
+        for name, entry in manifest.get("tables", {}).items():
+            if name in specs and specs[name] != entry["spec"]:
+                raise InvalidArgument(f"table {name!r}: shards disagree on its declaration")
+            specs[name] = entry["spec"]
+            total = counters.setdefault(name, {})
+            for k, v in entry.get("counters", {}).items():
+                total[k] = total.get(k, 0) + int(v)
+            prefix = f"table/{name}/"
+            per = fields.setdefault(name, {})
+            for key, arr in arrays.items():
+                rest = key[len(prefix) :]
+                if key.startswith(prefix) and "/" not in rest:
+                    per.setdefault(rest, []).append(arr)
+    out_arrays: dict[str, np.ndarray] = {}
+    out_manifest: dict[str, Any] = {"tables": {}, "dedup": {}}
+    for name, per in fields.items():
+        merged = {k: np.concatenate(v) for k, v in per.items()}
+        order = np.argsort(merged["ids"], kind="stable")
+        p_order = np.argsort(merged["pending_ids"], kind="stable")
+        for k, v in merged.items():
+            out_arrays[f"table/{name}/{k}"] = v[p_order if k.startswith("pending_") else order]
+        out_manifest["tables"][name] = {
+            "spec": specs[name],
+            "counters": counters[name],
+            "newest_clock": -1,
+            "queued": [],
+        }
+    return out_arrays, out_manifest
+
+
+def split_table_states(
+    arrays: dict[str, np.ndarray], manifest: dict[str, Any], num_shards: int
+) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]]:
+    """Place merged table state on ``num_shards`` shards by ``hash64(table, id) mod S``."""
+    from paramserver.core.tables import shard_of_ids
+
+    out: list[tuple[dict[str, np.ndarray], dict[str, Any]]] = [
+        ({}, {"tables": {}, "dedup": {}}) for _ in range(num_shards)
+    ]
+    for name, entry in manifest.get("tables", {}).items():
+        prefix = f"table/{name}/"
+        rows_shard = shard_of_ids(name, arrays[prefix + "ids"], num_shards)
+        pend_shard = shard_of_ids(name, arrays[prefix + "pending_ids"], num_shards)
+        for s in range(num_shards):
+            a, m = out[s]
+            for key, arr in arrays.items():
+                if key.startswith(prefix) and "/" not in key[len(prefix) :]:
+                    sel = pend_shard if key[len(prefix) :].startswith("pending_") else rows_shard
+                    a[key] = arr[sel == s]
+            m["tables"][name] = {**entry, "queued": []}
+    return out

@@ -1,0 +1,69 @@
+"""paramserver on a Ray cluster: shards as restartable actors, workers as tasks.
+
+Needs the ``ray`` extra (``pip install 'paramserver[ray]'``). Usage, from a process connected
+to the cluster (``ray.init(address=...)``)::
+
+    from paramserver.integrations.ray import DigitsJob, RayJobConfig, launch
+
+    result = launch(RayJobConfig(num_shards=2, num_workers=4), DigitsJob(epochs=10))
+    print(result.ok, result.metrics["test_accuracy"])
+
+or with a function of one's own, run by every worker task::
+
+    def train(client, worker_index, num_workers):  # client: a SyncWorkerClient
+        ...
+
+    launch(RayJobConfig(num_workers=8), train)
+
+The command line is ``paramserver ray-launch``; docs/engines.md has the whole story.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names below, imported on first use (``ray`` is imported then)
+    from paramserver.integrations.ray.placement import (
+        MANAGED_SERVE_FLAGS,
+        DigitsJob,
+        JobResult,
+        RayJobConfig,
+        RayShardGroup,
+        ShardActor,
+        ShardInfo,
+        TrainFunction,
+        WorkerJob,
+        WorkerOutcome,
+        launch,
+    )
+
+__all__ = [
+    "MANAGED_SERVE_FLAGS",
+    "DigitsJob",
+    "JobResult",
+    "RayJobConfig",
+    "RayShardGroup",
+    "ShardActor",
+    "ShardInfo",
+    "TrainFunction",
+    "WorkerJob",
+    "WorkerOutcome",
+    "launch",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Import :mod:`paramserver.integrations.ray.placement` (and so ``ray``) on first use, so that
+    ``paramserver.cli.ray_launch`` and ``paramserver --help`` work without the ``ray`` extra."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        launcher = importlib.import_module("paramserver.integrations.ray.placement")
+    except ImportError as exc:
+        if exc.name != "ray" and not str(exc.name).startswith("ray."):
+            raise
+        raise ImportError(
+            f"paramserver.integrations.ray needs Ray: pip install 'paramserver[ray]' ({exc})"
+        ) from exc
+    return getattr(launcher, name)

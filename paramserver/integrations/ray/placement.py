@@ -1,0 +1,632 @@
+"""Shards as restartable Ray actors in a placement group, workers as Ray tasks.
+
+Layout of a job (``paramserver ray-launch``, or :func:`launch` / :class:`RayShardGroup`):
+
+* **Shards.** One placement group of ``num_shards`` bundles (strategy ``SPREAD`` by default:
+  across nodes where it can). Once the group is placed, the launcher reads each bundle's node
+  and fixes shard i's address to ``<node IP>:<base_port + i>``; every shard is started with the
+  whole list (``--shard-index i --shard-addresses ...``), so the shard map is known before any
+  worker connects. Shard i is a Ray actor pinned to bundle i that hosts the ``paramserver
+  serve`` daemon in its own process (the same flags, parsed by the same parser), bound to its
+  node's IP, with its own ``--checkpoint-dir`` and write-ahead log (``--wal``) under
+  ``<state_dir>/shard-<i>`` on that node.
+* **Restarts.** The actors have ``max_restarts`` > 0 (``shard_max_restarts``). Ray re-creates a
+  dead shard actor in the same bundle, hence on the same node; its constructor binds the same
+  address again and restores the newest checkpoint plus the log after it, so the shard comes
+  back with every acknowledged update. Workers ride through: their client retries UNAVAILABLE
+  (same request ids, applied once) until ``retry_deadline_s``.
+* **Workers.** ``num_workers`` Ray tasks (``SPREAD``), worker i told its index, the worker count
+  and the shard addresses. Each runs the digits job (:class:`DigitsJob`, what ``paramserver
+  worker`` runs) or a user function ``train(client, worker_index, num_workers)``: an ``async
+  def`` gets the asyncio :class:`~paramserver.worker_client.ClusterWorkerClient`, a plain
+  function the blocking :class:`~paramserver.worker_client.SyncWorkerClient`. A worker task
+  retried by Ray (``worker_max_retries``) registers with ``replace=True``: it fences its dead
+  predecessor's registration instead of waiting out its lease.
+* **Result.** :class:`JobResult`: each worker's exit (its return value or its error), each
+  shard's counters and restarts, and for the digits job the test accuracy of the final
+  parameters. Teardown stops every shard gracefully (final checkpoint), kills the actors for
+  good, cancels unfinished worker tasks and removes the placement group.
+
+Ray is an optional dependency: ``pip install 'paramserver[ray]'``. The stable address holds
+while the shard's node lives; if the node itself is lost Ray places the bundle on another node,
+whose IP differs, and the shard refuses to start there (its state directory was on the lost
+node too). See docs/engines.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from paramserver.errors import InvalidArgument, Unavailable, WaitTimeout
+
+logger = logging.getLogger(__name__)
+
+#: ``paramserver serve`` flags the launcher sets itself for each shard.
+MANAGED_SERVE_FLAGS = frozenset(
+    {
+        "--host",
+        "--port",
+        "--port-file",
+        "--shard-index",
+        "--shard-addresses",
+        "--checkpoint-dir",
+        "--wal-dir",
+    }
+)
+STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
+WORKER_FAILURE = ("fail", "continue")
+#: Shard i's start count, in its state directory (survives actor restarts on the node).
+STARTS_FILE = "starts"
+
+
+@dataclass(frozen=True)
+class RayJobConfig:
+    """A paramserver job on a Ray cluster.
+
+    Attributes:
+        num_shards: Server shards (Ray actors, one placement-group bundle each).
+        num_workers: Worker tasks.
+        base_port: Shard i listens on ``<its node IP>:<base_port + i>`` (fixed: the same
+            address after a restart).
+        state_dir: Directory, on every node, under which shard i keeps ``shard-<i>/checkpoints``
+            and ``shard-<i>/wal``.
+        serve_args: Extra ``paramserver serve`` flags for every shard (consistency,
+            staleness, checkpoint cadence, TLS, tokens...); the flags in
+            :data:`MANAGED_SERVE_FLAGS` are the launcher's.
+        strategy: Placement-group strategy of the shards (``SPREAD``: across nodes where
+            possible; ``STRICT_SPREAD``: one node each or fail).
+        shard_max_restarts: Times Ray re-creates a dead shard (0: a dead shard fails the job).
+        worker_max_retries: Times Ray re-runs a failed worker task (0: no retry).
+        worker_failure: What a worker that failed for good does to the job: ``fail`` (the
+            other workers are cancelled and the job fails at once) or ``continue`` (the others
+            carry on; the job result still records the failure).
+        shard_num_cpus: Ray CPUs reserved per shard.
+        worker_num_cpus: Ray CPUs reserved per worker.
+        start_timeout_s: Deadline (seconds) for placing the group and starting the shards.
+        job_timeout_s: Deadline (seconds) for the workers; the unfinished are cancelled.
+        retry_deadline_s: How long (seconds) a worker's client retries an unavailable shard
+            (a restart must fit in it).
+        stop_grace_s: Grace (seconds) of a shard's graceful stop at teardown.
+        name: Prefix of the workers' names and the actors' names.
+        worker_env: Environment variables of the worker tasks (a Ray ``runtime_env``).
+    """
+
+    num_shards: int = 2
+    num_workers: int = 4
+    base_port: int = 50051
+    state_dir: str = "/tmp/paramserver-ray"
+    serve_args: tuple[str, ...] = ()
+    strategy: str = "SPREAD"
+    shard_max_restarts: int = 3
+    worker_max_retries: int = 0
+    worker_failure: str = "fail"
+    shard_num_cpus: float = 1.0
+    worker_num_cpus: float = 1.0
+    start_timeout_s: float = 120.0
+    job_timeout_s: float = 3600.0
+    retry_deadline_s: float = 120.0
+    stop_grace_s: float = 5.0
+    name: str = "paramserver"
+    worker_env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1 or self.num_workers < 1:
+            raise InvalidArgument(
+                f"num_shards and num_workers must be >= 1, got {self.num_shards} and "
+                f"{self.num_workers}"
+            )
+        if not 1 <= self.base_port <= 65535 - (self.num_shards - 1):
+            raise InvalidArgument(
+                f"base_port must leave room for {self.num_shards} ports below 65536, "
+                f"got {self.base_port}"
+            )
+        if self.strategy not in STRATEGIES:
+            raise InvalidArgument(
+                f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
+            )
+        if self.worker_failure not in WORKER_FAILURE:
+            raise InvalidArgument(
+                f"worker_failure must be fail or continue, got {self.worker_failure!r}"
+            )
+        if self.shard_max_restarts < 0 or self.worker_max_retries < 0:
+            raise InvalidArgument("shard_max_restarts and worker_max_retries must be >= 0")
+        for what in ("start_timeout_s", "job_timeout_s", "retry_deadline_s"):
+            if not getattr(self, what) > 0:
+                raise InvalidArgument(f"{what} must be > 0, got {getattr(self, what)}")
+        for arg in self.serve_args:
+            if arg.split("=", 1)[0] in MANAGED_SERVE_FLAGS:
+                raise InvalidArgument(
+                    f"serve_args: {arg.split('=', 1)[0]} is set by the launcher for each "
+                    f"shard (managed: {', '.join(sorted(MANAGED_SERVE_FLAGS))})"
+                )
+
+
+@dataclass(frozen=True)
+class DigitsJob:
+    """The digits job of ``paramserver worker`` (see
+    :mod:`paramserver.cli.demos.digits`), run by every worker task."""
+
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 0.1
+    momentum: float = 0.9
+    hidden: int = 32
+    seed: int = 0
+    slow_factor: float = 1.0
+
+
+#: A user's training function: ``train(client, worker_index, num_workers) -> result``.
+TrainFunction = Callable[[Any, int, int], Any]
+
+
+@dataclass
+class ShardInfo:
+    """One shard as its actor reports it.
+
+    Attributes:
+        index: Shard index.
+        address: ``host:port`` it serves (the same across restarts).
+        node_ip: IP of the Ray node its actor runs on.
+        pid: Process id of its actor (changes on a restart).
+        starts: Times it started (1 + restarts; read from its state directory).
+        restored_applied_updates: Applied updates it held right after its last start (restored
+            from its checkpoint and write-ahead log; 0 on a first start).
+        applied_updates: Pushes applied so far (each BSP step counts its contributing pushes).
+        duplicate_pushes: Retried pushes recognised and not re-applied.
+        recovery_s: Seconds its last start spent restoring.
+    """
+
+    index: int
+    address: str
+    node_ip: str
+    pid: int
+    starts: int
+    restored_applied_updates: int
+    applied_updates: int
+    duplicate_pushes: int
+    recovery_s: float
+
+
+@dataclass
+class WorkerOutcome:
+    """One worker task's exit.
+
+    Attributes:
+        index: Worker index.
+        ok: It returned (no exception, not cancelled, within the deadline).
+        result: Its return value (the digits job: its ``done`` summary).
+        error: Why it failed (``None`` when ok).
+        node_ip: IP of the node it last ran on (``None`` if unknown).
+    """
+
+    index: int
+    ok: bool
+    result: Any = None
+    error: str | None = None
+    node_ip: str | None = None
+
+
+@dataclass
+class JobResult:
+    """What a job on Ray returns to its driver.
+
+    Attributes:
+        workers: Every worker's exit, by index.
+        shards: Every shard's state at the end (before teardown).
+        metrics: Final metrics; the digits job: ``test_accuracy`` of the final parameters.
+        elapsed_s: Seconds from the workers' submission to their last exit.
+    """
+
+    workers: list[WorkerOutcome]
+    shards: list[ShardInfo]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every worker returned."""
+        return all(w.ok for w in self.workers)
+
+    def to_json(self) -> str:
+        """The result as one JSON object (worker results that JSON cannot hold as ``repr``)."""
+        return json.dumps(asdict(self) | {"ok": self.ok}, default=repr, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------- the shard actor
+class ShardActor:
+    """Hosts one shard's ``paramserver serve`` daemon on a private event loop thread.
+
+    Created by :class:`RayShardGroup` as a Ray actor; its constructor runs again on every
+    restart, restoring the shard from its checkpoint directory and write-ahead log.
+
+    Raises:
+        Unavailable: the actor landed on another node than its address names (UNAVAILABLE).
+        InvalidArgument: a bad ``serve`` flag (INVALID_ARGUMENT).
+    """
+
+    def __init__(
+        self, index: int, addresses: Sequence[str], serve_args: Sequence[str], state_dir: str
+    ) -> None:
+        from paramserver.cli.main import build_parser
+        from paramserver.server.serving import ParameterServerDaemon, serve_config
+
+        self.index = index
+        self.address = addresses[index]
+        host, port = self.address.rsplit(":", 1)
+        node_ip = ray.util.get_node_ip_address()
+        if node_ip != host:
+            raise Unavailable(
+                f"shard {index} was placed on node {node_ip}, but its address is {self.address}"
+                " (its bundle moved to another node: restart the job)"
+            )
+        shard_dir = Path(state_dir) / f"shard-{index}"
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        starts_file = shard_dir / STARTS_FILE
+        self.starts = (int(starts_file.read_text()) if starts_file.exists() else 0) + 1
+        starts_file.write_text(str(self.starts))
+        argv = [
+            "serve",
+            *serve_args,
+            *("--host", host, "--port", port),
+            *("--shard-index", str(index), "--shard-addresses", ",".join(addresses)),
+            *("--checkpoint-dir", str(shard_dir / "checkpoints")),
+            *("--wal", "--wal-dir", str(shard_dir / "wal")),
+        ]
+        args = build_parser().parse_args(argv)
+        config = serve_config(args, os.environ)
+        self._loop = _new_loop(config.use_uvloop)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"paramserver-shard-{index}", daemon=True
+        )
+        self._thread.start()
+        self._daemon = ParameterServerDaemon(config)
+        self._stopped = False
+        self._run(self._daemon.start(), timeout_s=120.0)
+        assert self._daemon.engine is not None
+        self.restored_applied_updates = self._daemon.engine.core.applied_updates
+        logger.info(
+            "shard %d serving on %s (start %d, %d applied updates restored)",
+            index,
+            self.address,
+            self.starts,
+            self.restored_applied_updates,
+        )
+
+    def _run(self, coro: Any, timeout_s: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def info(self) -> ShardInfo:
+        """This shard's address, node, process and counters."""
+        engine = self._daemon.engine
+        assert engine is not None
+        return ShardInfo(
+            index=self.index,
+            address=self.address,
+            node_ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+            starts=self.starts,
+            restored_applied_updates=self.restored_applied_updates,
+            applied_updates=engine.core.applied_updates,
+            duplicate_pushes=engine.core.duplicate_pushes,
+            recovery_s=self._daemon.recovery_s,
+        )
+
+    def stop(self, grace_s: float) -> None:
+        """Graceful stop: in-flight calls finish within ``grace_s``, a final checkpoint
+        (once; later calls return at once)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._run(self._daemon.stop(grace_s), timeout_s=grace_s + 60.0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10.0)
+
+
+def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a runtime dependency on POSIX
+            return asyncio.new_event_loop()
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+# ---------------------------------------------------------------------------- worker tasks
+def _worker_main(
+    addresses: Sequence[str],
+    index: int,
+    num_workers: int,
+    job: DigitsJob | TrainFunction,
+    name: str,
+    retry_deadline_s: float,
+) -> dict[str, Any]:
+    """Body of worker task ``index``: connect to the cluster, run the job, leave."""
+    from paramserver.cli.demos.digits import TrainConfig, train_worker
+    from paramserver.server.serving import run_loop
+    from paramserver.worker_client import RetryPolicy, connect, connect_sync
+
+    node_ip = ray.util.get_node_ip_address()
+    retry = RetryPolicy(deadline_s=retry_deadline_s)
+    worker_name = f"{name}-worker-{index}"
+    result: Any
+    if isinstance(job, DigitsJob):
+        cfg = TrainConfig(
+            server=addresses[0],  # any shard: the client fetches the shard map from it
+            worker_index=index,
+            num_workers=num_workers,
+            epochs=job.epochs,
+            batch_size=job.batch_size,
+            lr=job.lr,
+            momentum=job.momentum,
+            hidden=job.hidden,
+            seed=job.seed,
+            evaluate=False,
+            slow_factor=job.slow_factor,
+            replace=True,
+            retry=retry,
+        )
+        result = run_loop(train_worker(cfg))
+    elif inspect.iscoroutinefunction(job):
+
+        async def run_async() -> Any:
+            async with connect(addresses[0], worker_name, replace=True, retry=retry) as ps:
+                return await job(ps, index, num_workers)
+
+        result = run_loop(run_async())
+    else:
+        with connect_sync(addresses[0], worker_name, replace=True, retry=retry) as ps:
+            result = job(ps, index, num_workers)
+    return {"node_ip": node_ip, "result": result}
+
+
+def _evaluate_digits_main(addresses: Sequence[str], job: DigitsJob) -> dict[str, Any]:
+    """Test accuracy of the cluster's current parameters (an observer pull: no membership)."""
+    from paramserver.cli.demos.digits import digits_model, load_digits_split
+    from paramserver.server.serving import run_loop
+    from paramserver.worker_client import connect
+
+    async def read() -> dict[str, Any]:
+        async with connect(addresses[0], "ray-evaluator", heartbeat=False) as ps:
+            params = await ps.pull(observer=True)
+        data = load_digits_split(job.seed)
+        model = digits_model("numpy", job.hidden, job.seed)
+        return {"test_accuracy": model.accuracy(params, data.x_test, data.y_test)}
+
+    out: dict[str, Any] = run_loop(read())
+    return out
+
+
+# ---------------------------------------------------------------------------- the group
+class RayShardGroup:
+    """The shards of one job on a Ray cluster (``ray.init`` must have run).
+
+    Use as ``with RayShardGroup(cfg) as shards: job = shards.submit(DigitsJob());
+    result = job.result()``; leaving the block tears everything down.
+
+    Attributes:
+        addresses: Shard addresses in shard order (fixed for the group's life).
+        actors: The shard actors' handles, in shard order.
+    """
+
+    def __init__(self, config: RayJobConfig) -> None:
+        self.config = config
+        self.addresses: list[str] = []
+        self.actors: list[Any] = []
+        self._pg: PlacementGroup | None = None
+        self._jobs: list[WorkerJob] = []
+
+    def start(self) -> RayShardGroup:
+        """Place the group, fix the addresses, start every shard and wait until each serves.
+
+        Raises:
+            WaitTimeout: the group was not placed or the shards did not start within
+                ``start_timeout_s`` (DEADLINE_EXCEEDED); what was started is torn down.
+        """
+        cfg = self.config
+        try:
+            bundles = [{"CPU": cfg.shard_num_cpus} for _ in range(cfg.num_shards)]
+            self._pg = placement_group(bundles, strategy=cfg.strategy, name=f"{cfg.name}-shards")
+            ready, _ = ray.wait([self._pg.ready()], timeout=cfg.start_timeout_s)
+            if not ready:
+                raise WaitTimeout(
+                    f"the shards' placement group ({cfg.num_shards} bundles of "
+                    f"{cfg.shard_num_cpus} CPU, {cfg.strategy}) was not placed within "
+                    f"{cfg.start_timeout_s} s"
+                )
+            ips = _bundle_node_ips(self._pg, cfg.num_shards)
+            self.addresses = [f"{ip}:{cfg.base_port + i}" for i, ip in enumerate(ips)]
+            actor_class = ray.remote(ShardActor)
+            for i in range(cfg.num_shards):
+                self.actors.append(
+                    actor_class.options(
+                        name=f"{cfg.name}-shard-{i}",
+                        num_cpus=cfg.shard_num_cpus,
+                        max_restarts=cfg.shard_max_restarts,
+                        max_task_retries=-1 if cfg.shard_max_restarts else 0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            self._pg, placement_group_bundle_index=i
+                        ),
+                    ).remote(i, self.addresses, list(cfg.serve_args), cfg.state_dir)
+                )
+            refs = [a.info.remote() for a in self.actors]
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=cfg.start_timeout_s)
+            if len(done) < len(refs):
+                raise WaitTimeout(f"the shards did not all start within {cfg.start_timeout_s} s")
+            ray.get(refs)  # a shard that failed to start raises here
+        except BaseException:
+            self.close()
+            raise
+        logger.info("shards serving: %s", ",".join(self.addresses))
+        return self
+
+    def info(self, index: int, timeout_s: float = 60.0) -> ShardInfo:
+        """Shard ``index``'s address, node, process and counters (waits out a restart)."""
+        out: ShardInfo = ray.get(self.actors[index].info.remote(), timeout=timeout_s)
+        return out
+
+    def infos(self, timeout_s: float = 60.0) -> list[ShardInfo]:
+        out: list[ShardInfo] = ray.get([a.info.remote() for a in self.actors], timeout=timeout_s)
+        return out
+
+    def kill(self, index: int) -> None:
+        """Kill shard ``index``'s actor process now (Ray restarts it: ``max_restarts``)."""
+        ray.kill(self.actors[index], no_restart=False)
+
+    def submit(self, job: DigitsJob | TrainFunction) -> WorkerJob:
+        """Start ``num_workers`` worker tasks running ``job``."""
+        cfg = self.config
+        task = ray.remote(_worker_main).options(
+            num_cpus=cfg.worker_num_cpus,
+            max_retries=cfg.worker_max_retries,
+            retry_exceptions=cfg.worker_max_retries > 0,
+            scheduling_strategy="SPREAD",
+            **({"runtime_env": {"env_vars": dict(cfg.worker_env)}} if cfg.worker_env else {}),
+        )
+        refs = [
+            task.remote(self.addresses, i, cfg.num_workers, job, cfg.name, cfg.retry_deadline_s)
+            for i in range(cfg.num_workers)
+        ]
+        worker_job = WorkerJob(self, job, refs)
+        self._jobs.append(worker_job)
+        return worker_job
+
+    def close(self) -> None:
+        """Teardown: cancel unfinished worker tasks, stop each shard gracefully (final
+        checkpoint), kill the actors for good, remove the placement group."""
+        for job in self._jobs:
+            job.cancel()
+        stops = [a.stop.remote(self.config.stop_grace_s) for a in self.actors]
+        if stops:
+            ray.wait(stops, num_returns=len(stops), timeout=self.config.stop_grace_s + 30.0)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+
+    def __enter__(self) -> RayShardGroup:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class WorkerJob:
+    """The worker tasks of one submitted job."""
+
+    def __init__(
+        self, shards: RayShardGroup, job: DigitsJob | TrainFunction, refs: list[Any]
+    ) -> None:
+        self.shards = shards
+        self.job = job
+        self.refs = refs
+        self.t0 = time.monotonic()
+
+    def done(self) -> bool:
+        """Every worker task has ended."""
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def cancel(self) -> None:
+        """Cancel the worker tasks still running."""
+        _, pending = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        for ref in pending:
+            ray.cancel(ref, force=True)
+
+    def result(self, timeout_s: float | None = None) -> JobResult:
+        """Wait for every worker (at most ``timeout_s``, default ``job_timeout_s``); with
+        ``worker_failure="fail"`` the first worker that fails for good cancels the rest.
+        Returns each worker's exit, each shard's counters and the job's final metrics."""
+        cfg = self.shards.config
+        deadline = time.monotonic() + (cfg.job_timeout_s if timeout_s is None else timeout_s)
+        outcomes: dict[int, WorkerOutcome] = {}
+        index_of = {ref: i for i, ref in enumerate(self.refs)}
+        pending = list(self.refs)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
+            for ref in ready:
+                i = index_of[ref]
+                try:
+                    out = ray.get(ref)
+                    outcomes[i] = WorkerOutcome(i, True, out["result"], None, out["node_ip"])
+                except Exception as exc:
+                    outcomes[i] = WorkerOutcome(i, False, None, f"{type(exc).__name__}: {exc}")
+                    if cfg.worker_failure == "fail" and pending:
+                        logger.error("worker %d failed; cancelling the others: %s", i, exc)
+                        for ref_left in pending:
+                            ray.cancel(ref_left, force=True)
+        for ref in pending:
+            ray.cancel(ref, force=True)
+            i = index_of[ref]
+            outcomes.setdefault(
+                i, WorkerOutcome(i, False, None, "not finished within the job deadline")
+            )
+        elapsed = time.monotonic() - self.t0
+        metrics: dict[str, Any] = {}
+        if isinstance(self.job, DigitsJob):
+            evaluate = ray.remote(_evaluate_digits_main).options(num_cpus=0)
+            try:
+                metrics = ray.get(evaluate.remote(self.shards.addresses, self.job), timeout=120)
+            except Exception as exc:  # the shards are unreachable: say so in the result
+                metrics = {"error": f"evaluation failed: {type(exc).__name__}: {exc}"}
+        return JobResult(
+            workers=[outcomes[i] for i in range(len(self.refs))],
+            shards=self.shards.infos(),
+            metrics=metrics,
+            elapsed_s=round(elapsed, 3),
+        )
+
+
+def _bundle_node_ips(pg: PlacementGroup, count: int) -> list[str]:
+    """The IP of the node each bundle of ``pg`` was placed on, in bundle order."""
+    table = placement_group_table(pg)
+    node_of = table["bundles_to_node_id"]
+    ip_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    return [ip_of[node_of[i]] for i in range(count)]
+
+
+def launch(config: RayJobConfig, job: DigitsJob | TrainFunction | None = None) -> JobResult:
+    """Run one job on the Ray cluster this process is connected to and tear it down.
+
+    Args:
+        config: Shards, workers, restart policies, deadlines.
+        job: :class:`DigitsJob` (the default) or ``train(client, worker_index, num_workers)``.
+
+    Returns:
+        The :class:`JobResult` (workers' exits, shards' counters, final metrics).
+
+    Raises:
+        WaitTimeout: the shards did not start within ``start_timeout_s`` (DEADLINE_EXCEEDED).
+    """
+    with RayShardGroup(config) as shards:
+        return shards.submit(job if job is not None else DigitsJob()).result()

@@ -1,0 +1,246 @@
+"""Wire codec of embedding-table requests, shared by the server and the worker client.
+
+Ids travel as raw little-endian int64 bytes and rows as raw little-endian C-order bytes, in
+:class:`RowsChunk` messages of ``k`` whole ids (and their ``k`` rows) chosen so that a chunk
+stays near :data:`~paramserver.protocol.tensor.DEFAULT_CHUNK_BYTES` (``tables.proto`` documents
+every
+field). Receiving is ``numpy.frombuffer`` per chunk and one concatenation: no per-id work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from paramserver.api.v1 import tables_pb2 as tpb
+from paramserver.core.tables import Initializer, TableRule, TableSpec
+from paramserver.errors import MalformedStream
+from paramserver.protocol import tensor
+
+__all__ = [
+    "RowsReceiver",
+    "chunk_rows",
+    "rows_per_chunk",
+    "spec_from_proto",
+    "spec_to_proto",
+]
+
+_RULES = {
+    tpb.TABLE_RULE_KIND_UNSPECIFIED: "sgd",
+    tpb.TABLE_RULE_KIND_SGD: "sgd",
+    tpb.TABLE_RULE_KIND_ADAGRAD: "adagrad",
+    tpb.TABLE_RULE_KIND_ROWWISE_ADAGRAD: "rowwise_adagrad",
+    tpb.TABLE_RULE_KIND_ADAM: "adam",
+}
+_RULES_PB = {
+    "sgd": tpb.TABLE_RULE_KIND_SGD,
+    "adagrad": tpb.TABLE_RULE_KIND_ADAGRAD,
+    "rowwise_adagrad": tpb.TABLE_RULE_KIND_ROWWISE_ADAGRAD,
+    "adam": tpb.TABLE_RULE_KIND_ADAM,
+}
+_INITS = {
+    tpb.TABLE_INITIALIZER_UNSPECIFIED: "uniform",
+    tpb.TABLE_INITIALIZER_UNIFORM: "uniform",
+    tpb.TABLE_INITIALIZER_NORMAL: "normal",
+    tpb.TABLE_INITIALIZER_ZEROS: "zeros",
+}
+_INITS_PB = {
+    "uniform": tpb.TABLE_INITIALIZER_UNIFORM,
+    "normal": tpb.TABLE_INITIALIZER_NORMAL,
+    "zeros": tpb.TABLE_INITIALIZER_ZEROS,
+}
+_CONS = {
+    tpb.TABLE_CONSISTENCY_UNSPECIFIED: "asp",
+    tpb.TABLE_CONSISTENCY_ASP: "asp",
+    tpb.TABLE_CONSISTENCY_SSP: "ssp",
+    tpb.TABLE_CONSISTENCY_BSP: "bsp",
+}
+_CONS_PB = {
+    "asp": tpb.TABLE_CONSISTENCY_ASP,
+    "ssp": tpb.TABLE_CONSISTENCY_SSP,
+    "bsp": tpb.TABLE_CONSISTENCY_BSP,
+}
+
+
+def spec_to_proto(spec: TableSpec) -> Any:
+    """A :class:`TableSpec` as a ``tables_pb2.TableSpec`` (every value explicit)."""
+    r = spec.rule
+    msg = tpb.TableSpec(
+        name=spec.name,
+        dim=spec.dim,
+        dtype=tensor.dtype_to_wire(spec.np_dtype),
+        rule=tpb.TableRule(
+            kind=_RULES_PB[r.kind],
+            lr=r.lr,
+            eps=r.eps,
+            beta1=r.beta1,
+            beta2=r.beta2,
+            initial_accumulator=r.initial_accumulator,
+        ),
+        initializer=_INITS_PB[spec.initializer.kind],
+        init_scale=spec.initializer.scale,
+        seed=spec.seed,
+        consistency=_CONS_PB[spec.consistency],
+        staleness=spec.staleness,
+        expiry_clocks=spec.expiry_clocks,
+        expiry_s=spec.expiry_s,
+        min_pushes=spec.min_pushes,
+    )
+    if spec.num_embeddings is not None:
+        msg.num_embeddings = spec.num_embeddings
+    return msg
+
+
+def spec_from_proto(msg: Any) -> TableSpec:
+    """A ``tables_pb2.TableSpec`` as a validated :class:`TableSpec`.
+
+    Raises:
+        InvalidArgument: an unknown enum value or a value out of range (INVALID_ARGUMENT).
+    """
+    name = msg.name
+    dtype = (
+        "float32" if msg.dtype == 0 else str(tensor.dtype_from_wire(msg.dtype, f"table {name!r}"))
+    )
+    r = msg.rule
+    if r.kind not in _RULES or msg.initializer not in _INITS or msg.consistency not in _CONS:
+        raise MalformedStream(f"table {name!r}: unknown rule, initializer or consistency value")
+    rule_kw: dict[str, Any] = {"kind": _RULES[r.kind]}
+    for f in ("lr", "eps", "beta1", "beta2", "initial_accumulator"):
+        if r.HasField(f):
+            rule_kw[f] = getattr(r, f)
+    init = Initializer(
+        _INITS[msg.initializer], msg.init_scale if msg.HasField("init_scale") else 0.01
+    )
+    return TableSpec(
+        name=name,
+        dim=int(msg.dim),
+        dtype=dtype,
+        rule=TableRule(**rule_kw),
+        initializer=init,
+        seed=int(msg.seed),
+        num_embeddings=int(msg.num_embeddings) if msg.HasField("num_embeddings") else None,
+        consistency=_CONS[msg.consistency],
+        staleness=int(msg.staleness),
+        expiry_clocks=int(msg.expiry_clocks),
+        expiry_s=float(msg.expiry_s),
+        min_pushes=max(1, int(msg.min_pushes)),
+    )
+
+
+def rows_per_chunk(row_bytes: int, chunk_bytes: int = tensor.DEFAULT_CHUNK_BYTES) -> int:
+    """Ids per chunk: k with ``k * (8 + row_bytes)`` near ``chunk_bytes`` (at least 1)."""
+    return max(1, chunk_bytes // (8 + row_bytes))
+
+
+def chunk_rows(
+    ids: npt.NDArray[np.int64] | None,
+    rows: np.ndarray | None,
+    *,
+    chunk_bytes: int = tensor.DEFAULT_CHUNK_BYTES,
+) -> Iterator[Any]:
+    """``RowsChunk`` messages of ids and/or rows (little-endian bytes), in order.
+
+    Args:
+        ids: int64 (n,) or None (row-only chunks: pull replies).
+        rows: (n, dim) rows or None (id-only chunks: pull requests).
+    """
+    n = ids.shape[0] if ids is not None else rows.shape[0] if rows is not None else 0
+    row_bytes = 0 if rows is None else rows.dtype.itemsize * (rows.shape[1] if rows.ndim > 1 else 1)
+    k = rows_per_chunk(row_bytes, chunk_bytes)
+    ids_le = None if ids is None else ids.astype("<i8", copy=False)
+    rows_le = None
+    if rows is not None:
+        rows_le = (
+            rows if rows.dtype.byteorder in "=|<" else rows.astype(rows.dtype.newbyteorder("<"))
+        )
+        rows_le = np.ascontiguousarray(rows_le)
+    for start in range(0, n, k):
+        stop = min(n, start + k)
+        yield tpb.RowsChunk(
+            ids=b"" if ids_le is None else ids_le[start:stop].tobytes(),
+            rows=b"" if rows_le is None else rows_le[start:stop].tobytes(),
+        )
+
+
+class RowsReceiver:
+    """Collects ``RowsChunk`` messages of a stream into one ids array and one rows array.
+
+    Args:
+        what: Names the stream in errors (e.g. ``"table 'emb'"``).
+        num_ids: Ids the header announced.
+        dim: Row width (0: chunks carry no rows).
+        dtype: Row dtype (ignored when ``dim`` is 0).
+        with_ids: Chunks carry ids.
+
+    Raises (from :meth:`feed` / :meth:`finish`):
+        MalformedStream: a chunk's ids and rows disagree, or more or fewer ids than announced
+            (INVALID_ARGUMENT).
+    """
+
+    def __init__(
+        self, what: str, num_ids: int, dim: int, dtype: np.dtype[Any], *, with_ids: bool = True
+    ) -> None:
+        self.what = what
+        self.num_ids = num_ids
+        self.dim = dim
+        self.dtype = dtype
+        self.with_ids = with_ids
+        self._ids: list[np.ndarray] = []
+        self._rows: list[np.ndarray] = []
+        self.received = 0
+
+    def feed(self, chunk: Any) -> None:
+        if self.with_ids:
+            if len(chunk.ids) % 8:
+                raise MalformedStream(f"{self.what}: a chunk's ids are not whole int64s")
+            k = len(chunk.ids) // 8
+        else:
+            if self.dim == 0:
+                raise MalformedStream(f"{self.what}: chunk with neither ids nor rows")
+            row_bytes = self.dim * self.dtype.itemsize
+            if len(chunk.rows) % row_bytes:
+                raise MalformedStream(f"{self.what}: a chunk's rows are not whole rows")
+            k = len(chunk.rows) // row_bytes
+        if k == 0:
+            raise MalformedStream(f"{self.what}: empty chunk")
+        if self.received + k > self.num_ids:
+            raise MalformedStream(
+                f"{self.what}: more than the {self.num_ids} ids the header announced"
+            )
+        if self.with_ids:
+            self._ids.append(np.frombuffer(chunk.ids, "<i8"))
+        if self.dim:
+            want = k * self.dim * self.dtype.itemsize
+            if len(chunk.rows) != want:
+                raise MalformedStream(
+                    f"{self.what}: a chunk of {k} ids carries {len(chunk.rows)} row bytes, "
+                    f"expected {want} ({self.dim} x {self.dtype})"
+                )
+            self._rows.append(
+                np.frombuffer(chunk.rows, self.dtype.newbyteorder("<")).reshape(k, self.dim)
+            )
+        self.received += k
+
+    def finish(self) -> tuple[npt.NDArray[np.int64], np.ndarray]:
+        """The ids (native int64 (n,)) and rows ((n, dim) native, or (n, 0))."""
+        if self.received != self.num_ids:
+            raise MalformedStream(
+                f"{self.what}: {self.received} ids received, the header announced {self.num_ids}"
+            )
+        ids = (
+            np.concatenate(self._ids).astype(np.int64, copy=False)
+            if self._ids
+            else np.zeros(0, np.int64)
+        )
+        if self.dim:
+            rows = (
+                np.concatenate(self._rows).astype(self.dtype, copy=False)
+                if self._rows
+                else np.zeros((0, self.dim), self.dtype)
+            )
+        else:
+            rows = np.zeros((self.received, 0), np.float32)
+        return ids, rows

@@ -1,0 +1,1120 @@
+"""TLS, mutual TLS and bearer-token authentication for every paramserver server and client.
+
+Two frozen, validated dataclasses own the credentials:
+
+* :class:`ServerSecurity` (``paramserver serve`` in both modes, ``paramserver rank-server``, the
+  gossip workers' push-sum endpoints): a certificate and key turn TLS on; a CA as well turns on
+  **mutual TLS** (``require_client_auth``: a client without a certificate signed by that CA fails
+  the handshake); a token file turns on bearer-token authentication, checked by
+  :class:`TokenAuthInterceptor` on every RPC.
+* :class:`ClientSecurity` (workers and every other command that talks to a server): a CA to
+  verify the server (TLS), a client certificate and key for mutual TLS, and the bearer token.
+
+Precedence, as for :class:`~paramserver.server.config.ServerConfig`: command-line flag, then
+``PARAMSERVER_*`` environment variable, then default (nothing: plain text, no token — the
+behaviour of a loopback development cluster). The environment mapping is passed in, so tests
+never touch ``os.environ``.
+
+=====================  ================================  ==========================================
+flag                   environment variable              meaning
+=====================  ================================  ==========================================
+``--tls-cert``         ``PARAMSERVER_TLS_CERT``          PEM certificate (chain) this side presents
+``--tls-key``          ``PARAMSERVER_TLS_KEY``           PEM private key of that certificate
+``--tls-ca``           ``PARAMSERVER_TLS_CA``            PEM CA bundle: clients verify the server
+                                                         with it; a server given one requires and
+                                                         verifies client certificates (mTLS)
+``--tls-server-name``  ``PARAMSERVER_TLS_SERVER_NAME``   clients: name the server certificate must
+                                                         carry when it differs from the address
+``--auth-tokens``      ``PARAMSERVER_AUTH_TOKENS``       servers: the token file (below)
+``--token-file``       ``PARAMSERVER_TOKEN_FILE``        clients: file holding the bearer token
+(none)                 ``PARAMSERVER_TOKEN``             clients: the bearer token itself (used
+                                                         when no token file is given)
+=====================  ================================  ==========================================
+
+**Token file** (servers): one ``ROLE TOKEN`` pair per line, ``#`` starts a comment, blank lines
+are ignored; roles are ``worker`` and ``admin`` (admin implies worker); a role may have several
+tokens (rotation); a token is at least :data:`MIN_TOKEN_CHARS` characters without whitespace::
+
+    # role   token
+    worker   6d1f0c...   (e.g. python -c "import secrets; print(secrets.token_urlsafe(32))")
+    admin    b83a9e...
+
+**Roles.** Every RPC of every paramserver service is classified in :data:`RPC_ROLES`; an RPC
+missing from that table is refused for everyone (PERMISSION_DENIED), so a new RPC cannot slip
+through unclassified. Admin RPCs: ``ParameterServer/Checkpoint`` (the on-demand checkpoint) and
+the rank server's ``ImportMetadata`` / ``ForgetRemote`` (they rewire which peers a rank reads and
+writes). The wire has no restore or shutdown RPC (restore happens on start, shutdown by signal).
+Everything else is a worker RPC. The standard health service (``grpc.health.v1``) and server
+reflection stay open without a token, as probes and tools expect; with TLS they still need the
+handshake.
+
+Missing or unknown token → UNAUTHENTICATED; a worker token on an admin RPC → PERMISSION_DENIED.
+Tokens are compared with :func:`hmac.compare_digest`; refusals are logged at WARNING with the
+method and the peer, never the token.
+
+Tokens travel as ``authorization: Bearer <token>`` metadata: on a TLS channel as gRPC call
+credentials (grpc sends those only over secure channels); on a plain-text channel by a client
+interceptor. **A token without TLS crosses the network in clear text: use that only on loopback
+or for testing.**
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import errno
+import hmac
+import inspect
+import logging
+import os
+import socket
+import ssl
+import stat
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import grpc
+
+from paramserver.errors import InvalidArgument, PermissionDenied, Unavailable
+from paramserver.protocol.keepalive import CLIENT_KEEPALIVE_OPTIONS, with_keepalive
+
+__all__ = [
+    "CALLER_WORKER_NAME",
+    "MIN_TOKEN_CHARS",
+    "OPEN_SERVICES",
+    "RPC_ROLES",
+    "ClientSecurity",
+    "Role",
+    "ServerSecurity",
+    "TokenAuthInterceptor",
+    "TokenTable",
+    "add_client_security_flags",
+    "add_server_security_flags",
+    "bearer_interceptors",
+    "bind",
+    "bind_failure_reason",
+    "check_worker_identity",
+    "client_security_from_args",
+    "endpoint_security",
+    "open_channel",
+    "peer_security",
+    "server_security_from_args",
+    "token_from_sources",
+    "worker_name_of_id",
+]
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "PARAMSERVER_"
+#: Shortest token accepted in a token file (a guessable token is no authentication).
+MIN_TOKEN_CHARS = 16
+AUTHORIZATION_KEY = "authorization"
+
+
+class Role(enum.IntEnum):
+    """Who may call an RPC; a higher role implies every lower one (admin implies worker)."""
+
+    WORKER = 1
+    ADMIN = 2
+
+    @classmethod
+    def parse(cls, text: str) -> Role:
+        try:
+            return cls[text.strip().upper()]
+        except KeyError:
+            raise ValueError(f"unknown role {text!r} (worker or admin)") from None
+
+
+_PS = "/paramserver.api.v1.ParameterServer/"
+_RS = "/paramserver.api.v1.ReductionService/"
+_PEER = "/paramserver.api.v1.PushSumPeer/"
+_RANK = "/paramserver.api.v1.RankServer/"
+
+#: The role each RPC needs, by full method name (``/package.Service/Method``). One table for
+#: every service: an RPC missing from it is refused for everyone (see the module docstring).
+RPC_ROLES: Mapping[str, Role] = MappingProxyType(
+    {
+        # ParameterServer: a worker's own session, its data path, and read-only views.
+        _PS + "Register": Role.WORKER,  # replace=True fences a registration of the *same name*
+        _PS + "Heartbeat": Role.WORKER,
+        _PS + "Leave": Role.WORKER,
+        _PS + "Init": Role.WORKER,
+        _PS + "Push": Role.WORKER,
+        _PS + "InitTable": Role.WORKER,
+        _PS + "PullRows": Role.WORKER,
+        _PS + "PushRows": Role.WORKER,
+        _PS + "Pull": Role.WORKER,
+        _PS + "Clock": Role.WORKER,
+        _PS + "Session": Role.WORKER,  # persistent push/pull/clock stream (the worker fast path)
+        _PS + "Status": Role.WORKER,
+        _PS + "GetShardMap": Role.WORKER,
+        _PS + "Checkpoint": Role.ADMIN,  # on-demand checkpoint: disk writes, WAL truncation
+        # ReductionService and the gossip workers' push-sum endpoints: worker traffic only.
+        _RS + "Register": Role.WORKER,
+        _RS + "Heartbeat": Role.WORKER,
+        _RS + "Leave": Role.WORKER,
+        _RS + "Reduce": Role.WORKER,
+        _RS + "Peers": Role.WORKER,
+        _RS + "Status": Role.WORKER,
+        _PEER + "PushShare": Role.WORKER,
+        # RankServer: rewiring the peers of a rank is admin; block traffic (also the peer-to-peer
+        # ReadBlocks / WriteBlocks / CheckBlocks) is worker.
+        _RANK + "ExportMetadata": Role.WORKER,
+        _RANK + "ImportMetadata": Role.ADMIN,
+        _RANK + "ForgetRemote": Role.ADMIN,
+        _RANK + "LocalTransfer": Role.WORKER,
+        _RANK + "RemoteOnboard": Role.WORKER,
+        _RANK + "RemoteOffload": Role.WORKER,
+        _RANK + "HasObjects": Role.WORKER,
+        _RANK + "PutBlocks": Role.WORKER,
+        _RANK + "GetBlocks": Role.WORKER,
+        _RANK + "PutObject": Role.WORKER,
+        _RANK + "GetObject": Role.WORKER,
+        _RANK + "ReadBlocks": Role.WORKER,
+        _RANK + "WriteBlocks": Role.WORKER,
+        _RANK + "CheckBlocks": Role.WORKER,
+        _RANK + "Status": Role.WORKER,
+    }
+)
+
+#: Services that answer without a token: health probes and server reflection (standard practice:
+#: orchestrators and tools probe them unauthenticated; they reveal no parameters).
+OPEN_SERVICES = (
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1alpha.ServerReflection",
+    "grpc.reflection.v1.ServerReflection",
+)
+
+
+# --------------------------------------------------------------------------- files
+def _read_file(path: str, what: str) -> bytes:
+    """The bytes of ``path``; a missing, unreadable or empty file is an InvalidArgument naming
+    the path and the setting it came from."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"{what}: cannot read {path!r}: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise InvalidArgument(f"{what}: {path!r} is empty")
+    return data
+
+
+def _warn_if_shared(path: str, what: str) -> None:
+    """A secret readable by group or others is worth a warning (not a refusal: secrets mounted
+    by orchestrators are often 0444 inside a private container)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        logger.warning("%s %s is readable by group/others; chmod 600 it", what, path)
+
+
+def _check_pem(data: bytes, path: str, what: str, marker: bytes) -> None:
+    if b"-----BEGIN" not in data or marker not in data:
+        raise InvalidArgument(f"{what}: {path!r} holds no PEM {marker.decode().strip()} block")
+
+
+def _check_key_pair(cert_path: str, key_path: str, key: bytes, side: str) -> None:
+    """Load the pair as TLS would (stdlib :mod:`ssl`), so a key that does not match its
+    certificate, a broken PEM or a passphrase-protected key is refused when the files are read,
+    not at the first handshake (where grpc reports only a failed bind or a closed socket).
+
+    Raises:
+        InvalidArgument: naming both paths (INVALID_ARGUMENT).
+    """
+    if b"ENCRYPTED" in key:  # PKCS#8 "ENCRYPTED PRIVATE KEY" or legacy "Proc-Type: 4,ENCRYPTED"
+        raise InvalidArgument(
+            f"--tls-key {key_path!r} is passphrase-protected; grpc needs an unencrypted key "
+            "(e.g. openssl pkey -in KEY -out KEY.plain, then chmod 600)"
+        )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # A password callback, so OpenSSL never prompts on the terminal.
+        context.load_cert_chain(cert_path, key_path, password=lambda: b"")
+    except ssl.SSLError as exc:
+        reason = str(exc.reason or exc)
+        if "KEY_VALUES_MISMATCH" in reason or "key values mismatch" in reason.lower():
+            raise InvalidArgument(
+                f"--tls-key {key_path!r} does not match --tls-cert {cert_path!r} ({side}: the "
+                "private key must be the certificate's)"
+            ) from None
+        raise InvalidArgument(
+            f"--tls-cert {cert_path!r} / --tls-key {key_path!r}: cannot load the pair "
+            f"({side}): {reason}"
+        ) from None
+    except OSError as exc:
+        raise InvalidArgument(
+            f"--tls-cert {cert_path!r} / --tls-key {key_path!r}: {exc.strerror or exc}"
+        ) from None
+
+
+def _check_ca(path: str) -> None:
+    """Load a CA bundle as TLS would (stdlib :mod:`ssl`).
+
+    Raises:
+        InvalidArgument: not loadable PEM certificates, the path named (INVALID_ARGUMENT).
+    """
+    try:
+        ssl.create_default_context(cafile=path)
+    except ssl.SSLError as exc:
+        raise InvalidArgument(
+            f"--tls-ca {path!r}: cannot load the CA certificates: {exc.reason or exc}"
+        ) from None
+
+
+def _check_metadata_token(token: str, where: str) -> None:
+    """gRPC metadata values are printable ASCII: a token with other characters can never be
+    sent (grpc would fail every call), so it is refused when loaded.
+
+    Raises:
+        InvalidArgument: naming ``where`` (the flag, variable or file), never the token.
+    """
+    if not all(0x21 <= ord(c) <= 0x7E for c in token):
+        raise InvalidArgument(
+            f"{where}: a bearer token must be printable ASCII without spaces (gRPC metadata); "
+            "this one has other characters"
+        )
+
+
+# --------------------------------------------------------------------------- tokens
+@dataclass(frozen=True)
+class TokenTable:
+    """The tokens a server accepts and the role of each.
+
+    Attributes:
+        entries: ``(token, role)`` pairs (tokens unique).
+    """
+
+    entries: tuple[tuple[str, Role], ...]
+    #: ``(token, worker name)`` of the tokens bound to one worker name (third field of a
+    #: ``worker`` line); such a token may only make calls naming that worker.
+    bound: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.entries:
+            raise InvalidArgument("a token table needs at least one token")
+        known = {token for token, _ in self.entries}
+        roles = dict(self.entries)
+        for token, name in self.bound:
+            if token not in known or not name:
+                raise InvalidArgument("a bound worker name needs its token in the table")
+            if roles[token] is not Role.WORKER:
+                raise InvalidArgument("only worker tokens can be bound to a worker name")
+        seen: set[str] = set()
+        for token, _role in self.entries:
+            if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+                raise InvalidArgument(
+                    f"tokens must be >= {MIN_TOKEN_CHARS} characters without whitespace"
+                )
+            _check_metadata_token(token, "a token")
+            if token in seen:
+                raise InvalidArgument("a token is listed twice")
+            seen.add(token)
+
+    def __repr__(self) -> str:  # never print the secrets
+        roles = [r.name.lower() for _, r in self.entries]
+        return f"TokenTable({len(roles)} tokens: {', '.join(sorted(set(roles)))})"
+
+    @classmethod
+    def parse(cls, text: str, source: str = "token file") -> TokenTable:
+        """Parse ``ROLE TOKEN`` lines (``#`` comments, blank lines ignored).
+
+        Raises:
+            InvalidArgument: a malformed line (named by number, the token never shown), an
+                unknown role, a short or duplicate token, or no token at all.
+        """
+        entries: list[tuple[str, Role]] = []
+        bound: list[tuple[str, str]] = []
+        for number, raw in enumerate(text.splitlines(), start=1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) not in (2, 3):
+                raise InvalidArgument(
+                    f"{source} line {number}: expected 'ROLE TOKEN' or 'worker TOKEN NAME' "
+                    f"(2 or 3 fields), got {len(parts)}"
+                )
+            try:
+                role = Role.parse(parts[0])
+            except ValueError as exc:
+                raise InvalidArgument(f"{source} line {number}: {exc}") from None
+            if len(parts) == 3:
+                if role is not Role.WORKER:
+                    raise InvalidArgument(
+                        f"{source} line {number}: only worker tokens take a worker name"
+                    )
+                bound.append((parts[1], parts[2]))
+            entries.append((parts[1], role))
+        if not entries:
+            raise InvalidArgument(f"{source}: no 'ROLE TOKEN' line")
+        try:
+            return cls(tuple(entries), tuple(bound))
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{source}: {exc.message}") from None
+
+    @classmethod
+    def from_file(cls, path: str) -> TokenTable:
+        """Read a token file (see :meth:`parse`).
+
+        Raises:
+            InvalidArgument: unreadable or malformed file (the path named).
+        """
+        data = _read_file(path, "--auth-tokens")
+        _warn_if_shared(path, "auth tokens file")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument(f"--auth-tokens: {path!r} is not UTF-8 text") from None
+        return cls.parse(text, f"--auth-tokens {path!r}")
+
+    def role_of(self, token: str) -> Role | None:
+        """The role of ``token``, or None when unknown. Compares with
+        :func:`hmac.compare_digest` against every entry (no early exit on a match)."""
+        given = token.encode("utf-8", "surrogatepass")
+        found: Role | None = None
+        for known, role in self.entries:
+            if hmac.compare_digest(given, known.encode("utf-8")) and found is None:
+                found = role
+        return found
+
+    def worker_name_of(self, token: str) -> str | None:
+        """The worker name ``token`` is bound to, or None (a role-only token, or unknown).
+        Compares with :func:`hmac.compare_digest` against every bound entry."""
+        given = token.encode("utf-8", "surrogatepass")
+        found: str | None = None
+        for known, name in self.bound:
+            if hmac.compare_digest(given, known.encode("utf-8")) and found is None:
+                found = name
+        return found
+
+
+#: The worker name the calling token is bound to, while a handler serves that call (None: a
+#: role-only token, an admin token, or no token check). Set by :class:`TokenAuthInterceptor`.
+CALLER_WORKER_NAME: ContextVar[str | None] = ContextVar(
+    "paramserver_caller_worker_name", default=None
+)
+
+
+def worker_name_of_id(worker: str) -> str:
+    """The worker name of a worker id ``"{name}#{incarnation}"`` (a name is returned as is)."""
+    name, sep, incarnation = worker.rpartition("#")
+    return name if sep and incarnation.isdigit() else worker
+
+
+def check_worker_identity(worker: str) -> None:
+    """Refuse a call naming ``worker`` (a worker name or id) unless the calling token may act
+    as it: a token bound to a worker name acts only as that worker; role-only and admin tokens
+    (and servers without tokens) act as any worker.
+
+    Raises:
+        PermissionDenied: the token is bound to another worker name (PERMISSION_DENIED).
+    """
+    bound = CALLER_WORKER_NAME.get()
+    if bound is None or not worker:
+        return
+    name = worker_name_of_id(worker)
+    if name != bound:
+        raise PermissionDenied(
+            f"this token is bound to worker {bound!r}; the call names worker {name!r}"
+        )
+
+
+def _bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key.lower() != AUTHORIZATION_KEY:
+            continue
+        text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+        scheme, _, token = text.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+        return None
+    return None
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Checks the bearer token of every RPC (unary and streaming) against a :class:`TokenTable`.
+
+    Open services (:data:`OPEN_SERVICES`) pass without a token. Otherwise: no token or an unknown
+    one → UNAUTHENTICATED; a role below the RPC's (:data:`RPC_ROLES`) → PERMISSION_DENIED; an
+    RPC not in the table → PERMISSION_DENIED for everyone. A refused call never reaches its
+    handler; the refusal is logged at WARNING with method and peer (never the token).
+
+    Args:
+        tokens: The accepted tokens and their roles.
+        roles: RPC → required role (default :data:`RPC_ROLES`).
+        on_refusal: Called with ``(method, status code name)`` for every refused call, e.g.
+            ``("Push", "UNAUTHENTICATED")`` (``method``: the last part of the full method name);
+            the servers count refusals in their Prometheus registry through it.
+    """
+
+    def __init__(
+        self,
+        tokens: TokenTable,
+        roles: Mapping[str, Role] | None = None,
+        on_refusal: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.tokens = tokens
+        self.roles = dict(RPC_ROLES if roles is None else roles)
+        self.on_refusal = on_refusal
+        #: Calls refused so far, by status code name (for tests and humans).
+        self.refused: dict[str, int] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        method = str(handler_call_details.method)
+        service = method.lstrip("/").split("/", 1)[0]
+        if service in OPEN_SERVICES:
+            return await continuation(handler_call_details)
+        metadata = handler_call_details.invocation_metadata
+        verdict = self._verdict(method, metadata)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        if verdict is None:
+            token = _bearer_token(metadata)
+            name = self.tokens.worker_name_of(token) if token is not None else None
+            return handler if name is None else _with_identity(handler, name)
+        return self._refusal(handler, method, *verdict)
+
+    def _verdict(
+        self, method: str, metadata: Sequence[tuple[str, Any]] | None
+    ) -> tuple[grpc.StatusCode, str] | None:
+        token = _bearer_token(metadata)
+        if token is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "missing bearer token (authorization metadata)"
+        role = self.tokens.role_of(token)
+        if role is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "unknown bearer token"
+        needed = self.roles.get(method)
+        if needed is None:
+            return (
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method} is not classified for authorization; refused for every role",
+            )
+        if role < needed:
+            return (
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method} needs the {needed.name.lower()} role; the token has {role.name.lower()}",
+            )
+        return None
+
+    def _refusal(
+        self, handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, detail: str
+    ) -> grpc.RpcMethodHandler:
+        """A handler of the same streaming kind as ``handler`` that logs and aborts."""
+
+        async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+            self.refused[code.name] = self.refused.get(code.name, 0) + 1
+            if self.on_refusal is not None:
+                self.on_refusal(method.rsplit("/", 1)[-1], code.name)
+            logger.warning("refused %s from %s: %s: %s", method, context.peer(), code.name, detail)
+            await context.abort(code, detail)
+
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
+        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+
+
+def _with_identity(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
+    """``handler`` with :data:`CALLER_WORKER_NAME` set to ``name`` while it runs."""
+    kind = (handler.request_streaming, handler.response_streaming)
+    behavior = {
+        (False, False): handler.unary_unary,
+        (False, True): handler.unary_stream,
+        (True, False): handler.stream_unary,
+        (True, True): handler.stream_stream,
+    }[kind]
+    if inspect.isasyncgenfunction(behavior):
+
+        async def gen(request: Any, context: Any) -> Any:
+            CALLER_WORKER_NAME.set(name)
+            async for item in behavior(request, context):
+                yield item
+
+        wrapped: Any = gen
+    else:
+
+        async def call(request: Any, context: Any) -> Any:
+            CALLER_WORKER_NAME.set(name)
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+        wrapped = call
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[kind]
+    return make(wrapped, **kwargs)
+
+
+# --------------------------------------------------------------------------- server side
+@dataclass(frozen=True)
+class ServerSecurity:
+    """TLS / mutual TLS and token authentication of one server.
+
+    Attributes:
+        tls_cert: PEM certificate (chain) the server presents; with ``tls_key`` turns TLS on.
+        tls_key: PEM private key of ``tls_cert``.
+        tls_ca: PEM CA bundle; given, the server requires client certificates signed by it
+            (mutual TLS). Needs ``tls_cert``.
+        auth_tokens: Token file path (``ROLE TOKEN`` lines); given, every RPC but health and
+            reflection needs a bearer token (see the module docstring).
+        tokens: The token table itself (instead of, or loaded from, ``auth_tokens``).
+
+    Raises:
+        InvalidArgument: a cert without a key (or the reverse), a CA without a cert, or a file
+            that is missing, unreadable, empty or not PEM (the path named).
+    """
+
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    auth_tokens: str | None = None
+    tokens: TokenTable | None = None
+    _cert: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
+    _key: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
+    _ca: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidArgument("--tls-cert and --tls-key go together (server TLS needs both)")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise InvalidArgument(
+                "--tls-ca on a server requires client certificates (mutual TLS) and needs the "
+                "server's own --tls-cert and --tls-key"
+            )
+        if self.tls_cert is not None and self.tls_key is not None:
+            cert = _read_file(self.tls_cert, "--tls-cert")
+            key = _read_file(self.tls_key, "--tls-key")
+            _check_pem(cert, self.tls_cert, "--tls-cert", b"CERTIFICATE")
+            _check_pem(key, self.tls_key, "--tls-key", b"PRIVATE KEY")
+            _check_key_pair(self.tls_cert, self.tls_key, key, "server certificate")
+            _warn_if_shared(self.tls_key, "TLS key")
+            object.__setattr__(self, "_cert", cert)
+            object.__setattr__(self, "_key", key)
+        if self.tls_ca is not None:
+            ca = _read_file(self.tls_ca, "--tls-ca")
+            _check_pem(ca, self.tls_ca, "--tls-ca", b"CERTIFICATE")
+            _check_ca(self.tls_ca)
+            object.__setattr__(self, "_ca", ca)
+        if self.tokens is None and self.auth_tokens is not None:
+            object.__setattr__(self, "tokens", TokenTable.from_file(self.auth_tokens))
+
+    @classmethod
+    def from_sources(
+        cls, cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> ServerSecurity:
+        """CLI values (None = not given) over ``PARAMSERVER_TLS_*`` / ``PARAMSERVER_AUTH_TOKENS``
+        in ``env`` over defaults (nothing)."""
+        return cls(**_pick(("tls_cert", "tls_key", "tls_ca", "auth_tokens"), cli, env))
+
+    @classmethod
+    def of_config(cls, config: Any) -> ServerSecurity | None:
+        """The security of a server config with ``tls_cert``, ``tls_key``, ``tls_ca`` and
+        ``auth_tokens`` attributes (e.g. :class:`~paramserver.server.config.ServerConfig`);
+        None when none is set.
+
+        Raises:
+            InvalidArgument: see :class:`ServerSecurity`.
+        """
+        names = ("tls_cert", "tls_key", "tls_ca", "auth_tokens")
+        values = {name: getattr(config, name, None) for name in names}
+        if all(v is None for v in values.values()):
+            return None
+        return cls(**values)
+
+    @property
+    def tls(self) -> bool:
+        """True when the server speaks TLS."""
+        return bool(self._cert)
+
+    @property
+    def mutual_tls(self) -> bool:
+        """True when the server requires client certificates."""
+        return bool(self._ca)
+
+    @property
+    def enabled(self) -> bool:
+        """True when anything is configured (TLS or tokens)."""
+        return self.tls or self.tokens is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """``grpc.ssl_server_credentials`` (``require_client_auth`` with a CA).
+
+        Raises:
+            InvalidArgument: TLS is not configured.
+        """
+        if not self.tls:
+            raise InvalidArgument("server TLS is not configured (--tls-cert/--tls-key)")
+        return grpc.ssl_server_credentials(
+            [(self._key, self._cert)],
+            root_certificates=self._ca or None,
+            require_client_auth=self.mutual_tls,
+        )
+
+    def interceptors(
+        self, on_refusal: Callable[[str, str], None] | None = None
+    ) -> list[grpc.aio.ServerInterceptor]:
+        """The token interceptor when tokens are configured (else none).
+
+        Args:
+            on_refusal: Told ``(method, status code name)`` of every refused call (see
+                :class:`TokenAuthInterceptor`).
+        """
+        if self.tokens is None:
+            return []
+        return [TokenAuthInterceptor(self.tokens, on_refusal=on_refusal)]
+
+    def describe(self) -> str:
+        """A log-friendly summary (never a secret)."""
+        parts = ["mutual TLS" if self.mutual_tls else "TLS" if self.tls else "plain text"]
+        if self.tokens is not None:
+            parts.append(f"{len(self.tokens.entries)} bearer tokens")
+        return ", ".join(parts)
+
+
+def bind(server: grpc.aio.Server, address: str, security: ServerSecurity | None) -> int:
+    """Add a listening port: ``add_secure_port`` when TLS is configured, else insecure.
+
+    Returns:
+        The bound port.
+
+    Raises:
+        Unavailable: the address cannot be bound (in use, or not an address here) (UNAVAILABLE).
+    """
+    # A fixed port that a probe cannot bind fails in grpc too: refuse before grpc's C core
+    # prints its own error lines (grpc stays the judge when the probe passes).
+    error = _probe_bind(address)
+    if error is None:
+        try:
+            if security is not None and security.tls:
+                bound = int(server.add_secure_port(address, security.server_credentials()))
+            else:
+                bound = int(server.add_insecure_port(address))
+        except RuntimeError:  # grpc raises RuntimeError("Failed to bind to address ...")
+            bound = 0
+        if bound:
+            return bound
+    raise Unavailable(f"could not bind {address}: {bind_failure_reason(address, error)}")
+
+
+def _probe_bind(address: str) -> OSError | None:
+    """The error of binding a probe socket to ``address`` (closed at once); None when it binds,
+    the port is 0 or the address does not parse (left to grpc)."""
+    host, _, port_text = address.rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        return None
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, sockaddr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(sockaddr)
+    except OSError as exc:  # socket.gaierror included
+        return exc
+    return None
+
+
+def bind_failure_reason(address: str, error: OSError | None = None) -> str:
+    """Why ``address`` (``host:port``) cannot be listened on, in a few words: ``address in
+    use``, ``not an address of this machine``, or the OS's reason.
+
+    grpc reports only "Failed to bind"; the reason comes from ``error`` when the caller has one,
+    else from binding a probe socket to the address.
+    """
+    if error is None:
+        error = _probe_bind(address)
+    if error is None:
+        return "in use, or not an address here"
+    if error.errno == errno.EADDRINUSE:
+        return "address in use"
+    if error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror):
+        return "not an address of this machine"
+    if error.errno == errno.EACCES:
+        return "permission denied (ports below 1024 need privileges)"
+    return str(error.strerror or error)
+
+
+# --------------------------------------------------------------------------- client side
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How a client reaches a server: TLS (server verified by a CA), mutual TLS (plus a client
+    certificate), and the bearer token.
+
+    Attributes:
+        tls_ca: PEM CA bundle that signed the server's certificate; given (or with a client
+            certificate), the channel uses TLS. Without it, TLS verifies against the system
+            roots.
+        tls_cert: PEM client certificate (chain) for mutual TLS; needs ``tls_key``.
+        tls_key: PEM private key of ``tls_cert``.
+        tls_server_name: Name the server's certificate must carry, when the address used is
+            not in it (``grpc.ssl_target_name_override``).
+        token: The bearer token (never printed by ``repr``).
+        token_file: File holding the token (its first non-empty line); read when ``token``
+            is not given.
+        tls: Use TLS; set by itself when ``tls_ca`` or ``tls_cert`` is given (True alone:
+            TLS verified against the system's root certificates).
+
+    Raises:
+        InvalidArgument: a cert without a key (or the reverse), an empty or unreadable file
+            (the path named), a token with whitespace inside.
+    """
+
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+    token: str | None = dataclasses.field(default=None, repr=False)
+    token_file: str | None = None
+    tls: bool = False
+    _cert: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
+    _key: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
+    _ca: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidArgument("--tls-cert and --tls-key go together (mutual TLS needs both)")
+        if self.tls_cert is not None and self.tls_key is not None:
+            cert = _read_file(self.tls_cert, "--tls-cert")
+            key = _read_file(self.tls_key, "--tls-key")
+            _check_pem(cert, self.tls_cert, "--tls-cert", b"CERTIFICATE")
+            _check_pem(key, self.tls_key, "--tls-key", b"PRIVATE KEY")
+            _check_key_pair(self.tls_cert, self.tls_key, key, "client certificate")
+            object.__setattr__(self, "_cert", cert)
+            object.__setattr__(self, "_key", key)
+        if self.tls_ca is not None:
+            ca = _read_file(self.tls_ca, "--tls-ca")
+            _check_pem(ca, self.tls_ca, "--tls-ca", b"CERTIFICATE")
+            _check_ca(self.tls_ca)
+            object.__setattr__(self, "_ca", ca)
+        if self.tls_ca is not None or self.tls_cert is not None:
+            object.__setattr__(self, "tls", True)
+        if self.tls_server_name is not None and not self.tls:
+            raise InvalidArgument(
+                "--tls-server-name needs TLS (--tls-ca): it names the server's certificate, "
+                "and a plain-text channel has none"
+            )
+        where = "the bearer token (PARAMSERVER_TOKEN or token=)"
+        if self.token is None and self.token_file is not None:
+            where = f"--token-file {self.token_file!r}"
+            object.__setattr__(self, "token", _token_of_file(self.token_file))
+        if self.token is not None:
+            if not self.token or any(c.isspace() for c in self.token):
+                raise InvalidArgument(
+                    f"{where}: a bearer token must be non-empty without whitespace"
+                )
+            _check_metadata_token(self.token, where)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientSecurity:
+        """The security the CLI commands use, from ``PARAMSERVER_TLS_CA`` / ``_TLS_CERT`` /
+        ``_TLS_KEY`` / ``_TLS_SERVER_NAME`` / ``_TOKEN_FILE`` / ``_TOKEN`` in ``env`` (default
+        ``os.environ``), for Python code: ``connect(addr, name,
+        security=ClientSecurity.from_env())``.
+
+        Raises:
+            InvalidArgument: see the class.
+        """
+        return cls.from_sources(None, os.environ if env is None else env)
+
+    @classmethod
+    def from_sources(
+        cls, cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> ClientSecurity:
+        """CLI values (None = not given) over ``PARAMSERVER_*`` in ``env`` over defaults.
+
+        The token: ``--token-file``, else ``PARAMSERVER_TOKEN_FILE``, else ``PARAMSERVER_TOKEN``.
+        """
+        names = ("tls_ca", "tls_cert", "tls_key", "tls_server_name", "token_file")
+        values = _pick(names, cli, env)
+        if values.get("token_file") is None:
+            token = (env or {}).get(ENV_PREFIX + "TOKEN")
+            if token:
+                values["token"] = token.strip()
+        return cls(**values)
+
+    @property
+    def enabled(self) -> bool:
+        """True when anything is configured (TLS or a token)."""
+        return self.tls or self.token is not None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """``grpc.ssl_channel_credentials`` (client cert and key for mutual TLS), composed with
+        the token's call credentials when a token is set."""
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=self._ca or None,
+            private_key=self._key or None,
+            certificate_chain=self._cert or None,
+        )
+        if self.token is not None:
+            creds = grpc.composite_channel_credentials(
+                creds, grpc.access_token_call_credentials(self.token)
+            )
+        return creds
+
+    def describe(self) -> str:
+        """A log-friendly summary (never a secret)."""
+        parts = ["mutual TLS" if self._cert else "TLS" if self.tls else "plain text"]
+        if self.token is not None:
+            parts.append("bearer token")
+        return ", ".join(parts)
+
+
+def _token_of_file(path: str) -> str:
+    """The token in a client token file: its first non-empty line.
+
+    Raises:
+        InvalidArgument: unreadable or empty file, or one that looks like a server's
+            ``--auth-tokens`` file or holds more than a token on its line (the path named,
+            never the content).
+    """
+    data = _read_file(path, "--token-file")
+    _warn_if_shared(path, "token file")
+    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines()]
+    first = next(ln for ln in lines if ln)
+    if first.startswith("#") or len(first.split()) > 1:
+        fields = [ln.split() for ln in lines if ln and not ln.startswith("#")]
+        server_file = any(len(f) == 2 and f[0].lower() in ("worker", "admin") for f in fields)
+        raise InvalidArgument(
+            f"--token-file {path!r}: a client token file holds one token on one line"
+            + ("; this looks like a server --auth-tokens file" if server_file else "")
+        )
+    return first
+
+
+def endpoint_security(client: ClientSecurity | None) -> ServerSecurity | None:
+    """The security of a worker's own endpoint that its peers call with the same settings as
+    the worker uses (the gossip workers' push-sum endpoints): TLS with the worker's certificate
+    and key, mutual TLS with its CA, and its own token accepted as a worker token (peers of one
+    job share it).
+
+    Raises:
+        InvalidArgument: TLS without a certificate and key of the worker's own (an endpoint
+            cannot serve TLS without them; pass its security explicitly instead).
+    """
+    if client is None or not client.enabled:
+        return None
+    if client.tls and (client.tls_cert is None or client.tls_key is None):
+        raise InvalidArgument(
+            "a TLS worker endpoint needs a certificate and key of its own (tls_cert, tls_key, "
+            "valid for its host) or explicit endpoint security"
+        )
+    tokens = None
+    if client.token is not None:
+        tokens = TokenTable(((client.token, Role.WORKER),))
+    if not client.tls:
+        return ServerSecurity(tokens=tokens)
+    return ServerSecurity(
+        tls_cert=client.tls_cert, tls_key=client.tls_key, tls_ca=client.tls_ca, tokens=tokens
+    )
+
+
+def peer_security(
+    server: ServerSecurity | None, token: str | None, tls_server_name: str | None = None
+) -> ClientSecurity | None:
+    """The client security a server uses towards its peers (rank servers): its own
+    certificate and key as client certificate, its CA to verify them, and ``token``.
+
+    A TLS server without a CA verifies its peers against the system roots.
+    """
+    tls = server is not None and server.tls
+    if tls_server_name is not None and not tls:
+        raise InvalidArgument(
+            "--tls-server-name needs TLS (--tls-cert/--tls-key): it names the peers' certificate"
+        )
+    if not tls and token is None:
+        return None
+    if not tls or server is None:
+        return ClientSecurity(token=token)
+    return ClientSecurity(
+        tls_ca=server.tls_ca,
+        tls_cert=server.tls_cert,
+        tls_key=server.tls_key,
+        tls_server_name=tls_server_name,
+        token=token,
+        tls=True,
+    )
+
+
+class _BearerMetadata:
+    """Adds ``authorization: Bearer <token>`` to the metadata of a call on a plain-text channel
+    (grpc sends call credentials only over TLS). Loopback and testing only: the token travels
+    in clear."""
+
+    def __init__(self, token: str) -> None:
+        self._pair = (AUTHORIZATION_KEY, f"Bearer {token}")
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        metadata.add(*self._pair)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+
+# grpc.aio files an interceptor under the first of the four kinds it is an instance of, so each
+# kind needs an object of its own.
+class _BearerUnaryUnary(_BearerMetadata, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _BearerUnaryStream(_BearerMetadata, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _BearerStreamUnary(_BearerMetadata, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+class _BearerStreamStream(_BearerMetadata, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+def bearer_interceptors(token: str) -> list[Any]:
+    """Client interceptors adding ``authorization: Bearer <token>`` to every call of a
+    plain-text ``grpc.aio`` channel (unary and streaming)."""
+    kinds = (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamUnary, _BearerStreamStream)
+    return [kind(token) for kind in kinds]
+
+
+def open_channel(
+    address: str,
+    security: ClientSecurity | None = None,
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel to ``address`` as ``security`` says: secure (TLS / mutual TLS,
+    token as call credentials), plain text with the token added by an interceptor (loopback
+    and testing only), or plain text as before when nothing is configured.
+
+    Must be called inside the event loop that uses the channel.
+    """
+    opts = with_keepalive(options, CLIENT_KEEPALIVE_OPTIONS)
+    if security is None or not security.enabled:
+        return grpc.aio.insecure_channel(address, options=opts)
+    if security.tls:
+        if security.tls_server_name:
+            opts.append(("grpc.ssl_target_name_override", security.tls_server_name))
+        return grpc.aio.secure_channel(address, security.channel_credentials(), options=opts)
+    assert security.token is not None
+    return grpc.aio.insecure_channel(
+        address, options=opts, interceptors=bearer_interceptors(security.token)
+    )
+
+
+# --------------------------------------------------------------------------- command line
+def _pick(
+    names: Sequence[str], cli: Mapping[str, Any] | None, env: Mapping[str, str] | None
+) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    cli = cli or {}
+    env = env or {}
+    for name in names:
+        if cli.get(name) is not None:
+            values[name] = str(cli[name])
+            continue
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None and raw.strip():
+            values[name] = raw.strip()
+    return values
+
+
+def token_from_sources(token_file: str | None, env: Mapping[str, str]) -> str | None:
+    """A client's bearer token: ``token_file`` (the flag), else ``PARAMSERVER_TOKEN_FILE``, else
+    ``PARAMSERVER_TOKEN``; None when none is set.
+
+    Raises:
+        InvalidArgument: an unreadable or empty token file (the path named).
+    """
+    values = _pick(("token_file",), {"token_file": token_file}, env)
+    if "token_file" not in values:
+        token = env.get(ENV_PREFIX + "TOKEN", "").strip()
+        return token or None
+    return ClientSecurity(token_file=values["token_file"]).token
+
+
+def add_server_security_flags(parser: argparse.ArgumentParser | Any) -> None:
+    """``--tls-cert/--tls-key/--tls-ca/--auth-tokens`` on a server command."""
+    g = parser.add_argument_group("security (flags win over PARAMSERVER_TLS_* / _AUTH_TOKENS)")
+    g.add_argument("--tls-cert", help="PEM certificate this server presents (turns TLS on)")
+    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-ca", help="PEM CA bundle: require client certificates (mutual TLS)")
+    g.add_argument(
+        "--auth-tokens",
+        help="file of 'ROLE TOKEN' lines (roles worker, admin): every RPC needs a bearer token",
+    )
+
+
+def add_client_security_flags(parser: argparse.ArgumentParser | Any, *, tls: bool = True) -> None:
+    """``--tls-ca/--tls-cert/--tls-key/--tls-server-name/--token-file`` on a client command
+    (``tls=False``: only the token flag, for commands that take the TLS flags as a server)."""
+    g = parser.add_argument_group("client security (flags win over PARAMSERVER_TLS_* / _TOKEN)")
+    if tls:
+        g.add_argument("--tls-ca", help="PEM CA bundle that signed the server's certificate")
+        g.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
+        g.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-server-name", help="name on the server's certificate, if not the address")
+    g.add_argument(
+        "--token-file", help="file holding the bearer token (else PARAMSERVER_TOKEN_FILE/_TOKEN)"
+    )
+
+
+def _cli_values(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    return {name: getattr(args, name, None) for name in names}
+
+
+def server_security_from_args(
+    args: argparse.Namespace, env: Mapping[str, str]
+) -> ServerSecurity | None:
+    """The server's security from its flags and ``env``; None when nothing is configured.
+
+    Raises:
+        InvalidArgument: see :class:`ServerSecurity`.
+    """
+    cli = _cli_values(args, ("tls_cert", "tls_key", "tls_ca", "auth_tokens"))
+    security = ServerSecurity.from_sources(cli, env)
+    return security if security.enabled else None
+
+
+def client_security_from_args(
+    args: argparse.Namespace, env: Mapping[str, str]
+) -> ClientSecurity | None:
+    """A client's security from its flags and ``env``; None when nothing is configured.
+
+    Raises:
+        InvalidArgument: see :class:`ClientSecurity`.
+    """
+    names = ("tls_ca", "tls_cert", "tls_key", "tls_server_name", "token_file")
+    security = ClientSecurity.from_sources(_cli_values(args, names), env)
+    return security if security.enabled else None

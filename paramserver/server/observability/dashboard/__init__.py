@@ -1,0 +1,339 @@
+"""The built-in dashboard of every metrics port: ``/`` (a page), ``/api/status`` (its JSON).
+
+The page (``index.html``, ``app.js``, ``style.css`` beside this module, served by
+the process itself, nothing from a CDN) polls ``/api/status`` once a second and draws what it
+returns; see docs/observability.md for what each panel shows.
+
+:class:`Dashboard` keeps the recent history: a sampler task on the server's own event loop reads
+the metrics registry every ``period_s`` seconds (the same collection a Prometheus scrape runs)
+and keeps the cumulative counters of the last ``history`` samples, so rates (pushes/s, pulled
+bytes/s, transfer bytes/s) are differences of two samples divided by the seconds between them,
+as Prometheus ``rate()`` computes them. Per sample, by kind of server:
+
+* ``ps`` (a parameter-server shard): applied updates, pushes and their bytes (the push seam's
+  ``paramserver_push_bytes`` histogram, outcome ok), pulls and pulled bytes, the staleness
+  histogram in clocks (cumulative counts per bucket), BSP barrier lag and steps per worker (the
+  :data:`MAX_CHARTED_WORKERS` worst stragglers), Heartbeat RPCs and their handling seconds.
+  The JSON adds the shard's ``Status`` (what ``paramserver status --json`` prints) and, in a
+  sharded cluster, every other shard's, read over gRPC from the addresses of the shard map.
+* ``rank`` (a rank server): bytes and commands per transfer direction, tiers and path.
+* ``reduce`` (a reduction server): RPCs per method.
+
+The endpoint has the metrics port's access rules (bind address; no tokens): it shows what the
+Prometheus series show, plus the shards' ``Status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from importlib import resources
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+import paramserver
+from paramserver.server.observability.hooks import STALENESS_CLOCK_BOUNDS
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ASSETS",
+    "DEFAULT_HISTORY",
+    "MAX_CHARTED_WORKERS",
+    "PEER_TIMEOUT_S",
+    "Dashboard",
+    "asset",
+    "gather_peers",
+    "read_samples",
+]
+
+#: Files of the page, served at ``/<name>`` (``/`` is ``index.html``), with their content type.
+ASSETS: dict[str, str] = {
+    "index.html": "text/html; charset=utf-8",
+    "app.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+}
+
+#: Samples kept (at one a second: the last five minutes).
+DEFAULT_HISTORY = 300
+#: Workers whose barrier lag each sample keeps (the worst stragglers by total lag).
+MAX_CHARTED_WORKERS = 16
+#: Samples over which the per-key push and pull rates are computed.
+KEY_RATE_SAMPLES = 10
+#: Seconds a read of another shard's Status may take.
+PEER_TIMEOUT_S = 2.0
+
+#: ``(labels, value)`` pairs of one sample name.
+Series = list[tuple[dict[str, str], float]]
+
+
+def asset(name: str) -> bytes:
+    """The bytes of page file ``name`` (one of :data:`ASSETS`), read from the package data."""
+    return (resources.files(__name__) / name).read_bytes()
+
+
+def read_samples(registry: CollectorRegistry) -> dict[str, Series]:
+    """Every sample of ``registry`` now, by sample name (``_total``, ``_bucket``... suffixes
+    included, as the text exposition names them)."""
+    out: dict[str, Series] = {}
+    for family in registry.collect():
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return out
+
+
+def _sum(series: Series | None, **match: str) -> float:
+    return sum(v for labels, v in series or [] if all(labels.get(k) == m for k, m in match.items()))
+
+
+def _by(series: Series | None, label: str, **match: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for labels, v in series or []:
+        if all(labels.get(k) == m for k, m in match.items()):
+            name = labels.get(label, "")
+            out[name] = out.get(name, 0.0) + v
+    return out
+
+
+def _transfer_label(labels: dict[str, str]) -> str:
+    return (
+        f"{labels.get('direction', '?')} {labels.get('src_tier', '?')}->"
+        f"{labels.get('dst_tier', '?')} {labels.get('path', '?')}"
+    )
+
+
+def _by_transfer(series: Series | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for labels, v in series or []:
+        name = _transfer_label(labels)
+        out[name] = out.get(name, 0.0) + v
+    return out
+
+
+def ps_sample(s: dict[str, Series]) -> dict[str, Any]:
+    """The history entry of a parameter-server shard from its registry's samples."""
+    lag = _by(s.get("paramserver_bsp_barrier_lag_seconds_total"), "worker")
+    steps = _by(s.get("paramserver_bsp_barrier_steps_total"), "worker")
+    worst = sorted(lag, key=lambda w: (-lag[w], w))[:MAX_CHARTED_WORKERS]
+    buckets = {
+        labels.get("le", ""): v
+        for labels, v in s.get("paramserver_update_staleness_clocks_bucket", [])
+    }
+    staleness = [buckets.get(repr(float(b)), 0.0) for b in STALENESS_CLOCK_BOUNDS]
+    staleness.append(buckets.get("+Inf", 0.0))
+    return {
+        "applied": _sum(s.get("paramserver_applied_updates_total")),
+        "pushes": _sum(s.get("paramserver_push_bytes_count"), outcome="ok"),
+        "push_bytes": _sum(s.get("paramserver_push_bytes_sum"), outcome="ok"),
+        "pulls": _sum(s.get("paramserver_pulls_total"), outcome="ok"),
+        "pull_bytes": _sum(s.get("paramserver_pull_bytes_total")),
+        "staleness_clocks": staleness,
+        "barrier_lag_s": {w: lag[w] for w in worst},
+        "barrier_steps": {w: steps.get(w, 0.0) for w in worst},
+        "heartbeats": _sum(s.get("paramserver_rpc_duration_seconds_count"), method="Heartbeat"),
+        "heartbeat_s": _sum(s.get("paramserver_rpc_duration_seconds_sum"), method="Heartbeat"),
+    }
+
+
+def rank_sample(s: dict[str, Series]) -> dict[str, Any]:
+    """The history entry of a rank server: bytes and commands per direction, tiers and path."""
+    return {
+        "transfer_bytes": _by_transfer(s.get("paramserver_rank_transfer_bytes_total")),
+        "transfers": _by_transfer(s.get("paramserver_rank_transfers_total")),
+        "transfer_s": _by_transfer(s.get("paramserver_rank_transfer_seconds_sum")),
+        "failed": _sum(s.get("paramserver_rank_commands_failed_total")),
+        "inflight": _sum(s.get("paramserver_rank_inflight_commands")),
+    }
+
+
+def rpc_sample(s: dict[str, Series]) -> dict[str, Any]:
+    """The history entry of any gRPC server: RPCs per method (all outcomes)."""
+    return {"rpcs": _by(s.get("paramserver_rpcs_total"), "method")}
+
+
+_SAMPLERS: dict[str, Callable[[dict[str, Series]], dict[str, Any]]] = {
+    "ps": ps_sample,
+    "rank": rank_sample,
+    "reduce": rpc_sample,
+}
+
+
+def _key_rates(window: Sequence[tuple[float, dict[str, float], dict[str, float]]]) -> Any:
+    """Bytes/s pushed and pulled per key between the oldest and newest entry of ``window``."""
+    if len(window) < 2:
+        return {}
+    (t0, pushed0, pulled0), (t1, pushed1, pulled1) = window[0], window[-1]
+    dt = t1 - t0
+    if dt <= 0:
+        return {}
+    keys = set(pushed1) | set(pulled1)
+    return {
+        k: {
+            "push_bytes_per_s": max(0.0, pushed1.get(k, 0.0) - pushed0.get(k, 0.0)) / dt,
+            "pull_bytes_per_s": max(0.0, pulled1.get(k, 0.0) - pulled0.get(k, 0.0)) / dt,
+            "pushed_bytes": pushed1.get(k, 0.0),
+            "pulled_bytes": pulled1.get(k, 0.0),
+        }
+        for k in sorted(keys)
+    }
+
+
+class Dashboard:
+    """The history and the JSON behind a metrics port's page.
+
+    Args:
+        kind: ``ps``, ``rank`` or ``reduce`` (what the samples and the page show).
+        registry: The metrics registry the endpoint exposes.
+        info: Static facts about the server shown on the page (address, shard index...).
+        status: Returns this shard's Status as a dict (``paramserver status --json``); ps only.
+        peers: Returns the other shards of the cluster as dicts ``{"index", "address",
+            "status"}`` or ``{"index", "address", "error"}``; ps only, None for one shard.
+        period_s: Seconds between two samples.
+        history: Samples kept.
+        now: Wall clock in Unix seconds (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        registry: CollectorRegistry,
+        *,
+        info: dict[str, Any] | None = None,
+        status: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+        peers: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
+        period_s: float = 1.0,
+        history: int = DEFAULT_HISTORY,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        if kind not in _SAMPLERS:
+            raise ValueError(f"dashboard kind must be one of {', '.join(_SAMPLERS)}, got {kind!r}")
+        self.kind = kind
+        self.registry = registry
+        self.info = dict(info or {})
+        self.status = status
+        self.peers = peers
+        self.period_s = period_s
+        self.now = now
+        self.history: deque[dict[str, Any]] = deque(maxlen=history)
+        self._keys: deque[tuple[float, dict[str, float], dict[str, float]]] = deque(
+            maxlen=KEY_RATE_SAMPLES + 1
+        )
+        self._task: asyncio.Task[None] | None = None
+        self._sample_failed = False
+        self._peers_lock = asyncio.Lock()
+        self._peers_at = -float("inf")
+        self._peers_view: list[dict[str, Any]] = []
+
+    def sample(self) -> dict[str, Any]:
+        """Read the registry once and append the entry to :attr:`history` (returned)."""
+        samples = read_samples(self.registry)
+        entry = {"t": round(self.now(), 3), **_SAMPLERS[self.kind](samples)}
+        self.history.append(entry)
+        if self.kind == "ps":
+            self._keys.append(
+                (
+                    entry["t"],
+                    _by(samples.get("paramserver_key_pushed_bytes_total"), "key"),
+                    _by(samples.get("paramserver_key_pulled_bytes_total"), "key"),
+                )
+            )
+        return entry
+
+    async def start(self) -> None:
+        """Take the first sample and start sampling every ``period_s`` seconds."""
+        self.sample()
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name="paramserver-dashboard-sampler"
+        )
+
+    async def stop(self) -> None:
+        """Stop sampling (the history stays readable)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            try:
+                self.sample()
+            except Exception:  # a collector failing must not end the history
+                if not self._sample_failed:  # its traceback once, not every second
+                    logger.exception("dashboard sample failed (later failures: DEBUG)")
+                else:
+                    logger.debug("dashboard sample failed", exc_info=True)
+                self._sample_failed = True
+
+    async def _peer_view(self) -> list[dict[str, Any]]:
+        """The other shards' Status, read at most once per ``period_s`` whoever polls."""
+        assert self.peers is not None
+        async with self._peers_lock:
+            if time.monotonic() - self._peers_at >= self.period_s:
+                self._peers_view = await self.peers()
+                self._peers_at = time.monotonic()
+            return self._peers_view
+
+    async def snapshot(self, since_unix_s: float | None = None) -> dict[str, Any]:
+        """What ``GET /api/status`` answers: the server's facts, its Status (ps), the other
+        shards' (sharded ps), the history (oldest first, cumulative counters; only the
+        samples after ``since_unix_s`` when given) and, for a shard, bytes/s pushed and
+        pulled per key over the last ~10 samples."""
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "version": paramserver.__version__,
+            "now_unix_s": round(self.now(), 3),
+            "period_s": self.period_s,
+            "server": self.info,
+        }
+        if self.kind == "ps":
+            out["staleness_clock_bounds"] = list(STALENESS_CLOCK_BOUNDS)
+            out["key_rates"] = _key_rates(list(self._keys))
+        if self.status is not None:
+            out["status"] = await self.status()
+        if self.peers is not None:
+            out["shards"] = await self._peer_view()
+        if since_unix_s is None:
+            out["history"] = list(self.history)
+        else:
+            out["history"] = [h for h in self.history if h["t"] > since_unix_s]
+        return out
+
+    async def body(self, query: str = "") -> bytes:
+        """:meth:`snapshot` as compact JSON; ``query`` is the request's query string
+        (``since=<Unix seconds>``: only the newer samples, what the page polls for).
+
+        Raises:
+            ValueError: ``since`` is not a number.
+        """
+        since = urllib.parse.parse_qs(query).get("since")
+        since_unix_s = float(since[0]) if since else None
+        return json.dumps(await self.snapshot(since_unix_s), separators=(",", ":")).encode()
+
+
+async def gather_peers(
+    addresses: Iterable[tuple[int, str]],
+    read: Callable[[str], Awaitable[dict[str, Any]]],
+    timeout_s: float = PEER_TIMEOUT_S,
+) -> list[dict[str, Any]]:
+    """Read every peer's Status at once (one task per peer); a peer that fails or does not
+    answer within ``timeout_s`` is reported with its error, the others still are."""
+
+    async def one(index: int, address: str) -> dict[str, Any]:
+        try:
+            status = await asyncio.wait_for(read(address), timeout_s)
+        except Exception as exc:
+            detail = getattr(exc, "details", None)
+            text = detail() if callable(detail) else str(exc)
+            return {"index": index, "address": address, "error": text or type(exc).__name__}
+        return {"index": index, "address": address, "status": status}
+
+    return list(await asyncio.gather(*(one(i, a) for i, a in addresses)))

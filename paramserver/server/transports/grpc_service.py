@@ -1,0 +1,721 @@
+"""gRPC servicer of the parameter server: decode, call the core, encode. Nothing else.
+
+:func:`grpc_errors` is the one place where :class:`~paramserver.errors.ParamServerError` becomes
+``context.abort(code, message)``; any other exception is logged with its traceback and becomes
+INTERNAL, so nothing a client sends can crash the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.api.v1 import tensor_pb2
+from paramserver.api.v1 import wal_pb2 as wal_pb
+from paramserver.core.consistency import Consistency
+from paramserver.core.decompress import Encoded, decode
+from paramserver.core.optimizers import HALF_DTYPES, UpdateRule
+from paramserver.core.sharding import shard_map_to_proto
+from paramserver.errors import (
+    ERROR_CLASS_METADATA_KEY,
+    DimensionMismatch,
+    DTypeMismatch,
+    FailedPrecondition,
+    InvalidArgument,
+    MalformedStream,
+    ParamServerError,
+)
+from paramserver.protocol import tensor, wire
+from paramserver.protocol.limits import cut_details, shown
+from paramserver.security.tls import check_worker_identity
+from paramserver.server import wal
+from paramserver.server.checkpoint_cut import shard_map_of
+from paramserver.server.engine import InflightTicket, ServerEngine
+from paramserver.server.observability.hooks import observed_admit, observed_push, observed_snapshot
+from paramserver.server.transports.early_refusal import announce_refusal, drain_request_stream
+from paramserver.server.transports.session_service import SessionService
+from paramserver.server.transports.table_service import TableRpcs, table_infos
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_CONSISTENCY_PB = {
+    Consistency.BSP: pb.CONSISTENCY_BSP,
+    Consistency.SSP: pb.CONSISTENCY_SSP,
+    Consistency.ASP: pb.CONSISTENCY_ASP,
+}
+_AGGREGATION_PB = {
+    "mean": pb.AGGREGATION_MEAN,
+    "sum": pb.AGGREGATION_SUM,
+    "weighted_mean": pb.AGGREGATION_WEIGHTED_MEAN,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, ParamServerError):
+        details = cut_details(exc.message)
+        logger.debug("%s refused: %s", method, details)
+        context.set_trailing_metadata(((ERROR_CLASS_METADATA_KEY, type(exc).__name__),))
+        await context.abort(exc.code, details)
+    logger.error("%s failed with an unexpected error", method, exc_info=exc)
+    await context.abort(
+        grpc.StatusCode.INTERNAL, cut_details(f"internal error in {method}: {exc!r}")
+    )
+
+
+def grpc_errors(fn: F) -> F:
+    """Turn ParamServerError into its status code; anything else into a logged INTERNAL."""
+    name = fn.__name__
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def gen_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except (grpc.aio.AbortError, GeneratorExit):
+                raise
+            except Exception as exc:
+                await _abort(context, exc, name)
+
+        return gen_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await announce_refusal(context, request, exc)  # the client stops writing at once
+            await _drain_request_stream(request)
+            await _abort(context, exc, name)
+
+    return wrapper  # type: ignore[return-value]
+
+
+_drain_request_stream = drain_request_stream  # (see paramserver.server.transports.early_refusal)
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process in bytes (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _Handlers:
+    """Stands in for a server to catch the generated registration's method handlers."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, Any] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` as the generated ``add_ParameterServerServicer_to_server`` would,
+    except that Push requests are read and Pull responses written by
+    :mod:`paramserver.protocol.wire`
+    (tensor frames without protobuf copies of their payload; same bytes on the wire), and a
+    request that does not decode (invalid UTF-8 in a string field, truncated bytes) is refused
+    with INVALID_ARGUMENT by its handler instead of gRPC's INTERNAL (:func:`wire.tolerant`)."""
+    caught = _Handlers()
+    pb_grpc.add_ParameterServerServicer_to_server(servicer, caught)
+    handlers = dict(caught.handlers)
+    handlers["Push"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Push,
+        request_deserializer=wire.deserializer(pb.PushRequest),
+        response_serializer=pb.PushResponse.SerializeToString,
+    )
+    handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Pull,
+        request_deserializer=pb.PullRequest.FromString,
+        response_serializer=wire.serialize,
+    )
+    handlers = {
+        name: h._replace(request_deserializer=wire.tolerant(h.request_deserializer))
+        for name, h in handlers.items()
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(caught.service, handlers),)
+    )
+    server.add_registered_method_handlers(caught.service, handlers)
+
+
+class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[misc]
+    """Implements ``paramserver.api.v1.ParameterServer`` over a :class:`ServerEngine`."""
+
+    def __init__(self, engine: ServerEngine, daemon: Any = None) -> None:
+        self.engine = engine
+        self.core = engine.core
+        self.daemon = daemon
+        #: Serves the Session RPC (fast path: inline small tensors, same-host shared memory).
+        self.sessions = SessionService(
+            self, shared_memory=getattr(engine.config, "shared_memory", True)
+        )
+        #: Embedding-table RPCs (their own push path: validate, log, apply, acknowledge).
+        self.table_rpcs = TableRpcs(engine)
+
+    def _view(self) -> pb.ClusterView:
+        view = pb.ClusterView()
+        self._view_into(view)
+        return view
+
+    def _view_into(self, view: pb.ClusterView) -> None:
+        """Fill ``view`` (e.g. a response's own field: no message copy) with the cluster now."""
+        cluster = self.core.cluster
+        view.consistency = _CONSISTENCY_PB[self.core.consistency]
+        view.staleness = cluster.staleness
+        view.live_workers = len(cluster.live_workers())
+        view.min_clock = cluster.min_clock()
+        view.membership_epoch = cluster.epoch
+
+    @grpc_errors
+    async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
+        check_worker_identity(request.worker_name)  # (per-worker tokens: docs/security.md)
+        self.engine.check_serving()
+        seq = 0
+
+        def log(worker_id: str) -> None:
+            nonlocal seq
+            seq = self.engine.log(
+                wal.record_register(
+                    request.worker_name,
+                    request.replace,
+                    request.client_nonce,
+                    worker_id,
+                    request.resume_worker_id,
+                )
+            )
+
+        rec = self.core.register(
+            request.worker_name,
+            self.engine.now(),
+            replace=request.replace,
+            client_nonce=request.client_nonce,
+            resume_worker_id=request.resume_worker_id,
+            log=log,
+        )
+        self.engine.notify()
+        await self.engine.durable(seq)
+        logger.info("registered %s at clock %d", rec.worker_id, rec.clock)
+        return pb.RegisterResponse(
+            worker_id=rec.worker_id,
+            lease_ms=self.engine.config.lease_ms,
+            clock=rec.clock,
+            view=self._view(),
+        )
+
+    @grpc_errors
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        check_worker_identity(request.worker_id)
+        self.core.heartbeat(request.worker_id, self.engine.now())
+        return pb.HeartbeatResponse(lease_ms=self.engine.config.lease_ms, view=self._view())
+
+    @grpc_errors
+    async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
+        seq = 0
+
+        def log() -> None:
+            nonlocal seq
+            seq = self.engine.log(
+                wal_pb.WalRecord(depart=wal_pb.WalDepart(worker_id=request.worker_id, why="left"))
+            )
+
+        check_worker_identity(request.worker_id)
+        self.engine.check_serving()
+        change = self.core.leave(request.worker_id, log=log)
+        self.engine.notify()
+        await self.engine.durable(seq)
+        logger.info("worker %s left at clock %d", change.worker.worker_id, change.worker.clock)
+        return pb.LeaveResponse(view=self._view())
+
+    async def _read_tensors(
+        self,
+        request_iterator: AsyncIterator[Any],
+        header_field: str,
+        ticket: InflightTicket | None = None,
+        *,
+        allow_encoded: bool = False,
+    ) -> tuple[Any, dict[str, np.ndarray]]:
+        header = None
+        tensors: dict[str, np.ndarray] = {}
+        encoded: dict[str, Encoded] = {}
+        sparse_indices: dict[str, tuple[np.ndarray, tuple[int, ...]]] = {}
+        assembler = tensor.TensorAssembler(max_tensor_bytes=self.engine.config.max_tensor_bytes)
+        async for msg in request_iterator:
+            which = msg.WhichOneof("body")
+            if which == header_field:
+                if header is not None:
+                    raise MalformedStream(f"second {header_field} in one stream")
+                header = getattr(msg, header_field)
+                if ticket is not None:
+                    ticket.enter(header.worker_id)
+                continue
+            if header is None:
+                raise MalformedStream(f"stream must start with a {header_field} message")
+            if which != "frame":
+                raise MalformedStream("message with neither header nor frame")
+            if ticket is not None and msg.frame.HasField("header"):
+                if allow_encoded:
+                    self._check_push_size(msg.frame.header)
+                ticket.reserve(msg.frame.header.size_bytes)
+            done = assembler.feed(msg.frame)
+            if done is None:
+                continue
+            key, array = done
+            h = assembler.last_header
+            role = h.role if h is not None else tensor_pb2.TENSOR_ROLE_UNSPECIFIED
+            if role == tensor_pb2.TENSOR_ROLE_SPARSE_VALUES:
+                if key not in sparse_indices:
+                    raise MalformedStream(f"sparse values for key {key!r} without indices")
+                indices, dense_shape = sparse_indices.pop(key)
+                encoded[key] = Encoded(array, indices, dense_shape)
+                continue
+            if key in tensors or key in encoded or key in sparse_indices:
+                raise MalformedStream(f"key {key!r} appears twice in one stream")
+            if role == tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
+                tensors[key] = array
+            elif role == tensor_pb2.TENSOR_ROLE_CAST:
+                encoded[key] = Encoded(array)
+            elif role == tensor_pb2.TENSOR_ROLE_SPARSE_INDICES and h is not None:
+                sparse_indices[key] = (array, tuple(int(d) for d in h.dense_shape))
+            else:
+                raise MalformedStream(f"key {key!r}: unknown tensor role {role}")
+        if header is None:
+            raise MalformedStream(f"empty stream: no {header_field}")
+        assembler.finish()
+        if sparse_indices:
+            raise MalformedStream(
+                f"sparse indices without values for keys {sorted(sparse_indices)}"
+            )
+        if encoded:
+            if header_field != "header" or not allow_encoded:
+                raise MalformedStream("compressed tensors are accepted in pushes only")
+            for key, enc in encoded.items():
+                tensors[key] = decode(self.core.store, key, enc)
+        return header, tensors
+
+    def _check_push_size(self, header: tensor_pb2.TensorHeader) -> None:
+        """Refuse a pushed tensor's claimed size before anything is allocated for it.
+
+        A pushed tensor belongs to a declared key, so its size is known: the dense gradient is
+        exactly the key's bytes, a cast or sparse part at most ``numel * 8`` bytes. A client
+        cannot make the server allocate more than that, whatever its header claims.
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) the key was never declared.
+            DTypeMismatch: (INVALID_ARGUMENT) a dense gradient of another dtype than the key's.
+            DimensionMismatch: (INVALID_ARGUMENT) the claimed size exceeds the key's bound.
+        """
+        if not header.key:
+            return  # malformed: the assembler names it (MalformedStream) and allocates nothing
+        value = self.core.store.get(header.key).value
+        if header.role == tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
+            try:
+                pushed = tensor.dtype_from_wire(header.dtype, header.key)
+            except InvalidArgument:
+                return  # an unknown wire dtype: the assembler names it (MalformedStream)
+            if pushed != value.dtype:
+                raise DTypeMismatch(
+                    f"gradient for key {shown(header.key)!r} has dtype {pushed} (expected "
+                    f"{value.dtype}, shape {tuple(value.shape)}): cast it on the client"
+                )
+            bound = value.nbytes
+        else:
+            bound = max(value.nbytes, value.size * 8)
+        if header.size_bytes > bound:
+            raise DimensionMismatch(
+                f"pushed tensor {header.key!r} claims {header.size_bytes} bytes; the key holds "
+                f"{value.nbytes} bytes ({value.dtype}, shape {tuple(value.shape)})"
+            )
+
+    @grpc_errors
+    async def Init(
+        self, request_iterator: AsyncIterator[pb.InitRequest], context: Any
+    ) -> pb.InitResponse:
+        header, tensors = await self._read_tensors(request_iterator, "header")
+        rule = UpdateRule.from_proto(header.rule) if header.HasField("rule") else UpdateRule()
+        seq = 0
+
+        def log(will_create: dict[str, bool]) -> None:
+            nonlocal seq
+            self.engine.check_serving()
+            if self.engine.wal is None or not any(will_create.values()):
+                return
+            seq = self.engine.log(
+                wal_pb.WalRecord(
+                    init=wal_pb.WalInit(
+                        rule=rule.to_proto(),
+                        tensors=wal.tensors_to_wal(
+                            {k: tensors[k] for k, c in will_create.items() if c}
+                        ),
+                    )
+                )
+            )
+
+        # Receive buffers: stored, not copied.
+        created = self.core.init(tensors, rule, take=True, log=log)
+        self.engine.notify()
+        await self.engine.durable(seq)
+        return pb.InitResponse(keys=[pb.KeyInit(key=k, created=c) for k, c in created.items()])
+
+    @grpc_errors
+    async def Push(
+        self, request_iterator: AsyncIterator[pb.PushRequest], context: Any
+    ) -> pb.PushResponse:
+        with self.engine.backpressure.ticket() as ticket:
+            return await self._push(request_iterator, ticket)
+
+    async def _push(
+        self, request_iterator: AsyncIterator[pb.PushRequest], ticket: InflightTicket
+    ) -> pb.PushResponse:
+        header, grads = await self._read_tensors(
+            request_iterator, "header", ticket, allow_encoded=True
+        )
+        if header.require_keys:  # push_pull over the streams: its pull keys, checked first
+            self.core.require_keys(header.require_keys)
+        return await self.apply_push_header(header, grads)
+
+    async def apply_push_header(
+        self, header: pb.PushHeader, grads: dict[str, np.ndarray]
+    ) -> pb.PushResponse:
+        """:meth:`apply_push` with its arguments taken from a wire ``PushHeader``."""
+        return await self.apply_push(
+            worker_id=header.worker_id,
+            request_id=header.request_id,
+            clock=header.clock,
+            num_samples=header.num_samples,
+            base_version=header.base_version if header.HasField("base_version") else None,
+            grads=grads,
+        )
+
+    @observed_push
+    async def apply_push(
+        self,
+        *,
+        worker_id: str,
+        request_id: int,
+        clock: int,
+        num_samples: int,
+        base_version: int | None,
+        grads: dict[str, np.ndarray],
+    ) -> pb.PushResponse:
+        """Apply one decoded push (the seam every push path shares: Push stream, Session).
+
+        Args:
+            grads: key -> decoded gradient (dtype and shape checked by the core). The arrays may
+                be views of a receive buffer or shared memory; they are not kept after return.
+
+        Raises:
+            InvalidArgument, KeyNotFound, WorkerNotFound, StaleUpdate (see ``ServerCore.push``).
+        """
+        if not worker_id:
+            raise InvalidArgument("push header needs a worker_id")
+        check_worker_identity(worker_id)
+        if not grads:
+            raise InvalidArgument("a push needs at least one gradient; it carried none")
+        offload = self.engine.offload
+        # Big gradients: the NaN/Inf scan runs in a worker thread (a failed scan leaves it to
+        # the core, which refuses the push with its usual bookkeeping). Small ones (the
+        # common case) skip the coroutine hops: the core scans them inline.
+        finite = (
+            not self.engine.config.allow_non_finite
+            and offload.worth_a_thread(grads)
+            and await offload.all_finite(grads)
+        )
+        # Half-precision keys are range-checked when the push is decided (before it is
+        # logged), which reads their values: wait until no earlier update of them is still
+        # applying. Both waits are re-checked together; no await between them and the decision.
+        ranged = [k for k, g in grads.items() if g.dtype in HALF_DTYPES]
+        while offload.holding_writers or (ranged and not offload.idle(ranged)):
+            if offload.holding_writers:  # (a checkpoint may hold decisions back)
+                await offload.admit_writer()
+            else:
+                await offload.settled(ranged)
+        self.engine.check_serving()
+        applied: list[asyncio.Future[None]] = []
+        seq = 0
+
+        def log() -> None:  # decided: the record goes to the log before anything is applied
+            nonlocal seq
+            if self.engine.wal is None:
+                return
+            seq = self.engine.log(
+                wal_pb.WalRecord(
+                    push=wal_pb.WalPush(
+                        worker_id=worker_id,
+                        request_id=request_id,
+                        clock=clock,
+                        num_samples=num_samples,
+                        base_version=base_version,
+                        grads=wal.tensors_to_wal(grads),
+                    )
+                )
+            )
+
+        result = self.core.push(
+            worker_id,
+            request_id,
+            clock,
+            grads,
+            self.engine.now(),
+            num_samples=num_samples,
+            base_version=base_version,
+            applier=lambda checked: applied.append(offload.apply(checked)),
+            finite_checked=finite,
+            log=log,
+        )
+        for done in applied:  # decided: applied exactly once even if this call is cancelled
+            if not done.done():  # (small applies ran inline: nothing to wait for)
+                await asyncio.shield(done)
+        self.engine.notify()
+        await self.engine.durable(seq)
+        resp = pb.PushResponse(
+            duplicate=result.duplicate,
+            applied_updates=result.applied_updates,
+            dropped_stale=result.dropped_stale,
+        )
+        self._view_into(resp.view)
+        return resp
+
+    @grpc_errors
+    async def Pull(
+        self, request: pb.PullRequest, context: Any
+    ) -> AsyncIterator[pb.PullResponse | bytes]:
+        keys = await self.admit_pull(request.worker_id, request.keys, request.timeout_ms)
+        yield pb.PullResponse(info=pb.PullInfo(view=self._view(), version=self.core.version))
+        for key in keys:
+            # Copy lazily, one key at a time: a consistent value per key without holding the
+            # whole model twice; frames are produced as the reader consumes them.
+            value = await self.pull_snapshot(key)
+            # Wire bytes: the servicer must be registered by add_to_server (its Pull
+            # responses are serialized by paramserver.protocol.wire.serialize).
+            for msg in tensor.encode_frame_bytes(key, value):
+                yield msg
+
+    @observed_admit
+    async def admit_pull(self, worker_id: str, keys: Any, timeout_ms: int) -> list[str]:
+        """Check the keys and wait as the consistency model requires (every pull path shares it).
+
+        Args:
+            worker_id: The pulling worker; "" reads as an observer (no wait).
+            keys: Keys to read; empty means every key.
+            timeout_ms: Wait deadline in milliseconds; 0 means the server's default.
+
+        Returns:
+            The keys to send, in order.
+
+        Raises:
+            KeyNotFound (NOT_FOUND), WaitTimeout (DEADLINE_EXCEEDED), Aborted (ABORTED).
+        """
+        check_worker_identity(worker_id)
+        key_list = self.core.require_keys(keys)
+        wait_ms = timeout_ms or self.engine.config.wait_timeout_ms
+        await self.engine.wait_pull(worker_id, wait_ms / 1000.0)
+        return key_list
+
+    @observed_snapshot
+    async def pull_snapshot(self, key: str) -> np.ndarray:
+        """A consistent private copy of one key's value (the caller may encode it at leisure).
+
+        Taken after every push of the key decided before the call has been applied; big keys
+        are copied in a worker thread (see :mod:`paramserver.server.apply_threads`).
+        """
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        return await self.engine.offload.snapshot(key, timeout_s=wait_s)
+
+    @observed_snapshot
+    async def pull_snapshot_bytes(self, key: str) -> bytes:
+        """:meth:`pull_snapshot` as raw little-endian C-order bytes (inline wire payloads):
+        one copy for a small key no update is still applying to, else a snapshot first."""
+        offload = self.engine.offload
+        value = offload.read_now(key)
+        if value is not None:
+            return value.tobytes()  # taken now: no await between the check and the copy
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        return (await offload.snapshot(key, timeout_s=wait_s)).tobytes()
+
+    async def pull_snapshot_into(self, key: str, out: np.ndarray) -> None:
+        """:meth:`pull_snapshot` written into ``out`` (one copy, e.g. into a client's shared
+        memory): a consistent copy of one key's value.
+
+        Args:
+            out: Array of the key's dtype and shape to overwrite.
+        """
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        await self.engine.offload.snapshot(key, out, timeout_s=wait_s)
+
+    async def pull_snapshots_into(self, keys: Sequence[str], outs: Sequence[np.ndarray]) -> None:
+        """:meth:`pull_snapshot_into` of several keys at once (one decision and at most one
+        worker-thread hop for the request; see :meth:`Offload.snapshot_many`).
+
+        Args:
+            keys: Declared keys.
+            outs: One array per key, of its dtype and shape, to overwrite.
+        """
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        await self.engine.offload.snapshot_many(keys, outs, timeout_s=wait_s)
+
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: Any
+    ) -> None:
+        """One worker client's persistent stream
+        (:mod:`paramserver.server.transports.session_service`).
+
+        Reader/writer style (``context.read`` / ``context.write``; cheaper per message than
+        async generators). Errors as :func:`grpc_errors` maps them, without its request drain:
+        only a protocol violation ends the stream, and a refusal then is final.
+        """
+        try:
+            await self.sessions.serve(context.read, context.write)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc, "Session")
+
+    @grpc_errors
+    async def InitTable(self, request: Any, context: Any) -> Any:
+        return await self.table_rpcs.init_table(request)
+
+    @grpc_errors
+    async def PullRows(
+        self, request_iterator: AsyncIterator[Any], context: Any
+    ) -> AsyncIterator[Any]:
+        async for msg in self.table_rpcs.pull_rows(request_iterator):
+            yield msg
+
+    @grpc_errors
+    async def PushRows(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
+        return await self.table_rpcs.push_rows(request_iterator)
+
+    @grpc_errors
+    async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
+        check_worker_identity(request.worker_id)
+        seq = 0
+
+        def log() -> None:
+            nonlocal seq
+            seq = self.engine.log(
+                wal_pb.WalRecord(
+                    clock=wal_pb.WalClock(worker_id=request.worker_id, clock=request.clock)
+                )
+            )
+
+        self.engine.check_serving()
+        new = self.core.clock(request.worker_id, request.clock, log=log)
+        self.engine.notify()
+        await self.engine.durable(seq)
+        return pb.ClockResponse(clock=new, view=self._view())
+
+    @grpc_errors
+    async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
+        core = self.core
+        now = self.engine.now()
+        obs = self.engine.obs
+        lease_s = core.cluster.lease_s
+        workers = []
+        for w in core.cluster.workers.values():
+            barrier = obs.barrier.get(w.name)
+            workers.append(
+                pb.WorkerInfo(
+                    worker_id=w.worker_id,
+                    worker_name=w.name,
+                    clock=w.clock,
+                    live=w.live,
+                    lease_remaining_ms=(
+                        max(0, int((w.lease_expiry_s - now) * 1000)) if w.live else 0
+                    ),
+                    heartbeat_age_ms=max(0, int((now - (w.lease_expiry_s - lease_s)) * 1000)),
+                    barrier_wait_ms=int(barrier.wait_s * 1000) if barrier else 0,
+                    barrier_lag_ms=int(barrier.lag_s * 1000) if barrier else 0,
+                    barrier_steps=barrier.steps if barrier else 0,
+                    applied_updates=obs.applied_by_registration.get(w.worker_id, 0),
+                )
+            )
+        keys = []
+        for key in core.store.keys():
+            entry = core.store.get(key)
+            keys.append(
+                pb.KeyInfo(
+                    key=key,
+                    dtype=tensor.dtype_to_wire(entry.value.dtype),
+                    shape=list(entry.value.shape),
+                    rule=entry.rule.to_proto().kind,
+                    updates=entry.updates,
+                    size_bytes=int(entry.value.nbytes),
+                )
+            )
+        return pb.StatusResponse(
+            view=self._view(),
+            aggregation=_AGGREGATION_PB[self.engine.config.aggregation],
+            workers=workers,
+            keys=keys,
+            applied_updates=core.applied_updates,
+            duplicate_pushes=core.duplicate_pushes,
+            rejected_pushes=core.rejected_pushes,
+            dropped_stale=core.dropped_stale,
+            bsp_step=core.bsp_step,
+            bsp_policy=self.engine.config.death_policy,
+            asyncio_tasks=len(asyncio.all_tasks()),
+            rss_bytes=_rss_bytes(),
+            allow_non_finite=self.engine.config.allow_non_finite,
+            tables=table_infos(core.tables),
+            inflight_pushes=self.engine.backpressure.total,
+            inflight_push_bytes=self.engine.backpressure.bytes,
+            refused_backpressure=self.engine.backpressure.refused,
+            wal_sequence=self.engine.wal.next_sequence - 1 if self.engine.wal else 0,
+            dropped_updates=dict(obs.dropped_by_reason),
+            last_checkpoint_age_ms=(
+                max(1, int((time.time() - obs.last_checkpoint_unix_s) * 1000))
+                if obs.last_checkpoint_unix_s is not None
+                else 0
+            ),
+            last_checkpoint=obs.last_checkpoint_name,
+            last_checkpoint_restored=obs.last_checkpoint_restored,
+        )
+
+    @grpc_errors
+    async def Checkpoint(
+        self, request: pb.CheckpointRequest, context: Any
+    ) -> pb.CheckpointResponse:
+        if self.daemon is None or self.daemon.checkpoints is None:
+            raise FailedPrecondition("checkpoints are off: start the server with --checkpoint-dir")
+        t0 = time.monotonic()
+        path = await self.daemon.request_checkpoint()
+        wal_sequence = self.daemon.checkpoints.last_written_wal_sequence
+        return pb.CheckpointResponse(
+            path=str(path),
+            wal_sequence=wal_sequence,
+            duration_ms=int((time.monotonic() - t0) * 1000),
+        )
+
+    @grpc_errors
+    async def GetShardMap(
+        self, request: pb.GetShardMapRequest, context: Any
+    ) -> pb.GetShardMapResponse:
+        cfg = self.engine.config
+        shard_map = getattr(self.daemon, "shard_map", None)
+        if shard_map is None:
+            shard_map = shard_map_of(cfg, f"{cfg.host}:{cfg.port}")
+        return shard_map_to_proto(shard_map, cfg.shard_index)

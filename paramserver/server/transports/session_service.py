@@ -1,0 +1,457 @@
+"""Server side of the ``Session`` RPC: one persistent bidirectional stream per worker client.
+
+The stream opens with ``SessionOpen`` (answered by ``SessionOpened``); then every request —
+push, pull, push_pull, or a shared-memory offer that attaches or grows the segment — is answered
+by one response carrying the request's ``seq``, in order. Requests are decoded here and handed to
+the seams every push and pull path shares (:meth:`ParameterServerServicer.apply_push`,
+:meth:`~ParameterServerServicer.admit_pull`, :meth:`~ParameterServerServicer.pull_snapshot`,
+:meth:`~ParameterServerServicer.pull_snapshot_into`), inside the same back-pressure ticket as the
+Push stream, so dedup, the WAL commit and every error code are those of the ordinary path. A
+refused request is answered with a ``SessionError`` (status code, message, exact error class)
+and the stream keeps serving; only a protocol violation (no open first, a second open) ends it.
+
+Tensor bytes travel inline (small tensors) or through the client's shared-memory segment
+(:mod:`paramserver.protocol.shm`): gradients are read from the push region in place, pulled values
+are
+copied once into the pull region.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import tables_pb2 as tpb
+from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
+from paramserver.protocol import shm, tensor
+from paramserver.security.tls import check_worker_identity
+from paramserver.server.engine import InflightTicket
+from paramserver.server.slicing import SLICE_KEYS
+
+if TYPE_CHECKING:
+    from paramserver.server.transports.grpc_service import ParameterServerServicer
+    from paramserver.server.transports.link_service import LocalLinkServer
+
+logger = logging.getLogger(__name__)
+
+#: Pulled values up to this many bytes in total go inline even when a segment is mapped.
+SMALL_INLINE_BYTES = 64 << 10
+_SHUTDOWN = "paramserver: server shutting down"
+#: Largest inline payload (bytes) of one message: well under a 4 MiB receive limit and under
+#: the ~1 MiB frame size of the streams (docs/semantics.md).
+MAX_INLINE_BYTES = (1 << 20) - (32 << 10)
+
+
+def error_response(seq: int, exc: ParamServerError) -> pb.SessionResponse:
+    """A ``SessionError`` answer to request ``seq`` (status code, message, error class)."""
+    return pb.SessionResponse(
+        seq=seq,
+        error=pb.SessionError(
+            code=exc.code.value[0], message=exc.message, error_class=type(exc).__name__
+        ),
+    )
+
+
+class _Session:
+    """State of one stream: its worker and its mapped segment (if any)."""
+
+    def __init__(self) -> None:
+        self.worker_id = ""
+        self.mapping: shm.ServerMapping | None = None
+        #: The client reads pulled shared-memory values as one SlotBatch (its open asked).
+        self.slot_batches = False
+
+    def close(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+
+
+class SessionService:
+    """Serves ``ParameterServer.Session`` streams for one servicer.
+
+    Args:
+        servicer: The servicer whose seams every request goes through.
+        shared_memory: Accept shared-memory offers (False: network only, ``--no-shared-memory``).
+        max_inline_bytes: Largest inline payload (bytes) of one message.
+    """
+
+    def __init__(
+        self,
+        servicer: ParameterServerServicer,
+        *,
+        shared_memory: bool = True,
+        max_inline_bytes: int = MAX_INLINE_BYTES,
+    ) -> None:
+        self.servicer = servicer
+        self.shared_memory = shared_memory
+        self.max_inline_bytes = max_inline_bytes
+        #: Streams open now, and shared-memory segments mapped now (for tests and status).
+        self.open_sessions = 0
+        self.mapped_segments = 0
+        self._closing = False
+        #: Tasks of the streams waiting for their next request (ended by begin_shutdown).
+        self._idle: set[asyncio.Task[Any]] = set()
+        #: The same-host local link, when the daemon runs one (its tickets go out on open).
+        self.local_link: LocalLinkServer | None = None
+
+    def begin_shutdown(self) -> None:
+        """End every stream once it has no request in hand (idle ones at once), so a graceful
+        stop does not wait its whole grace for them; their clients reconnect (to a successor)
+        and retry."""
+        self._closing = True
+        for task in list(self._idle):
+            task.cancel(msg=_SHUTDOWN)
+
+    async def serve(
+        self,
+        read: Callable[[], Awaitable[Any]],
+        write: Callable[[pb.SessionResponse], Awaitable[None]],
+    ) -> None:
+        """Answer the requests of one stream, in order, until the client ends it.
+
+        Reader/writer style (``context.read()`` / ``context.write()``), not an async
+        generator: one coroutine per stream and no generator layers per message.
+
+        Args:
+            read: Returns the next request, or ``grpc.aio.EOF`` when the client is done.
+            write: Sends one response.
+
+        Raises:
+            MalformedStream: the stream does not start with ``open`` or opens twice
+                (INVALID_ARGUMENT; ends the stream).
+        """
+        session = _Session()
+        self.open_sessions += 1
+        task = asyncio.current_task()
+        idle = self._idle
+        try:
+            first = True
+            while not self._closing:
+                if task is not None:
+                    idle.add(task)
+                try:
+                    req = await read()
+                except asyncio.CancelledError:
+                    if not self._closing or task is None:
+                        raise
+                    task.uncancel()  # our own shutdown request: end the stream with OK
+                    return
+                finally:
+                    if task is not None:
+                        idle.discard(task)
+                if req is grpc.aio.EOF:
+                    return
+                which = req.WhichOneof("body")
+                if first:
+                    if which != "open":
+                        raise MalformedStream("a Session stream must start with an open message")
+                    first = False
+                    await write(self._open(session, req))
+                    continue
+                if which == "open":
+                    raise MalformedStream("second open message in one Session stream")
+                await write(await self._answer(session, req, which))
+        finally:
+            self._unmap(session)
+            self.open_sessions -= 1
+
+    # ------------------------------------------------------------------ negotiation
+    def _open(self, session: _Session, req: pb.SessionRequest) -> pb.SessionResponse:
+        check_worker_identity(req.open.worker_id)
+        session.worker_id = req.open.worker_id
+        session.slot_batches = req.open.slot_batches
+        opened = pb.SessionOpened(max_inline_bytes=self.max_inline_bytes, slot_batches=True)
+        if req.open.HasField("shm"):
+            opened.shm.CopyFrom(self._attach(session, req.open.shm))
+        link = self.local_link
+        if req.open.want_local_link and link is not None and not self._closing:
+            opened.local_link.CopyFrom(link.issue_ticket(session.worker_id))
+        return pb.SessionResponse(seq=req.seq, opened=opened)
+
+    def _attach(self, session: _Session, offer: pb.ShmOffer) -> pb.ShmAnswer:
+        if not self.shared_memory:
+            return pb.ShmAnswer(accepted=False, reason="shared memory is off on this server")
+        try:
+            mapping = shm.ServerMapping.attach(offer, shm.SHM_DIR)
+        except shm.ShmDeclined as exc:
+            logger.debug("shared-memory offer %s declined: %s", offer.name, exc)
+            return pb.ShmAnswer(accepted=False, reason=str(exc))
+        self._unmap(session)
+        session.mapping = mapping
+        self.mapped_segments += 1
+        logger.debug("mapped shared-memory segment %s (%d bytes)", offer.name, offer.size_bytes)
+        return pb.ShmAnswer(accepted=True)
+
+    def _unmap(self, session: _Session) -> None:
+        if session.mapping is not None:
+            session.close()
+            self.mapped_segments -= 1
+
+    # ------------------------------------------------------------------ requests
+    async def _answer(
+        self, session: _Session, req: pb.SessionRequest, which: str | None
+    ) -> pb.SessionResponse:
+        # Responses are filled in place (pulled tensors written straight into the response's
+        # own fields): no nested-message copies.
+        try:
+            if which == "push_pull":
+                resp = pb.SessionResponse(seq=req.seq)
+                both = resp.push_pull
+                # Unknown pull keys are refused before the push is applied: all or nothing.
+                self.servicer.core.require_keys(req.push_pull.pull.keys)
+                pushed = await self._push(session, req.push_pull.push)
+                both.push.CopyFrom(pushed)
+                await self._pull(session, req.push_pull.pull, both.pull)
+                return resp
+            if which == "push":
+                return pb.SessionResponse(seq=req.seq, push=await self._push(session, req.push))
+            if which == "pull":
+                resp = pb.SessionResponse(seq=req.seq)
+                await self._pull(session, req.pull, resp.pull)
+                return resp
+            if which == "shm_offer":
+                return pb.SessionResponse(seq=req.seq, shm=self._attach(session, req.shm_offer))
+            if which == "rows":
+                resp = pb.SessionResponse(seq=req.seq)
+                await self._rows(session, req.rows, resp.rows)
+                return resp
+            raise MalformedStream(f"Session request {req.seq} has no body")
+        except ParamServerError as exc:
+            logger.debug("Session request %d refused: %s", req.seq, exc)
+            return error_response(req.seq, exc)
+        except Exception as exc:  # never kill the stream for one request
+            logger.error("Session request %d failed unexpectedly", req.seq, exc_info=exc)
+            err = ParamServerError(f"internal error in Session: {exc!r}")
+            return error_response(req.seq, err)
+
+    async def _decode(
+        self, session: _Session, tensors: Sequence[pb.SessionTensor], ticket: Any
+    ) -> dict[str, np.ndarray]:
+        """Gradients of a push: inline bytes copied into writeable arrays, shared-memory slots
+        as views of the push region (checked against it first). Yields to the event loop
+        every :data:`~paramserver.server.slicing.SLICE_KEYS` tensors, so a push of many keys
+        never holds the loop (heartbeats, other workers) for long."""
+        out: dict[str, np.ndarray] = {}
+        limit = self.servicer.engine.config.max_tensor_bytes
+        keep_copies = self.servicer.core.aggregator is not None  # BSP queues the arrays
+        for i, t in enumerate(tensors):
+            if i and not i % SLICE_KEYS:
+                await asyncio.sleep(0)
+            key = t.key
+            if not key:
+                raise MalformedStream("Session tensor with an empty key")
+            if key in out:
+                raise MalformedStream(f"key {key!r} appears twice in one push")
+            dtype = tensor.dtype_from_wire(t.dtype, key)
+            shape = tuple(t.shape)  # (int64 field: already Python ints)
+            nbytes = tensor.tensor_nbytes(shape, dtype)
+            if limit is not None and nbytes > limit:
+                raise InvalidArgument(
+                    f"tensor {key!r}: size_bytes {nbytes} exceeds max_tensor_bytes {limit}"
+                )
+            ticket.reserve(nbytes)
+            which = t.WhichOneof("payload")
+            if which == "slot":
+                if session.mapping is None:
+                    raise InvalidArgument(
+                        f"tensor {key!r}: shared-memory slot but no segment is mapped"
+                    )
+                try:
+                    view = session.mapping.push.view(
+                        t.slot.offset_bytes, t.slot.size_bytes, dtype, shape
+                    )
+                except InvalidArgument as exc:
+                    raise InvalidArgument(f"tensor {key!r}: {exc.message}") from None
+                out[key] = view.copy() if keep_copies else view
+                continue
+            data = t.data
+            if len(data) != nbytes:
+                raise MalformedStream(
+                    f"tensor {key!r}: {len(data)} inline bytes != prod(shape {shape}) * "
+                    f"itemsize {dtype.itemsize} = {nbytes}"
+                )
+            out[key] = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+        return out
+
+    def _decode_slots(
+        self, session: _Session, batch: pb.SlotBatch, ticket: Any, out: dict[str, np.ndarray]
+    ) -> None:
+        """Gradients of a push's :class:`SlotBatch`, added to ``out``: views of the push
+        region (copies when BSP queues them), each checked as :meth:`_decode` checks a slot."""
+        keys = list(batch.keys)
+        dtypes = list(batch.dtypes)
+        ndims = list(batch.ndims)
+        dims = list(batch.dims)
+        offsets = list(batch.offsets)
+        n = len(keys)
+        if not (len(dtypes) == len(ndims) == len(offsets) == n) or sum(ndims) != len(dims):
+            raise MalformedStream(
+                f"SlotBatch arrays disagree: {n} keys, {len(dtypes)} dtypes, {len(ndims)} ndims, "
+                f"{len(offsets)} offsets, {len(dims)} dims for ranks summing to {sum(ndims)}"
+            )
+        if n and session.mapping is None:
+            raise InvalidArgument(
+                f"tensor {keys[0]!r}: shared-memory slot but no segment is mapped"
+            )
+        limit = self.servicer.engine.config.max_tensor_bytes
+        keep_copies = self.servicer.core.aggregator is not None
+        region = session.mapping.push if session.mapping is not None else None
+        from_wire = tensor.dtype_from_wire
+        pos = 0
+        for key, wire_dtype, nd, offset in zip(keys, dtypes, ndims, offsets, strict=True):
+            if not key:
+                raise MalformedStream("Session tensor with an empty key")
+            if key in out:
+                raise MalformedStream(f"key {key!r} appears twice in one push")
+            dtype = from_wire(wire_dtype, key)
+            shape = tuple(dims[pos : pos + nd])
+            pos += nd
+            nbytes = tensor.tensor_nbytes(shape, dtype)
+            if limit is not None and nbytes > limit:
+                raise InvalidArgument(
+                    f"tensor {key!r}: size_bytes {nbytes} exceeds max_tensor_bytes {limit}"
+                )
+            ticket.reserve(nbytes)
+            assert region is not None
+            try:
+                view = region.view(offset, nbytes, dtype, shape)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"tensor {key!r}: {exc.message}") from None
+            out[key] = view.copy() if keep_copies else view
+
+    async def _push(self, session: _Session, push: pb.SessionPush) -> pb.PushResponse:
+        header = push.header
+        # Backpressure.ticket() without its generator-based context manager (per request).
+        ticket = InflightTicket(self.servicer.engine.backpressure)
+        try:
+            ticket.enter(header.worker_id)
+            grads = await self._decode(session, push.tensors, ticket)
+            if push.HasField("slots"):
+                self._decode_slots(session, push.slots, ticket, grads)
+            return await self.servicer.apply_push_header(header, grads)
+        finally:
+            ticket.release()
+
+    async def _pull(self, session: _Session, req: pb.PullRequest, out: pb.SessionPulled) -> None:
+        """Admit the pull and write its info and values into ``out`` (a response's field)."""
+        servicer = self.servicer
+        keys = await servicer.admit_pull(req.worker_id, req.keys, req.timeout_ms)
+        out.SetInParent()  # present even when it stays empty
+        info = out.info
+        servicer._view_into(info.view)
+        info.version = servicer.core.version
+        store = servicer.core.store
+        values = [store.get(key).value for key in keys]
+        total = sum(v.nbytes for v in values)
+        mapping = session.mapping
+        if total <= SMALL_INLINE_BYTES or (mapping is None and total <= self.max_inline_bytes):
+            add = out.tensors.add
+            for key, value in zip(keys, values, strict=True):
+                # dtype and shape are fixed per key; the bytes are a consistent snapshot.
+                data = await servicer.pull_snapshot_bytes(key)
+                add(key=key, dtype=tensor.dtype_to_wire(value.dtype), shape=value.shape, data=data)
+            return
+        needed = sum(shm.align_up(v.nbytes) for v in values)
+        if mapping is None or needed > mapping.pull.size_bytes:
+            out.needed_bytes = needed
+            return
+        # One pass for the whole request: the destinations, then one consistent copy of every
+        # key (inline when all are small and idle, else one reservation and one worker-thread
+        # hop for the big ones), then the response's slots (no per-key message objects).
+        offset = 0
+        dsts = []
+        view = mapping.pull.view
+        to_wire = tensor.dtype_to_wire
+        if session.slot_batches:
+            dtypes: list[int] = []
+            ndims: list[int] = []
+            dims: list[int] = []
+            offsets: list[int] = []
+            for value in values:
+                size = value.nbytes
+                shape = value.shape
+                dsts.append(view(offset, size, value.dtype, shape))
+                dtypes.append(to_wire(value.dtype))
+                ndims.append(len(shape))
+                dims.extend(shape)
+                offsets.append(offset)
+                offset = shm.align_up(offset + size)
+            batch = out.slots
+            batch.keys.extend(keys)
+            batch.dtypes.extend(dtypes)
+            batch.ndims.extend(ndims)
+            batch.dims.extend(dims)
+            batch.offsets.extend(offsets)
+        else:
+            add = out.tensors.add
+            for key, value in zip(keys, values, strict=True):
+                size = value.nbytes
+                dsts.append(view(offset, size, value.dtype, value.shape))
+                add(
+                    key=key,
+                    dtype=to_wire(value.dtype),
+                    shape=value.shape,
+                    slot={"offset_bytes": offset, "size_bytes": size},
+                )
+                offset = shm.align_up(offset + size)
+        await servicer.pull_snapshots_into(keys, dsts)
+
+    async def _rows(self, session: _Session, req: pb.SessionRows, out: pb.SessionRowsDone) -> None:
+        """An embedding-table row pull or push (the servicer's table handlers decide)."""
+        rpcs = self.servicer.table_rpcs
+        header = req.header
+        tensors = [req.ids, req.grads] if req.push else [req.ids]
+        if req.ids.key != "ids" or (req.push and req.grads.key != "grads"):
+            raise MalformedStream("SessionRows tensors must be keyed 'ids' (and 'grads')")
+        ticket = InflightTicket(self.servicer.engine.backpressure)
+        try:
+            if req.push:
+                ticket.enter(header.worker_id)
+            arrays = await self._decode(session, tensors, ticket)
+            ids = arrays["ids"]
+            if ids.dtype != np.int64 or ids.ndim != 1:
+                raise InvalidArgument(
+                    f"table {header.table!r}: ids must be int64 (n,), got {ids.dtype} "
+                    f"{tuple(ids.shape)}"
+                )
+            if req.push:
+                grads = arrays["grads"]
+                h = tpb.RowsHeader()
+                h.CopyFrom(header)
+                h.num_ids = ids.shape[0]
+                h.dim = grads.shape[1] if grads.ndim == 2 else 0
+                out.pushed.CopyFrom(await rpcs.push_decoded(h, ids, grads))
+                return
+        finally:
+            ticket.release()
+        info, rows = await rpcs.pull_decoded(header, ids)
+        out.info.CopyFrom(info)
+        nbytes = int(rows.nbytes)
+        mapping = session.mapping
+        wire_dtype = tensor.dtype_to_wire(rows.dtype)
+        if nbytes <= SMALL_INLINE_BYTES or (mapping is None and nbytes <= self.max_inline_bytes):
+            out.rows.CopyFrom(
+                pb.SessionTensor(
+                    key="rows", dtype=wire_dtype, shape=rows.shape, data=rows.tobytes()
+                )
+            )
+            return
+        if mapping is None or shm.align_up(nbytes) > mapping.pull.size_bytes:
+            out.needed_bytes = shm.align_up(nbytes)
+            return
+        np.copyto(mapping.pull.view(0, nbytes, rows.dtype, rows.shape), rows)
+        out.rows.CopyFrom(
+            pb.SessionTensor(
+                key="rows",
+                dtype=wire_dtype,
+                shape=rows.shape,
+                slot=pb.ShmSlot(offset_bytes=0, size_bytes=nbytes),
+            )
+        )

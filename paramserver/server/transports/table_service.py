@@ -1,0 +1,269 @@
+"""Embedding-table RPCs of a shard (InitTable, PullRows, PushRows): decode, call, encode.
+
+Kept apart from the dense push path. A row push follows the durable order: validate fully
+(:meth:`TableSet.prepare`, changes nothing), append its WAL record, apply it
+(:meth:`TableSet.commit`, no await in between, so the log order is the apply order), wait
+until the record is durable, then acknowledge. A refused request changes nothing, in memory or
+on disk. The servicer's error decorator turns refusals into status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from paramserver.api.v1 import tables_pb2 as tpb
+from paramserver.core.tables import EmbeddingTable
+from paramserver.errors import (
+    DimensionMismatch,
+    InvalidArgument,
+    MalformedStream,
+    StorageError,
+    StorageFull,
+    Unavailable,
+    WaitTimeout,
+)
+from paramserver.protocol import rows_wire, tensor
+from paramserver.security.tls import check_worker_identity
+from paramserver.server.engine import ServerEngine
+from paramserver.server.table_wal import record_expire_rows, record_init_table, record_push_rows
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TableRpcs", "table_infos"]
+
+#: Expiry sweeps of a table run at most this often (seconds), after a push.
+EXPIRY_SWEEP_INTERVAL_S = 1.0
+
+
+class TableRpcs:
+    """The table handlers over one :class:`ServerEngine` (the servicer delegates to them)."""
+
+    def __init__(self, engine: ServerEngine) -> None:
+        self.engine = engine
+        self._last_sweep: dict[str, tuple[float, int]] = {}
+
+    @property
+    def tables(self) -> Any:
+        return self.engine.core.tables
+
+    # ------------------------------------------------------------------ InitTable
+    async def init_table(self, request: Any) -> Any:
+        spec = rows_wire.spec_from_proto(request.spec)
+        tables = self.tables
+        if spec.name in tables.tables:
+            created, stored = tables.init(spec)  # a no-op, or ALREADY_EXISTS
+        else:
+            seq = self.engine.log(record_init_table(spec))  # refused: nothing declared
+            created, stored = tables.init(spec)
+            await self.engine.durable(seq)
+            logger.info("table %r declared: %s", spec.name, spec.to_dict())
+        return tpb.InitTableResponse(created=created, spec=rows_wire.spec_to_proto(stored))
+
+    # ------------------------------------------------------------------ helpers
+    def _check_header(self, header: Any, *, push: bool, n: int | None = None) -> EmbeddingTable:
+        table: EmbeddingTable = self.tables.get(header.table)
+        spec = table.spec
+        where = f"table {spec.name!r}"
+        n = int(header.num_ids) if n is None else n
+        limits = table.limits
+        if n > limits.max_ids:
+            raise InvalidArgument(
+                f"{where}: {n} ids in one request exceed the server's limit of {limits.max_ids}"
+            )
+        row_bytes = spec.dim * spec.np_dtype.itemsize
+        if n * row_bytes > limits.max_bytes:
+            raise InvalidArgument(
+                f"{where}: {n} rows ({n * row_bytes} bytes) exceed the server's limit of "
+                f"{limits.max_bytes} bytes per request"
+            )
+        if push:
+            if not header.worker_id:
+                raise InvalidArgument(f"{where}: a row push needs a worker_id")
+            if header.dim != spec.dim:
+                raise DimensionMismatch(
+                    f"{where}: gradient rows of dim {header.dim}, the table's dim is {spec.dim}"
+                )
+        return table
+
+    @staticmethod
+    async def _read(
+        request_iterator: AsyncIterator[Any],
+    ) -> tuple[Any, AsyncIterator[Any]]:
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            raise MalformedStream("empty row stream: no header") from None
+        if first.WhichOneof("body") != "header":
+            raise MalformedStream("a row stream must start with a RowsHeader")
+        return first.header, it
+
+    @staticmethod
+    async def _chunks(it: AsyncIterator[Any], receiver: rows_wire.RowsReceiver) -> None:
+        async for msg in it:
+            if msg.WhichOneof("body") != "chunk":
+                raise MalformedStream(f"{receiver.what}: a second header in one stream")
+            receiver.feed(msg.chunk)
+
+    async def _wait_rows(self, worker_id: str, table: str, timeout_ms: int) -> None:
+        engine = self.engine
+        wait_ms = timeout_ms or engine.config.wait_timeout_ms
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_ms / 1000.0
+        while True:
+            if engine.shutting_down:
+                raise Unavailable("server is shutting down: retry against its successor")
+            engine.check_serving()  # the log failed: no reads of state it may not hold
+            adm = self.tables.check_pull(engine.core.cluster, worker_id, table)
+            if adm.admitted:
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise WaitTimeout(
+                    f"row pull by {worker_id!r} waited {wait_ms / 1000.0:.3f} s for workers "
+                    f"[{', '.join(adm.waiting_for)}]: {adm.reason}"
+                )
+            change = engine._next_change()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(change), remaining)
+
+    # ------------------------------------------------------------------ PullRows
+    async def pull_rows(self, request_iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        header, it = await self._read(request_iterator)
+        table = self._check_header(header, push=False)
+        receiver = rows_wire.RowsReceiver(
+            f"table {table.spec.name!r}", int(header.num_ids), 0, np.dtype(np.float32)
+        )
+        await self._chunks(it, receiver)
+        ids, _ = receiver.finish()
+        info, rows = await self.pull_decoded(header, ids)
+        yield tpb.PullRowsResponse(info=info)
+        for chunk in rows_wire.chunk_rows(None, rows):
+            yield tpb.PullRowsResponse(chunk=chunk)
+
+    async def pull_decoded(self, header: Any, ids: np.ndarray) -> tuple[Any, np.ndarray]:
+        """A row pull of decoded ``ids`` (every transport shares it): checks, the table's
+        consistency wait, then the rows. Returns (PullRowsInfo, rows (n, dim))."""
+        check_worker_identity(header.worker_id)
+        table = self._check_header(header, push=False, n=int(ids.shape[0]))
+        checked = table.check_ids(ids)
+        await self._wait_rows(header.worker_id, table.spec.name, int(header.timeout_ms))
+        rows = table.pull(checked)
+        spec = table.spec
+        info = tpb.PullRowsInfo(
+            dtype=tensor.dtype_to_wire(spec.np_dtype),
+            dim=spec.dim,
+            num_ids=int(checked.shape[0]),
+            min_clock=self.engine.core.cluster.min_clock(),
+        )
+        return info, rows
+
+    # ------------------------------------------------------------------ PushRows
+    async def push_rows(self, request_iterator: AsyncIterator[Any]) -> Any:
+        header, it = await self._read(request_iterator)
+        table = self._check_header(header, push=True)
+        where = f"table {table.spec.name!r}"
+        dtype = tensor.dtype_from_wire(header.dtype, where) if header.dtype else np.dtype("f4")
+        if dtype not in (np.dtype(np.float32), table.spec.np_dtype):
+            raise DimensionMismatch(
+                f"{where}: gradient rows must be float32 or {table.spec.dtype}, got {dtype}"
+            )
+        receiver = rows_wire.RowsReceiver(where, int(header.num_ids), table.spec.dim, dtype)
+        await self._chunks(it, receiver)
+        ids, grads = receiver.finish()
+        return await self.push_decoded(header, ids, grads)
+
+    async def push_decoded(self, header: Any, ids: np.ndarray, grads: np.ndarray) -> Any:
+        """A row push of decoded arrays (every transport shares it): validate fully, log,
+        apply, make durable, acknowledge. Returns the PushRowsResponse."""
+        check_worker_identity(header.worker_id)
+        table = self._check_header(header, push=True, n=int(ids.shape[0]))
+        engine = self.engine
+        core = engine.core
+        prepared = self.tables.prepare(
+            core.cluster,
+            header.worker_id,
+            int(header.request_id),
+            int(header.clock),
+            table.spec.name,
+            ids,
+            grads,
+        )
+        now = engine.now()
+        seq = 0
+        engine.check_serving()
+        if engine.wal is not None and prepared.duplicate is None:
+            # Refused (disk full, I/O error): nothing applied, the request id not recorded.
+            seq = engine.log(record_push_rows(prepared, header.worker_id, now))
+        outcome = self.tables.commit(prepared, now_s=now)  # no await since the append
+        seq = self._maybe_expire(table, now, seq)
+        await engine.durable(seq)
+        engine.notify()
+        r = outcome.result
+        return tpb.PushRowsResponse(
+            duplicate=outcome.duplicate,
+            queued=outcome.queued,
+            distinct=r.distinct,
+            applied=r.applied,
+            filtered=r.filtered,
+            staleness=outcome.staleness,
+        )
+
+    def _maybe_expire(self, table: EmbeddingTable, now: float, seq: int) -> int:
+        """An expiry sweep of ``table`` when its interval passed or the minimum clock moved;
+        logged (before it runs) when it drops rows. Returns the last WAL sequence to await."""
+        spec = table.spec
+        if not (spec.expiry_clocks or spec.expiry_s):
+            return seq
+        clock = self.engine.core.cluster.min_clock()
+        last = self._last_sweep.get(spec.name)
+        if last is not None and now - last[0] < EXPIRY_SWEEP_INTERVAL_S and clock == last[1]:
+            return seq
+        self._last_sweep[spec.name] = (now, clock)
+        if not table.would_expire(now_s=now, clock=clock):
+            return seq
+        if self.engine.wal is not None:
+            try:
+                seq = self.engine.log(record_expire_rows(spec.name, now, clock))
+            except (StorageFull, StorageError) as exc:  # maintenance: skip it, keep the push
+                logger.warning("table %r: expiry sweep skipped: %s", spec.name, exc)
+                return seq
+        dropped = table.expire(now_s=now, clock=clock)
+        logger.debug("table %r: %d rows expired", spec.name, dropped)
+        return seq
+
+
+def table_infos(tables: Any) -> list[Any]:
+    """``TableInfo`` of every table of a :class:`~paramserver.core.table_set.TableSet`."""
+    out = []
+    for name, table in tables.tables.items():
+        stats = tables.stats[name]
+        state_bytes = sum(
+            a[: table.n].nbytes
+            for a in table._arrays.values()  # rows + optimizer state
+        )
+        out.append(
+            tpb.TableInfo(
+                spec=rows_wire.spec_to_proto(table.spec),
+                rows=table.n,
+                pushes=table.pushes,
+                rows_pushed=table.rows_pushed,
+                pulls=table.pulls,
+                rows_pulled=table.rows_pulled,
+                filtered=table.filtered,
+                expired=table.expired,
+                queued_pushes=stats.queued_pushes(),
+                staleness_max=stats.staleness_max,
+                staleness_mean=(
+                    stats.staleness_sum / stats.applied_pushes if stats.applied_pushes else 0.0
+                ),
+                size_bytes=state_bytes,
+            )
+        )
+    return out

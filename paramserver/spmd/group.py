@@ -1,0 +1,987 @@
+"""``SpmdParallelWorkers``: one logical block-transfer command, fanned out to every rank.
+
+After Dynamo KVBM's ``SpmdParallelWorkers`` (``kvbm-engine`` ``worker/group``): a group of
+rank-indexed workers that executes every operation on all of them in parallel and aggregates
+their transfer completions into one notification per logical operation. Here each rank is a
+``paramserver rank-server`` process reached over gRPC, and the seed's faults are corrected:
+
+* **Validate everywhere, then execute.** Every command is validated for *every* rank before any
+  rank is contacted, with the same pure rules the rank servers apply
+  (:mod:`paramserver.spmd.planning`), against the layouts each rank exported when the group was
+  opened (and, for remote commands, the layouts the peer ranks exported to
+  :meth:`SpmdParallelWorkers.connect_remote`). A refusal on any rank raises before dispatch and
+  names every refusing rank, so no rank starts a command another rank would refuse. Each
+  command also carries each rank's incarnation id, so a rank server restarted since the group
+  read its metadata refuses (FAILED_PRECONDITION) instead of acting on stale layouts; the rank
+  servers re-validate everything (they serve other clients too).
+* **Concurrent dispatch, merged completion.** One task per rank; one
+  :class:`~paramserver.spmd.notification.TransferCompleteNotification` that completes only when
+  every rank has finished and fails with the error of every failing rank, each naming its rank,
+  carrying the other ranks' results. Every rank call carries the command's deadline, so a dead
+  or hung rank cannot stall the merge.
+* **connect_remote is idempotent.** Re-connecting an instance replaces all of its old mappings
+  (including ranks that no longer exist); the group records the mapping only after every rank
+  imported successfully, and rolls the ranks back to the previous mapping when one fails.
+* **Object results merge by key.** ``has_blocks`` reports a block present only if every rank has
+  its shard; ``put_blocks`` / ``get_blocks`` merge per-rank answers by sequence hash, never by
+  list position, and a key succeeds only if every rank succeeded for it.
+
+Lifecycle: ``async with SpmdParallelWorkers(addresses) as group`` or
+``group = await SpmdParallelWorkers.create(addresses)`` then ``await group.close()``. The
+constructor opens nothing; channels belong to the loop that opened the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from paramserver.api.v1 import spmd_pb2
+from paramserver.errors import InvalidArgument, ParamServerError
+from paramserver.security.tls import ClientSecurity
+from paramserver.spmd.layout import Layout, Tier
+from paramserver.spmd.notification import TransferCompleteNotification, TransferResult
+from paramserver.spmd.planning import (
+    KeyOutcome,
+    KeyPresence,
+    Placement,
+    RankTransferResult,
+    Verdict,
+    check_local_transfer,
+    check_object_transfer,
+    check_remote_transfer,
+    expand_per_rank,
+    merge_key_results,
+    merge_presence,
+)
+from paramserver.spmd.rank_client import RankClient, rank_error
+from paramserver.spmd.transfer_errors import RankFailures, RemoteNotConnected, TierNotRegistered
+
+__all__ = [
+    "BlockIds",
+    "ObjectKeys",
+    "RemoteDescriptor",
+    "RemoteLayout",
+    "SpmdParallelWorkers",
+    "TransferResult",
+]
+
+logger = logging.getLogger(__name__)
+
+BlockIds = Sequence[int] | Mapping[int, Sequence[int]]
+"""Block ids: one list for every rank (SPMD), or ``{rank: ids}`` (missing ranks: none)."""
+
+_KEY_STATUS = {
+    spmd_pb2.KEY_STATUS_STORED: "stored",
+    spmd_pb2.KEY_STATUS_ALREADY_PRESENT: "already_present",
+    spmd_pb2.KEY_STATUS_RETRIEVED: "retrieved",
+    spmd_pb2.KEY_STATUS_NOT_FOUND: "not_found",
+    spmd_pb2.KEY_STATUS_FAILED: "failed",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteLayout:
+    """Blocks of a connected remote instance's tier (rank i addresses the peer's rank i).
+
+    Attributes:
+        instance_id: the remote instance (see :meth:`SpmdParallelWorkers.connect_remote`).
+        tier: remote tier (G1, G2 or G3).
+        block_ids: remote block ids, one list for every rank or ``{rank: ids}``.
+    """
+
+    instance_id: str
+    tier: Tier
+    block_ids: BlockIds
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectKeys:
+    """Objects of the object tier: each rank uses its own shard ``"{rank}/{sequence_hash}"``.
+
+    Attributes:
+        sequence_hashes: one list for every rank, or ``{rank: hashes}``; unique per rank.
+    """
+
+    sequence_hashes: BlockIds
+
+
+RemoteDescriptor = RemoteLayout | ObjectKeys
+"""Source of an onboard / destination of an offload (Dynamo's ``RemoteDescriptor``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Connected:
+    metadata: tuple[spmd_pb2.RankMetadata, ...]
+    layouts: tuple[dict[Tier, Layout], ...]
+
+
+def _layouts_of(md: spmd_pb2.RankMetadata) -> dict[Tier, Layout]:
+    return {Tier.parse(int(spec.tier)): Layout.from_proto(spec) for spec in md.layouts}
+
+
+def _placement(p: spmd_pb2.Placement) -> Placement:
+    src_obj = p.WhichOneof("source") == "sequence_hash"
+    dst_obj = p.WhichOneof("destination") == "dst_sequence_hash"
+    return Placement(
+        src=int(p.sequence_hash if src_obj else p.src_block_id),
+        dst=int(p.dst_sequence_hash if dst_obj else p.dst_block_id),
+        src_is_object=src_obj,
+        dst_is_object=dst_obj,
+    )
+
+
+def _rank_result(rank: int, response: spmd_pb2.TransferResponse) -> RankTransferResult:
+    return RankTransferResult(
+        rank=rank,
+        bytes_moved=int(response.bytes_moved),
+        elapsed_s=response.elapsed_us / 1e6,
+        placements=tuple(_placement(p) for p in response.placements),
+        path=response.path,
+    )
+
+
+class SpmdParallelWorkers:
+    """A group of rank servers driven as one SPMD worker (Dynamo KVBM's SpmdParallelWorkers).
+
+    Args:
+        rank_addresses: ``host:port`` of rank 0, 1, ... of one instance; position i must be
+            the rank server whose rank is i (checked on open).
+        default_timeout_s: deadline of commands called without ``timeout_s``, seconds.
+        security: TLS / mutual TLS and bearer token towards every rank server
+            (:class:`paramserver.security.tls.ClientSecurity`; ``connect_remote`` needs an admin
+            token when the rank servers check tokens); None: plain text, no token.
+
+    Raises:
+        InvalidArgument: no addresses (INVALID_ARGUMENT).
+    """
+
+    def __init__(
+        self,
+        rank_addresses: Sequence[str],
+        *,
+        default_timeout_s: float = 30.0,
+        security: ClientSecurity | None = None,
+    ) -> None:
+        if not rank_addresses:
+            raise InvalidArgument("SpmdParallelWorkers needs at least one rank address")
+        if default_timeout_s <= 0:
+            raise InvalidArgument("default_timeout_s must be > 0")
+        self.rank_addresses = list(rank_addresses)
+        self.default_timeout_s = default_timeout_s
+        self._clients = [RankClient(a, r, security) for r, a in enumerate(self.rank_addresses)]
+        self._metadata: list[spmd_pb2.RankMetadata] = []
+        self._layouts: list[dict[Tier, Layout]] = []
+        self._remotes: dict[str, _Connected] = {}
+        self._opened = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def create(
+        cls,
+        rank_addresses: Sequence[str],
+        *,
+        default_timeout_s: float = 30.0,
+        security: ClientSecurity | None = None,
+    ) -> SpmdParallelWorkers:
+        """Construct and open a group (``await group.close()`` when done)."""
+        group = cls(rank_addresses, default_timeout_s=default_timeout_s, security=security)
+        await group.open()
+        return group
+
+    async def open(self, timeout_s: float = 10.0) -> None:
+        """Open a channel per rank in the running loop and read every rank's metadata.
+
+        Raises:
+            RankFailures: a rank is unreachable or serves another rank index than its position
+                (every failing rank named).
+        """
+        for client in self._clients:
+            await client.open()
+        try:
+            metadata = await self._fan_out(
+                "open", lambda c: c.export_metadata(timeout_s), raise_on_failure=True
+            )
+        except BaseException:
+            await self.close()
+            raise
+        problems: dict[int, ParamServerError] = {}
+        for rank, md in metadata.items():
+            if md.rank != rank:
+                problems[rank] = InvalidArgument(
+                    f"rank {rank} ({self.rank_addresses[rank]}): server reports rank {md.rank}"
+                )
+        instances = {md.instance_id for md in metadata.values()}
+        if len(instances) > 1:
+            for rank, md in metadata.items():
+                problems.setdefault(
+                    rank,
+                    InvalidArgument(f"rank {rank}: instance {md.instance_id} (mixed: {instances})"),
+                )
+        if problems:
+            await self.close()
+            raise RankFailures("open", problems, {}, self.worker_count())
+        self._metadata = [metadata[r] for r in range(self.worker_count())]
+        self._layouts = [_layouts_of(md) for md in self._metadata]
+        self._opened = True
+
+    async def close(self) -> None:
+        """Close every channel (idempotent)."""
+        self._opened = False
+        for client in self._clients:
+            await client.close()
+
+    async def __aenter__(self) -> SpmdParallelWorkers:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ plain accessors
+
+    def worker_count(self) -> int:
+        """Number of ranks in the group (local state, so not a coroutine)."""
+        return len(self._clients)
+
+    @property
+    def instance_id(self) -> str:
+        """The instance id the ranks reported."""
+        self._require_open()
+        return str(self._metadata[0].instance_id)
+
+    def layouts(self, rank: int) -> dict[Tier, Layout]:
+        """The layouts rank ``rank`` exported when the group was opened."""
+        self._require_open()
+        return dict(self._layouts[rank])
+
+    def client(self, rank: int) -> RankClient:
+        """The per-rank client (for block reads/writes and object streams)."""
+        return self._clients[rank]
+
+    def has_remote_metadata(self, instance_id: str) -> bool:
+        """True when :meth:`connect_remote` for ``instance_id`` succeeded (and was not replaced
+        by a failed re-connect)."""
+        return instance_id in self._remotes
+
+    def _require_open(self) -> None:
+        if not self._opened:
+            raise InvalidArgument("SpmdParallelWorkers is not open (use async with or create())")
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        t = self.default_timeout_s if timeout_s is None else float(timeout_s)
+        if t <= 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {t}")
+        return t
+
+    # ------------------------------------------------------------------ fan-out helpers
+
+    async def _fan_out(
+        self,
+        operation: str,
+        call: Callable[[RankClient], Awaitable[Any]],
+        *,
+        raise_on_failure: bool,
+        ranks: Sequence[int] | None = None,
+    ) -> dict[int, Any]:
+        """Run ``call`` on every rank concurrently (one task per rank); collect every outcome.
+
+        Raises:
+            RankFailures: when ``raise_on_failure`` and at least one rank failed, naming all.
+        """
+        chosen = list(range(self.worker_count())) if ranks is None else list(ranks)
+        tasks = {r: asyncio.create_task(self._guard(r, call)) for r in chosen}
+        if tasks:
+            await asyncio.wait(tasks.values())
+        results: dict[int, Any] = {}
+        failures: dict[int, ParamServerError] = {}
+        for r, task in tasks.items():
+            exc = task.exception()
+            if exc is None:
+                results[r] = task.result()
+            else:
+                assert isinstance(exc, ParamServerError)
+                failures[r] = exc
+        if failures and raise_on_failure:
+            raise RankFailures(operation, failures, results, self.worker_count())
+        if failures:
+            results.update({r: e for r, e in failures.items()})
+        return results
+
+    async def _guard(self, rank: int, call: Callable[[RankClient], Awaitable[Any]]) -> Any:
+        client = self._clients[rank]
+        try:
+            return await call(client)
+        except ParamServerError as exc:
+            if f"rank {rank}" in exc.message:
+                raise
+            raise rank_error(rank, client.address, exc) from exc
+        except grpc.aio.AioRpcError as exc:
+            raise rank_error(rank, client.address, exc) from exc
+
+    def _refuse_if_any(self, operation: str, verdicts: Mapping[int, Verdict]) -> None:
+        refused = {r: v for r, v in verdicts.items() if not v.ok}
+        if not refused:
+            return
+        first = next(iter(refused.values()))
+        text = "; ".join(f"rank {r}: {v.reason}" for r, v in sorted(refused.items()))
+        raise first.error(f"{operation} refused before any rank started: {text}")
+
+    def _dispatch(
+        self,
+        operation: str,
+        method: str,
+        requests: Mapping[int, Any],
+        timeout_s: float,
+    ) -> TransferCompleteNotification:
+        async def one(rank: int, request: Any) -> RankTransferResult:
+            client = self._clients[rank]
+            response = await client.unary(method, request, timeout_s)
+            return _rank_result(rank, response)
+
+        tasks = {r: asyncio.create_task(one(r, req)) for r, req in requests.items()}
+        return TransferCompleteNotification(operation, tasks, self.worker_count())
+
+    def _options(self, rank: int, timeout_s: float, command_id: str) -> spmd_pb2.CommandOptions:
+        return spmd_pb2.CommandOptions(
+            timeout_ms=max(1, int(timeout_s * 1000)),
+            incarnation_id=self._metadata[rank].incarnation_id,
+            command_id=command_id,
+        )
+
+    # ------------------------------------------------------------------ metadata
+
+    async def export_metadata(self, timeout_s: float | None = None) -> list[spmd_pb2.RankMetadata]:
+        """Every rank's metadata, ordered by rank (what a peer passes to connect_remote).
+
+        Raises:
+            RankFailures: a rank failed (every failing rank named).
+        """
+        self._require_open()
+        t = self._timeout(timeout_s)
+        results = await self._fan_out(
+            "export_metadata", lambda c: c.export_metadata(t), raise_on_failure=True
+        )
+        return [results[r] for r in range(self.worker_count())]
+
+    async def import_metadata(
+        self, metadata: Sequence[spmd_pb2.RankMetadata], timeout_s: float | None = None
+    ) -> list[bool]:
+        """Raw import: rank i imports ``metadata[i]`` (no group-side bookkeeping; prefer
+        :meth:`connect_remote`).
+
+        Returns:
+            Per rank, whether an older mapping of that instance was replaced.
+
+        Raises:
+            InvalidArgument: ``len(metadata) != worker_count()`` (INVALID_ARGUMENT).
+            RankFailures: a rank refused (every failing rank named).
+        """
+        self._require_open()
+        if len(metadata) != self.worker_count():
+            raise InvalidArgument(
+                f"import_metadata got {len(metadata)} entries for {self.worker_count()} ranks"
+            )
+        t = self._timeout(timeout_s)
+        results = await self._fan_out(
+            "import_metadata",
+            lambda c: c.unary(
+                "ImportMetadata", spmd_pb2.ImportMetadataRequest(remote=metadata[c.rank]), t
+            ),
+            raise_on_failure=True,
+        )
+        return [bool(results[r].replaced) for r in range(self.worker_count())]
+
+    async def connect_remote(
+        self,
+        instance_id: str,
+        metadata: Sequence[spmd_pb2.RankMetadata],
+        timeout_s: float | None = None,
+    ) -> None:
+        """Connect to (or re-connect) remote instance ``instance_id``: rank i imports the
+        peer's rank i. Idempotent; replaces every old mapping of that instance.
+
+        The metadata is matched to ranks by its ``rank`` field, not by list position. The
+        mapping is recorded only after every rank imported; if any rank fails, ranks that did
+        import are rolled back to the previous mapping (or forget the instance) and the group
+        keeps its previous state.
+
+        Args:
+            instance_id: the remote instance.
+            metadata: one entry per remote rank (``export_metadata`` of the remote group).
+            timeout_s: deadline, seconds.
+
+        Raises:
+            InvalidArgument: wrong count, wrong instance ids, duplicate or missing ranks, or
+                malformed layouts (INVALID_ARGUMENT); nothing is imported.
+            RankFailures: a rank refused the import (every failing rank named).
+        """
+        self._require_open()
+        n = self.worker_count()
+        if len(metadata) != n:
+            raise InvalidArgument(
+                f"connect_remote({instance_id!r}): {len(metadata)} remote ranks but this group "
+                f"has {n}; rank i pairs with rank i"
+            )
+        by_rank: dict[int, spmd_pb2.RankMetadata] = {}
+        for md in metadata:
+            if md.instance_id != instance_id:
+                raise InvalidArgument(
+                    f"connect_remote({instance_id!r}): metadata of rank {md.rank} belongs to "
+                    f"instance {md.instance_id!r}"
+                )
+            if md.rank in by_rank:
+                raise InvalidArgument(f"connect_remote: rank {md.rank} appears twice")
+            by_rank[int(md.rank)] = md
+        if sorted(by_rank) != list(range(n)):
+            raise InvalidArgument(
+                f"connect_remote: remote ranks {sorted(by_rank)} are not 0..{n - 1}"
+            )
+        ordered = tuple(by_rank[r] for r in range(n))
+        layouts = tuple(_layouts_of(md) for md in ordered)  # validates the layouts
+        t = self._timeout(timeout_s)
+        outcomes = await self._fan_out(
+            "connect_remote",
+            lambda c: c.unary(
+                "ImportMetadata", spmd_pb2.ImportMetadataRequest(remote=ordered[c.rank]), t
+            ),
+            raise_on_failure=False,
+        )
+        failures = {r: o for r, o in outcomes.items() if isinstance(o, ParamServerError)}
+        if failures:
+            await self._roll_back(instance_id, [r for r in outcomes if r not in failures], t)
+            ok = {r: o for r, o in outcomes.items() if r not in failures}
+            raise RankFailures("connect_remote", failures, ok, n)
+        self._remotes[instance_id] = _Connected(ordered, layouts)
+        logger.debug("connected remote instance %s (%d ranks)", instance_id, n)
+
+    async def _roll_back(self, instance_id: str, ranks: list[int], timeout_s: float) -> None:
+        previous = self._remotes.get(instance_id)
+
+        async def undo(c: RankClient) -> Any:
+            if previous is not None:
+                request = spmd_pb2.ImportMetadataRequest(remote=previous.metadata[c.rank])
+                return await c.unary("ImportMetadata", request, timeout_s)
+            return await c.unary(
+                "ForgetRemote", spmd_pb2.ForgetRemoteRequest(instance_id=instance_id), timeout_s
+            )
+
+        undone = await self._fan_out("roll back", undo, raise_on_failure=False, ranks=ranks)
+        for rank, outcome in undone.items():
+            if isinstance(outcome, ParamServerError):
+                logger.warning(
+                    "could not roll back rank %d after a failed connect: %s", rank, outcome
+                )
+
+    async def disconnect_remote(self, instance_id: str, timeout_s: float | None = None) -> None:
+        """Forget remote instance ``instance_id`` on every rank and in the group.
+
+        Raises:
+            RankFailures: a rank failed (every failing rank named); the group forgets anyway.
+        """
+        self._require_open()
+        t = self._timeout(timeout_s)
+        self._remotes.pop(instance_id, None)
+        await self._fan_out(
+            "disconnect_remote",
+            lambda c: c.unary(
+                "ForgetRemote", spmd_pb2.ForgetRemoteRequest(instance_id=instance_id), t
+            ),
+            raise_on_failure=True,
+        )
+
+    # ------------------------------------------------------------------ transfers
+
+    async def execute_local_transfer(
+        self,
+        src_tier: Tier | str,
+        dst_tier: Tier | str,
+        src_block_ids: BlockIds,
+        dst_block_ids: BlockIds,
+        *,
+        timeout_s: float | None = None,
+    ) -> TransferCompleteNotification:
+        """Copy blocks between two tiers on every rank (G1/G2/G3; never G4).
+
+        Args:
+            src_tier: source tier.
+            dst_tier: destination tier.
+            src_block_ids: source ids, one list for all ranks or ``{rank: ids}``.
+            dst_block_ids: destination ids (unique), same shape as ``src_block_ids``.
+            timeout_s: deadline of the command on every rank, seconds.
+
+        Returns:
+            The merged completion (await it or poll it).
+
+        Raises:
+            InvalidArgument: a rule broken on any rank (INVALID_ARGUMENT), raised before any
+                rank starts; TierNotRegistered (FAILED_PRECONDITION) for a tier a rank lacks.
+        """
+        self._require_open()
+        src_t, dst_t = Tier.parse(src_tier), Tier.parse(dst_tier)
+        n = self.worker_count()
+        src_ids = expand_per_rank(src_block_ids, n, "src_block_ids")
+        dst_ids = expand_per_rank(dst_block_ids, n, "dst_block_ids")
+        self._refuse_if_any(
+            "execute_local_transfer",
+            {
+                r: check_local_transfer(
+                    src_tier=src_t,
+                    dst_tier=dst_t,
+                    src_ids=src_ids[r],
+                    dst_ids=dst_ids[r],
+                    layouts=self._layouts[r],
+                )
+                for r in range(n)
+            },
+        )
+        t = self._timeout(timeout_s)
+        cid = uuid.uuid4().hex
+        requests = {
+            r: spmd_pb2.LocalTransferRequest(
+                options=self._options(r, t, cid),
+                src_tier=int(src_t),
+                dst_tier=int(dst_t),
+                src_block_ids=src_ids[r],
+                dst_block_ids=dst_ids[r],
+            )
+            for r in range(n)
+        }
+        return self._dispatch("execute_local_transfer", "LocalTransfer", requests, t)
+
+    def _remote_layouts(self, instance_id: str) -> _Connected:
+        connected = self._remotes.get(instance_id)
+        if connected is None:
+            raise RemoteNotConnected(
+                f"no remote metadata for instance {instance_id!r}; call connect_remote first"
+            )
+        return connected
+
+    async def execute_remote_onboard(
+        self,
+        src: RemoteDescriptor,
+        dst_tier: Tier | str,
+        dst_block_ids: BlockIds,
+        *,
+        timeout_s: float | None = None,
+        allow_shared_memory: bool = True,
+    ) -> TransferCompleteNotification:
+        """Pull blocks into a local tier on every rank, from a connected instance's layout
+        (rank i reads the peer's rank i) or from the object tier (rank i reads its shards).
+
+        Args:
+            src: :class:`RemoteLayout` or :class:`ObjectKeys`.
+            dst_tier: local destination tier.
+            dst_block_ids: destination ids (unique), one list for all ranks or per rank.
+            timeout_s: deadline, seconds.
+            allow_shared_memory: a G2 source on the same host is copied through shared memory
+                instead of a gRPC stream.
+
+        Returns:
+            The merged completion; each rank's placements list source -> destination.
+
+        Raises:
+            InvalidArgument: a rule broken on any rank, before any rank starts
+                (INVALID_ARGUMENT), e.g. three hashes for two destination ids.
+            RemoteNotConnected: ``src`` names an instance never connected (NOT_FOUND).
+        """
+        self._require_open()
+        d_tier = Tier.parse(dst_tier)
+        n = self.worker_count()
+        dst_ids = expand_per_rank(dst_block_ids, n, "dst_block_ids")
+        t = self._timeout(timeout_s)
+        cid = uuid.uuid4().hex
+        requests: dict[int, spmd_pb2.RemoteOnboardRequest] = {}
+        if isinstance(src, ObjectKeys):
+            hashes = expand_per_rank(src.sequence_hashes, n, "sequence_hashes")
+            self._refuse_if_any(
+                "execute_remote_onboard",
+                {
+                    r: check_object_transfer(
+                        tier=d_tier,
+                        ids=dst_ids[r],
+                        sequence_hashes=hashes[r],
+                        layouts=self._layouts[r],
+                        into_blocks=True,
+                        object_tier=self._metadata[r].object_tier,
+                    )
+                    for r in range(n)
+                },
+            )
+            for r in range(n):
+                requests[r] = spmd_pb2.RemoteOnboardRequest(
+                    options=self._options(r, t, cid),
+                    object=spmd_pb2.ObjectBlocks(sequence_hashes=hashes[r]),
+                    dst_tier=int(d_tier),
+                    dst_block_ids=dst_ids[r],
+                )
+        else:
+            connected = self._remote_layouts(src.instance_id)
+            r_tier = Tier.parse(src.tier)
+            src_ids = expand_per_rank(src.block_ids, n, "src block_ids")
+            self._refuse_if_any(
+                "execute_remote_onboard",
+                {
+                    r: check_remote_transfer(
+                        local_tier=d_tier,
+                        local_ids=dst_ids[r],
+                        local_layouts=self._layouts[r],
+                        remote_tier=r_tier,
+                        remote_ids=src_ids[r],
+                        remote_layouts=connected.layouts[r],
+                        onboard=True,
+                    )
+                    for r in range(n)
+                },
+            )
+            for r in range(n):
+                requests[r] = spmd_pb2.RemoteOnboardRequest(
+                    options=self._options(r, t, cid),
+                    layout=spmd_pb2.RemoteLayoutBlocks(
+                        instance_id=src.instance_id, tier=int(r_tier), block_ids=src_ids[r]
+                    ),
+                    dst_tier=int(d_tier),
+                    dst_block_ids=dst_ids[r],
+                    allow_shared_memory=allow_shared_memory,
+                )
+        return self._dispatch("execute_remote_onboard", "RemoteOnboard", requests, t)
+
+    async def execute_remote_offload(
+        self,
+        src_tier: Tier | str,
+        src_block_ids: BlockIds,
+        dst: RemoteDescriptor,
+        *,
+        timeout_s: float | None = None,
+    ) -> TransferCompleteNotification:
+        """Push blocks of a local tier on every rank to a connected instance's layout (rank i
+        writes the peer's rank i) or to the object tier (rank i writes its shards).
+
+        Args:
+            src_tier: local source tier.
+            src_block_ids: source ids, one list for all ranks or per rank.
+            dst: :class:`RemoteLayout` (destination ids unique) or :class:`ObjectKeys`.
+            timeout_s: deadline, seconds.
+
+        Returns:
+            The merged completion.
+
+        Raises:
+            InvalidArgument: a rule broken on any rank, before any rank starts
+                (INVALID_ARGUMENT).
+            RemoteNotConnected: ``dst`` names an instance never connected (NOT_FOUND).
+        """
+        self._require_open()
+        s_tier = Tier.parse(src_tier)
+        n = self.worker_count()
+        src_ids = expand_per_rank(src_block_ids, n, "src_block_ids")
+        t = self._timeout(timeout_s)
+        cid = uuid.uuid4().hex
+        requests: dict[int, spmd_pb2.RemoteOffloadRequest] = {}
+        if isinstance(dst, ObjectKeys):
+            hashes = expand_per_rank(dst.sequence_hashes, n, "sequence_hashes")
+            self._refuse_if_any(
+                "execute_remote_offload",
+                {
+                    r: check_object_transfer(
+                        tier=s_tier,
+                        ids=src_ids[r],
+                        sequence_hashes=hashes[r],
+                        layouts=self._layouts[r],
+                        into_blocks=False,
+                        object_tier=self._metadata[r].object_tier,
+                    )
+                    for r in range(n)
+                },
+            )
+            for r in range(n):
+                requests[r] = spmd_pb2.RemoteOffloadRequest(
+                    options=self._options(r, t, cid),
+                    src_tier=int(s_tier),
+                    src_block_ids=src_ids[r],
+                    object=spmd_pb2.ObjectBlocks(sequence_hashes=hashes[r]),
+                )
+        else:
+            connected = self._remote_layouts(dst.instance_id)
+            r_tier = Tier.parse(dst.tier)
+            dst_ids = expand_per_rank(dst.block_ids, n, "dst block_ids")
+            self._refuse_if_any(
+                "execute_remote_offload",
+                {
+                    r: check_remote_transfer(
+                        local_tier=s_tier,
+                        local_ids=src_ids[r],
+                        local_layouts=self._layouts[r],
+                        remote_tier=r_tier,
+                        remote_ids=dst_ids[r],
+                        remote_layouts=connected.layouts[r],
+                        onboard=False,
+                    )
+                    for r in range(n)
+                },
+            )
+            for r in range(n):
+                requests[r] = spmd_pb2.RemoteOffloadRequest(
+                    options=self._options(r, t, cid),
+                    src_tier=int(s_tier),
+                    src_block_ids=src_ids[r],
+                    layout=spmd_pb2.RemoteLayoutBlocks(
+                        instance_id=dst.instance_id, tier=int(r_tier), block_ids=dst_ids[r]
+                    ),
+                )
+        return self._dispatch("execute_remote_offload", "RemoteOffload", requests, t)
+
+    async def execute_remote_onboard_for_instance(
+        self,
+        instance_id: str,
+        remote_tier: Tier | str,
+        src_block_ids: BlockIds,
+        dst_tier: Tier | str,
+        dst_block_ids: BlockIds,
+        *,
+        timeout_s: float | None = None,
+        allow_shared_memory: bool = True,
+    ) -> TransferCompleteNotification:
+        """Onboard from a connected instance by tier: the shorthand of
+        ``execute_remote_onboard(RemoteLayout(instance_id, remote_tier, src_block_ids), ...)``.
+
+        Raises:
+            RemoteNotConnected: ``instance_id`` never connected (NOT_FOUND).
+            InvalidArgument: a rule broken on any rank, before any rank starts.
+        """
+        return await self.execute_remote_onboard(
+            RemoteLayout(instance_id, Tier.parse(remote_tier), src_block_ids),
+            dst_tier,
+            dst_block_ids,
+            timeout_s=timeout_s,
+            allow_shared_memory=allow_shared_memory,
+        )
+
+    # ------------------------------------------------------------------ object tier
+
+    async def has_blocks(
+        self, sequence_hashes: Sequence[int], *, timeout_s: float | None = None
+    ) -> list[KeyPresence]:
+        """Which blocks are in the object tier: present only if *every* rank has its shard.
+
+        Args:
+            sequence_hashes: keys to look up.
+            timeout_s: deadline, seconds.
+
+        Returns:
+            One :class:`~paramserver.spmd.planning.KeyPresence` per key, in the given order; a
+            rank that cannot answer counts as not having the shard.
+        """
+        self._require_open()
+        keys = [int(h) for h in sequence_hashes]
+        t = self._timeout(timeout_s)
+        outcomes = await self._fan_out(
+            "has_blocks", lambda c: c.has_objects(keys, timeout_s=t), raise_on_failure=False
+        )
+        per_rank = {r: o for r, o in outcomes.items() if not isinstance(o, ParamServerError)}
+        for o in outcomes.values():
+            if isinstance(o, ParamServerError):
+                logger.warning("has_blocks: %s", o)
+        return merge_presence(keys, per_rank, self.worker_count())
+
+    async def put_blocks(
+        self,
+        sequence_hashes: Sequence[int],
+        src_tier: Tier | str,
+        block_ids: BlockIds,
+        *,
+        timeout_s: float | None = None,
+    ) -> list[KeyOutcome]:
+        """Store blocks as objects: rank r writes ``"{r}/{sequence_hash}"`` from its block.
+
+        Args:
+            sequence_hashes: unique keys, length n.
+            src_tier: local source tier.
+            block_ids: source ids (length n), one list for all ranks or per rank.
+            timeout_s: deadline, seconds.
+
+        Returns:
+            One :class:`~paramserver.spmd.planning.KeyOutcome` per key in the given order,
+            merged by key; ``ok`` only if every rank stored it or found it already present.
+
+        Raises:
+            InvalidArgument: a rule broken on any rank, before any rank starts.
+        """
+        return await self._object_op(
+            "put_blocks", sequence_hashes, Tier.parse(src_tier), block_ids, False, timeout_s
+        )
+
+    async def get_blocks(
+        self,
+        sequence_hashes: Sequence[int],
+        dst_tier: Tier | str,
+        block_ids: BlockIds,
+        *,
+        timeout_s: float | None = None,
+    ) -> list[KeyOutcome]:
+        """Load objects into blocks: rank r copies ``"{r}/{sequence_hash}"`` into its block.
+
+        Returns:
+            One :class:`~paramserver.spmd.planning.KeyOutcome` per key in the given order,
+            merged by key; ``ok`` only if every rank retrieved it.
+
+        Raises:
+            InvalidArgument: a rule broken on any rank, before any rank starts.
+        """
+        return await self._object_op(
+            "get_blocks", sequence_hashes, Tier.parse(dst_tier), block_ids, True, timeout_s
+        )
+
+    async def _object_op(
+        self,
+        operation: str,
+        sequence_hashes: Sequence[int],
+        tier: Tier,
+        block_ids: BlockIds,
+        into_blocks: bool,
+        timeout_s: float | None,
+    ) -> list[KeyOutcome]:
+        self._require_open()
+        n = self.worker_count()
+        keys = [int(h) for h in sequence_hashes]
+        ids = expand_per_rank(block_ids, n, "block_ids")
+        self._refuse_if_any(
+            operation,
+            {
+                r: check_object_transfer(
+                    tier=tier,
+                    ids=ids[r],
+                    sequence_hashes=keys,
+                    layouts=self._layouts[r],
+                    into_blocks=into_blocks,
+                    object_tier=self._metadata[r].object_tier,
+                )
+                for r in range(n)
+            },
+        )
+        t = self._timeout(timeout_s)
+        cid = uuid.uuid4().hex
+
+        async def call(c: RankClient) -> Any:
+            if into_blocks:
+                req: Any = spmd_pb2.GetBlocksRequest(
+                    options=self._options(c.rank, t, cid),
+                    sequence_hashes=keys,
+                    dst_tier=int(tier),
+                    dst_block_ids=ids[c.rank],
+                )
+                return await c.unary("GetBlocks", req, t)
+            req = spmd_pb2.PutBlocksRequest(
+                options=self._options(c.rank, t, cid),
+                sequence_hashes=keys,
+                src_tier=int(tier),
+                src_block_ids=ids[c.rank],
+            )
+            return await c.unary("PutBlocks", req, t)
+
+        outcomes = await self._fan_out(operation, call, raise_on_failure=False)
+        per_rank: dict[int, dict[int, tuple[str, str]]] = {}
+        rank_errors: dict[int, str] = {}
+        for r, o in outcomes.items():
+            if isinstance(o, ParamServerError):
+                rank_errors[r] = f"{o.code.name}: {o.message}"
+                continue
+            per_rank[r] = {
+                int(k.sequence_hash): (_KEY_STATUS.get(k.status, "failed"), k.error)
+                for k in o.results
+            }
+        return merge_key_results(keys, per_rank, rank_errors, n)
+
+    # ------------------------------------------------------------------ block data helpers
+
+    async def write_blocks(
+        self,
+        rank: int,
+        tier: Tier | str,
+        block_ids: Sequence[int],
+        data: bytes | bytearray | memoryview | npt.NDArray[Any],
+        *,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Overwrite blocks of one rank's tier from ``data`` (their bytes in id order).
+
+        Args:
+            rank: the rank.
+            tier: its tier.
+            block_ids: unique ids, length n.
+            data: ``n * bytes_per_block`` bytes, or an array of shape ``(n, *block_shape)``
+                and the layout's dtype (any array with exactly that many bytes is accepted).
+            timeout_s: deadline, seconds.
+
+        Returns:
+            Bytes written.
+        """
+        self._require_open()
+        t = Tier.parse(tier)
+        return await self._clients[rank].write_blocks(
+            t,
+            [int(b) for b in block_ids],
+            data,
+            timeout_s=self._timeout(timeout_s),
+            incarnation_id=self._metadata[rank].incarnation_id,
+        )
+
+    async def read_blocks(
+        self,
+        rank: int,
+        tier: Tier | str,
+        block_ids: Sequence[int],
+        *,
+        timeout_s: float | None = None,
+    ) -> npt.NDArray[Any]:
+        """Read blocks of one rank's tier.
+
+        Returns:
+            Array of shape ``(n, num_layers, outer_dim, page_size, inner_dim)`` and the
+            layout's dtype.
+
+        Raises:
+            TierNotRegistered: the rank has no such tier (FAILED_PRECONDITION).
+            BlockNotValid: a block holds no valid data (FAILED_PRECONDITION).
+        """
+        self._require_open()
+        t = Tier.parse(tier)
+        layout = self._layouts[rank].get(t)
+        if layout is None:
+            raise TierNotRegistered(f"rank {rank}: tier {t.name} not registered")
+        raw = await self._clients[rank].read_blocks(
+            t,
+            [int(b) for b in block_ids],
+            layout.bytes_per_block,
+            timeout_s=self._timeout(timeout_s),
+            incarnation_id=self._metadata[rank].incarnation_id,
+        )
+        return np.frombuffer(raw, dtype=layout.np_dtype).reshape(
+            (len(block_ids), *layout.block_shape)
+        )
+
+    async def status(self, timeout_s: float = 5.0) -> list[spmd_pb2.RankStatusResponse]:
+        """Every rank's counters, ordered by rank.
+
+        Raises:
+            RankFailures: a rank did not answer (every failing rank named).
+        """
+        results = await self._fan_out(
+            "status", lambda c: c.status(timeout_s), raise_on_failure=True
+        )
+        return [results[r] for r in range(self.worker_count())]

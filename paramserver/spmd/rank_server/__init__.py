@@ -1,0 +1,1 @@
+"""paramserver.spmd.rank_server."""

@@ -1,0 +1,361 @@
+"""Embedding-table calls of the worker client: ``init_table``, ``pull_rows``, ``push_rows``.
+
+:class:`TableClientMixin` gives :class:`~paramserver.worker_client.client.WorkerClient` the
+calls on one shard: over the client's persistent Session when it is free (ids, gradients and
+rows inline when small, else through the same-host shared-memory segment; on the local link when
+the session moved there), otherwise over the ``PullRows`` / ``PushRows`` streams (chunked as
+``tables.proto`` describes). :class:`ShardedTables` splits a batch by shard
+``hash64(table, id) mod S`` (vectorized), calls every shard concurrently and reassembles the
+rows in the caller's order; the cluster client uses it. See ``docs/embedding-tables.md``.
+
+Usage::
+
+    async with connect(address, worker_name="w0") as ps:
+        await ps.init_table(TableSpec("users", 32, rule=TableRule("adagrad", lr=0.05)))
+        rows = await ps.pull_rows("users", ids)          # (len(ids), 32)
+        await ps.push_rows("users", ids, grads)          # duplicate ids summed server-side
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from paramserver.api.v1 import tables_pb2 as tpb
+from paramserver.core.tables import TableSpec, shard_of_ids
+from paramserver.errors import InvalidArgument, MalformedStream
+from paramserver.protocol import rows_wire, tensor
+from paramserver.worker_client.retry import RETRYABLE
+from paramserver.worker_client.transports.session_stream import Fallback
+
+__all__ = ["RowPushAck", "ShardedTables", "TableClientMixin", "check_ids", "check_rows"]
+
+_PUSH_RETRYABLE = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass(frozen=True)
+class RowPushAck:
+    """The server's answer to a row push (summed over shards for a sharded cluster).
+
+    Attributes:
+        duplicate: Every shard had applied this request before (a retry).
+        queued: A bsp table: waits for its step to close.
+        distinct: Distinct ids pushed.
+        applied: Rows the rule was applied to (0 when queued).
+        filtered: Distinct ids the frequency filter dropped.
+    """
+
+    duplicate: bool
+    queued: bool
+    distinct: int
+    applied: int
+    filtered: int
+
+
+def check_ids(ids: Any) -> npt.NDArray[np.int64]:
+    """The ids as a native int64 (n,) array.
+
+    Raises:
+        InvalidArgument: not a 1-D integer array-like (INVALID_ARGUMENT).
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgument(
+            f"ids must be a 1-D integer array, got {arr.dtype} shape {tuple(arr.shape)}"
+        )
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def check_rows(rows: Any, n: int) -> np.ndarray:
+    """Gradient rows as a C-order (n, dim) float array (float32, float16 or bfloat16).
+
+    Raises:
+        InvalidArgument: wrong shape or a dtype the wire does not carry (INVALID_ARGUMENT).
+    """
+    arr = np.asarray(rows)
+    if arr.ndim != 2 or arr.shape[0] != n:
+        raise InvalidArgument(
+            f"gradient rows must have shape (len(ids)={n}, dim), got {tuple(arr.shape)}"
+        )
+    tensor.dtype_to_wire(arr.dtype)  # raises InvalidArgument for unsupported dtypes
+    return np.ascontiguousarray(arr)
+
+
+class TableClientMixin:
+    """Table calls on one shard (mixed into ``WorkerClient``; uses its retry funnel)."""
+
+    stub: Any
+    worker_id: str
+    clock_value: int
+    rpc_timeout_s: float
+    wait_timeout_s: float | None
+    _next_request_id: int
+
+    @property
+    def _row_bytes(self) -> dict[str, int]:
+        """Bytes of one row per table seen (sizes the shared-memory pull region up front)."""
+        cache: dict[str, int] | None = self.__dict__.get("_table_row_bytes")
+        if cache is None:
+            cache = self.__dict__["_table_row_bytes"] = {}
+        return cache
+
+    async def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]:
+        """Declare a table (first writer wins; the same declaration again is a no-op).
+
+        Returns:
+            (created here, the stored declaration).
+
+        Raises:
+            InvalidArgument: a bad declaration (INVALID_ARGUMENT).
+            AlreadyExists: the name is declared differently (ALREADY_EXISTS).
+        """
+        req = tpb.InitTableRequest(spec=rows_wire.spec_to_proto(spec))
+        me: Any = self  # a WorkerClient: its retry funnel
+        resp = await me._call(
+            lambda: self.stub.InitTable(req, timeout=self.rpc_timeout_s), "init_table"
+        )
+        return bool(resp.created), rows_wire.spec_from_proto(resp.spec)
+
+    def _pull_deadline(self, timeout_s: float | None) -> tuple[int, float]:
+        wait_s = timeout_s if timeout_s is not None else self.wait_timeout_s
+        wait_ms = int(wait_s * 1000) if wait_s is not None else 0
+        return wait_ms, (wait_s if wait_s is not None else 600.0) + self.rpc_timeout_s
+
+    async def pull_rows(
+        self,
+        table: str,
+        ids: Any,
+        *,
+        timeout_s: float | None = None,
+        observer: bool = False,
+    ) -> np.ndarray:
+        """Rows of ``ids`` in the caller's order (duplicates allowed).
+
+        Args:
+            table: Table name.
+            ids: 1-D integer ids (each >= 0; < num_embeddings when the table bounds them).
+            timeout_s: Deadline of the consistency wait (default: the client's).
+            observer: Read without a consistency wait (no registration needed).
+
+        Returns:
+            A new (len(ids), dim) array of the table's storage dtype.
+
+        Raises:
+            KeyNotFound (NOT_FOUND), InvalidArgument (INVALID_ARGUMENT), WaitTimeout
+            (DEADLINE_EXCEEDED).
+        """
+        arr = check_ids(ids)
+        wait_ms, deadline_s = self._pull_deadline(timeout_s)
+
+        def requests() -> Iterator[Any]:
+            yield tpb.PullRowsRequest(
+                header=tpb.RowsHeader(
+                    table=table,
+                    worker_id="" if observer else self.worker_id,
+                    num_ids=int(arr.shape[0]),
+                    timeout_ms=wait_ms,
+                )
+            )
+            for chunk in rows_wire.chunk_rows(arr, None):
+                yield tpb.PullRowsRequest(chunk=chunk)
+
+        async def attempt() -> np.ndarray:
+            fp = getattr(self, "fastpath", None)
+            if fp is not None and fp.usable:
+                header = tpb.RowsHeader(
+                    table=table,
+                    worker_id="" if observer else self.worker_id,
+                    num_ids=int(arr.shape[0]),
+                    timeout_ms=wait_ms,
+                )
+                try:
+                    done, rows = await fp.rows(
+                        header, arr, None, deadline_s, row_bytes=self._row_bytes.get(table)
+                    )
+                except Fallback:
+                    pass
+                else:
+                    self._row_bytes[table] = int(done.info.dim) * rows.dtype.itemsize
+                    return np.asarray(rows)
+            stream = self.stub.PullRows(requests(), timeout=deadline_s)
+            return await _read_rows(stream, table)
+
+        me: Any = self  # a WorkerClient: its retry funnel
+        if observer:
+            out: np.ndarray = await me._call(attempt, "pull_rows")
+        else:
+            out = await me._member_call(attempt, "pull_rows")
+        if out.shape[0] != arr.shape[0]:
+            raise MalformedStream(f"table {table!r}: {out.shape[0]} rows for {arr.shape[0]} ids")
+        return out
+
+    async def push_rows(
+        self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
+    ) -> RowPushAck:
+        """Push gradient rows of ``ids`` for the current clock (a retry is applied once).
+
+        Args:
+            table: Table name.
+            ids: 1-D integer ids, shape (n,); duplicates are summed by the server.
+            grads: (n, dim) float32 (or the table's dtype) gradient rows.
+            timeout_s: Deadline of each attempt (default ``rpc_timeout_s``).
+
+        Raises:
+            KeyNotFound (NOT_FOUND), InvalidArgument (INVALID_ARGUMENT: ids, shape, dtype,
+            NaN/Inf, limits; names the table), WorkerNotFound / StaleUpdate
+            (FAILED_PRECONDITION).
+        """
+        arr = check_ids(ids)
+        rows = check_rows(grads, arr.shape[0])
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        return await self._push_rows_as(table, arr, rows, request_id, timeout_s)
+
+    async def _push_rows_as(
+        self,
+        table: str,
+        arr: npt.NDArray[np.int64],
+        rows: np.ndarray,
+        request_id: int,
+        timeout_s: float | None,
+    ) -> RowPushAck:
+        chunks = list(rows_wire.chunk_rows(arr, rows))  # encoded once, re-sent on retry
+        dtype = tensor.dtype_to_wire(rows.dtype)
+
+        def requests() -> Iterator[Any]:
+            yield tpb.PushRowsRequest(
+                header=tpb.RowsHeader(
+                    table=table,
+                    worker_id=self.worker_id,
+                    request_id=request_id,
+                    clock=self.clock_value,
+                    num_ids=int(arr.shape[0]),
+                    dtype=dtype,
+                    dim=int(rows.shape[1]),
+                )
+            )
+            for chunk in chunks:
+                yield tpb.PushRowsRequest(chunk=chunk)
+
+        deadline_s = timeout_s or self.rpc_timeout_s
+
+        async def attempt() -> Any:
+            fp = getattr(self, "fastpath", None)
+            if fp is not None and fp.usable:
+                header = tpb.RowsHeader(
+                    table=table,
+                    worker_id=self.worker_id,
+                    request_id=request_id,
+                    clock=self.clock_value,
+                )
+                try:
+                    return await fp.rows(header, arr, rows, deadline_s)
+                except Fallback:
+                    pass
+            return await self.stub.PushRows(requests(), timeout=deadline_s)
+
+        me: Any = self  # a WorkerClient: its retry funnel
+        done = await me._member_call(attempt, "push_rows", _PUSH_RETRYABLE)
+        resp = done.pushed if hasattr(done, "pushed") else done
+        return RowPushAck(
+            duplicate=resp.duplicate,
+            queued=resp.queued,
+            distinct=int(resp.distinct),
+            applied=int(resp.applied),
+            filtered=int(resp.filtered),
+        )
+
+
+async def _read_rows(stream: AsyncIterator[Any], table: str) -> np.ndarray:
+    receiver: rows_wire.RowsReceiver | None = None
+    async for msg in stream:
+        which = msg.WhichOneof("body")
+        if which == "info":
+            if receiver is not None:
+                raise MalformedStream(f"table {table!r}: a second PullRowsInfo")
+            dtype = tensor.dtype_from_wire(msg.info.dtype, table)
+            receiver = rows_wire.RowsReceiver(
+                f"table {table!r}", int(msg.info.num_ids), int(msg.info.dim), dtype, with_ids=False
+            )
+        elif receiver is None:
+            raise MalformedStream(f"table {table!r}: rows before the PullRowsInfo")
+        else:
+            receiver.feed(msg.chunk)
+    if receiver is None:
+        raise MalformedStream(f"table {table!r}: empty PullRows reply")
+    return receiver.finish()[1]
+
+
+class ShardedTables:
+    """Row calls over S shard clients: split by ``hash64(table, id) mod S``, call concurrently,
+    reassemble in the caller's order.
+
+    Args:
+        shards: One table-capable client per shard, in shard-map order.
+        fan_out: Runs {shard: awaitable} concurrently, collecting every outcome before raising
+            (the cluster client's).
+    """
+
+    def __init__(
+        self,
+        shards: list[Any],
+        fan_out: Callable[[Mapping[int, Awaitable[Any]]], Awaitable[dict[int, Any]]],
+    ) -> None:
+        self.shards = shards
+        self.fan_out = fan_out
+
+    def split(self, table: str, ids: npt.NDArray[np.int64]) -> list[npt.NDArray[np.int64]]:
+        """Positions of ``ids`` per shard (int64 arrays; empty for a shard with none)."""
+        shard = shard_of_ids(table, ids, len(self.shards))
+        order = np.argsort(shard, kind="stable")
+        counts = np.bincount(shard, minlength=len(self.shards))
+        return np.split(order, np.cumsum(counts)[:-1])
+
+    async def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]:
+        got = await self.fan_out({i: c.init_table(spec) for i, c in enumerate(self.shards)})
+        return any(g[0] for g in got.values()), got[0][1]
+
+    async def pull_rows(self, table: str, ids: Any, **kw: Any) -> np.ndarray:
+        arr = check_ids(ids)
+        parts = self.split(table, arr)
+        got = await self.fan_out(
+            {
+                i: self.shards[i].pull_rows(table, arr[pos], **kw)
+                for i, pos in enumerate(parts)
+                if pos.shape[0]
+            }
+        )
+        if not got:  # no ids: ask one shard for the table's dim and dtype
+            return np.asarray(await self.shards[0].pull_rows(table, arr, **kw))
+        first = next(iter(got.values()))
+        out = np.empty((arr.shape[0], first.shape[1]), first.dtype)
+        for i, rows in got.items():
+            out[parts[i]] = rows
+        return out
+
+    async def push_rows(
+        self, table: str, ids: Any, grads: Any, request_id: int, **kw: Any
+    ) -> RowPushAck:
+        arr = check_ids(ids)
+        rows = check_rows(grads, arr.shape[0])
+        parts = self.split(table, arr)
+        calls = {
+            i: self.shards[i]._push_rows_as(table, arr[pos], rows[pos], request_id, None)
+            for i, pos in enumerate(parts)
+            if pos.shape[0]
+        }
+        if not calls:
+            return RowPushAck(False, False, 0, 0, 0)
+        acks: Collection[RowPushAck] = (await self.fan_out(calls)).values()
+        return RowPushAck(
+            duplicate=all(a.duplicate for a in acks),
+            queued=any(a.queued for a in acks),
+            distinct=sum(a.distinct for a in acks),
+            applied=sum(a.applied for a in acks),
+            filtered=sum(a.filtered for a in acks),
+        )

@@ -1,0 +1,1 @@
+"""paramserver.worker_client.transports."""
