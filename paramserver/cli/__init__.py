@@ -1,4 +1,6 @@
-"""The ``paramserver`` command line: one module per command (entry point :func:`paramserver.cli.main.main`).
+"""The ``paramserver`` command line: one module per command (entry point
+:func:`paramserver.cli.main.main`).
 
-Demos and the process launchers used by tests and the local cluster are in :mod:`paramserver.cli.demos`.
+Demos and the process launchers used by tests and the local cluster are in
+:mod:`paramserver.cli.demos`.
 """

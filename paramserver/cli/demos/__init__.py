@@ -1,1 +1,2 @@
-"""Demos and launchers: the digits and MovieLens jobs, the local cluster, the SPMD demo, the plot."""
+"""Demos and launchers: the digits and MovieLens jobs, the local cluster, the SPMD demo, the
+plot."""
