@@ -30,6 +30,7 @@ from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.core.sharding import ShardMap, parse_address
 from paramserver.errors import InvalidArgument, StorageError, StorageFull, storage_error
 from paramserver.protocol.keepalive import SERVER_KEEPALIVE_OPTIONS
+from paramserver.protocol.link import available as local_link_available
 from paramserver.reduction.service import SERVICE_NAME as REDUCTION_SERVICE_NAME
 from paramserver.reduction.service import ReductionEngine, add_reduction_service
 from paramserver.security.tls import (
@@ -236,7 +237,7 @@ class ParameterServerDaemon:
         unless same-host paths are off (``--no-shared-memory``) or there are no abstract
         sockets; a socket that cannot be bound only costs the speed-up."""
         assert self.servicer is not None
-        if not (self.config.shared_memory and local_link.available()):
+        if not (self.config.shared_memory and local_link_available()):
             return
         link = local_link.LocalLinkServer(
             self.servicer.sessions, self.config.max_receive_message_bytes

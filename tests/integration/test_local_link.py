@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
-from paramserver.protocol import tensor
+from paramserver.protocol import link, tensor
 from paramserver.server.serving import ParameterServerDaemon
 from paramserver.server.transports import link_service as local_link
 from paramserver.worker_client import UpdateRule, WorkerClient
@@ -22,7 +22,7 @@ from .ps_helpers import eventually, running_server
 
 pytestmark = [
     pytest.mark.timeout(60),
-    pytest.mark.skipif(not local_link.available(), reason="abstract Unix sockets are Linux only"),
+    pytest.mark.skipif(not link.available(), reason="abstract Unix sockets are Linux only"),
 ]
 
 ADD = UpdateRule("add")
@@ -41,7 +41,7 @@ def _frame(msg: Any) -> bytes:
 async def _raw(daemon: ParameterServerDaemon) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     assert daemon.local_link is not None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(local_link.socket_address(daemon.local_link.address))
+    sock.connect(link.socket_address(daemon.local_link.address))
     return await asyncio.open_unix_connection(sock=sock)
 
 

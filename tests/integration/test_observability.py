@@ -28,8 +28,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import InvalidArgument
+from paramserver.protocol import link as local_link
 from paramserver.protocol import tensor
-from paramserver.server.transports import link_service as local_link
 from paramserver.spmd import SpmdParallelWorkers, Tier
 from paramserver.spmd.layout import Layout
 from paramserver.spmd.rank_server.service import RankServerConfig, start_rank_server

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.protocol import link
 from paramserver.server.transports import link_service as local_link
 from paramserver.worker_client import UpdateRule
 from paramserver.worker_client.client import WorkerClient
@@ -27,7 +28,7 @@ def _client(address: str, name: str, **kwargs: Any) -> WorkerClient:
 
 async def _raw(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(local_link.socket_address(address))
+    sock.connect(link.socket_address(address))
     return await asyncio.open_unix_connection(sock=sock)
 
 

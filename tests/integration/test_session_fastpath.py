@@ -32,8 +32,8 @@ from paramserver.errors import (
     StaleUpdate,
 )
 from paramserver.protocol import shm, tensor
+from paramserver.protocol.session_frames import SMALL_INLINE_BYTES
 from paramserver.server.serving import ParameterServerDaemon
-from paramserver.server.transports.session_service import SMALL_INLINE_BYTES
 from paramserver.worker_client import UpdateRule, WorkerClient
 
 from .ps_helpers import ServerProcess, eventually, running_server

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import MalformedStream
-from paramserver.server.transports.link_service import FrameReader
+from paramserver.protocol.link import FrameReader
 
 pytestmark = pytest.mark.timeout(60)
 

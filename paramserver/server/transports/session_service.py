@@ -30,6 +30,7 @@ from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
 from paramserver.protocol import shm, tensor
+from paramserver.protocol.session_frames import MAX_INLINE_BYTES, SMALL_INLINE_BYTES
 from paramserver.security.tls import check_worker_identity
 from paramserver.server.engine import InflightTicket
 from paramserver.server.slicing import SLICE_KEYS
@@ -40,12 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Pulled values up to this many bytes in total go inline even when a segment is mapped.
-SMALL_INLINE_BYTES = 64 << 10
 _SHUTDOWN = "paramserver: server shutting down"
-#: Largest inline payload (bytes) of one message: well under a 4 MiB receive limit and under
-#: the ~1 MiB frame size of the streams (docs/semantics.md).
-MAX_INLINE_BYTES = (1 << 20) - (32 << 10)
 
 
 def error_response(seq: int, exc: ParamServerError) -> pb.SessionResponse:

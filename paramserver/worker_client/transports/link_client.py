@@ -18,7 +18,7 @@ import grpc
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import MalformedStream
-from paramserver.server.transports.link_service import FrameReader, socket_address, write_frame
+from paramserver.protocol.link import FrameReader, socket_address, write_frame
 
 #: Largest response frame accepted (bytes): inline values are at most ~1 MiB per message.
 MAX_RESPONSE_FRAME_BYTES = 64 << 20

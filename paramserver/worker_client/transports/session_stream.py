@@ -35,9 +35,8 @@ import numpy as np
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import ERROR_CLASS_METADATA_KEY, MalformedStream
-from paramserver.protocol import shm, tensor
-from paramserver.server.transports import link_service as server_local_link
-from paramserver.server.transports.session_service import MAX_INLINE_BYTES, SMALL_INLINE_BYTES
+from paramserver.protocol import link, shm, tensor
+from paramserver.protocol.session_frames import MAX_INLINE_BYTES, SMALL_INLINE_BYTES
 from paramserver.worker_client.pull_buffers import PullBuffers
 from paramserver.worker_client.transports.link_client import LocalLinkCall
 
@@ -106,7 +105,7 @@ class FastPath:
         #: Why the session stays on gRPC instead of the server's local link (None while it may
         #: move): off here, or the link could not be reached or refused the ticket once.
         self.local_declined: str | None = (
-            None if shared_memory and local_link and server_local_link.available() else "off"
+            None if shared_memory and local_link and link.available() else "off"
         )
         #: Sessions moved onto the local link so far.
         self.local_links_opened = 0
