@@ -16,6 +16,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,10 +40,36 @@ from paramserver.errors import (
     ValueOutOfRange,
 )
 from paramserver.protocol.limits import check_key, shown
-from paramserver.server.config import ServerConfig
-from paramserver.server.observability.hooks import CoreObserver
+
+if TYPE_CHECKING:  # the server layer builds the config; the core only reads it
+    from paramserver.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
+
+
+class CoreObserver:
+    """Hooks the pure core calls; every method is a no-op here (the default observer)."""
+
+    def applied(
+        self,
+        worker_name: str,
+        staleness_clocks: int,
+        staleness_versions: int | None,
+        *,
+        worker_id: str = "",
+    ) -> None:
+        """One worker's gradient entered the parameters (a BSP step calls it per contributor);
+        ``worker_id`` names the registration (a worker that registers again gets a new one)."""
+
+    def dropped(self, reason: str, count: int = 1) -> None:
+        """Pushes (or queued gradients) not applied, by reason (see :data:`DROP_REASONS`)."""
+
+    def clocked(self, worker_name: str, clock: int) -> None:
+        """A worker ended iteration ``clock`` (its clock became ``clock + 1``)."""
+
+    def step_closed(self, step: int) -> None:
+        """BSP step ``step`` closed (its aggregate was applied, or it was aborted)."""
+
 
 #: Applies validated gradients of one push (see :meth:`ServerCore.push`).
 Applier = Callable[[list[Checked]], None]

@@ -69,7 +69,7 @@ class ServerConfig:
         use_uvloop: Run the daemon on uvloop when it is installed.
         mode: ``ps`` (parameter server, the default) or ``reduce`` (reduction server: workers
             submit per-layer gradients for a step and get the aggregate back; no parameters;
-            see :mod:`paramserver.reduction.service`).
+            see :mod:`paramserver.reduction.reduce_service`).
         reduce_strategy: ``reduce`` mode: ``synchronous``, ``asynchronous``,
             ``federated_average`` or ``gossip`` (the strategies of
             :mod:`paramserver.core.aggregation`); ``aggregation`` is the reduction.

@@ -31,8 +31,8 @@ from paramserver.core.sharding import ShardMap, parse_address
 from paramserver.errors import InvalidArgument, StorageError, StorageFull, storage_error
 from paramserver.protocol.keepalive import SERVER_KEEPALIVE_OPTIONS
 from paramserver.protocol.link import available as local_link_available
-from paramserver.reduction.service import SERVICE_NAME as REDUCTION_SERVICE_NAME
-from paramserver.reduction.service import ReductionEngine, add_reduction_service
+from paramserver.reduction.reduce_service import SERVICE_NAME as REDUCTION_SERVICE_NAME
+from paramserver.reduction.reduce_service import ReductionEngine, add_reduction_service
 from paramserver.security.tls import (
     ServerSecurity,
     add_client_security_flags,

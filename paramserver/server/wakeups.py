@@ -2,7 +2,7 @@
 waiter, the lease reaper task, and the graceful-shutdown flag.
 
 :class:`LeaseReaperBase` is subclassed by :class:`~paramserver.server.engine.ServerEngine` and
-:class:`~paramserver.reduction.service.ReductionEngine`; each supplies its own reap step.
+:class:`~paramserver.reduction.reduce_service.ReductionEngine`; each supplies its own reap step.
 """
 
 from __future__ import annotations

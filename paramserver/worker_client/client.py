@@ -14,7 +14,7 @@ request id, so the server applies it at most once.
 Pushes and pulls travel over one persistent ``Session`` stream per client (opened on first use,
 reopened after a broken link): small tensors inline, larger ones through shared memory when the
 server is on the same host (negotiated automatically), otherwise over the chunked Push/Pull
-streams (see :mod:`paramserver.worker_client.transports.session_stream`).
+streams (see :mod:`paramserver.worker_client.transport.session_stream`).
 :meth:`WorkerClient.push_pull` pushes and
 pulls in one round trip. Retries use exponential backoff with full
 jitter up to a deadline. A background task renews the lease every quarter lease. No channel is
@@ -54,7 +54,7 @@ from paramserver.worker_client.embedding import TableClientMixin
 from paramserver.worker_client.lifecycle import ServiceSession
 from paramserver.worker_client.pull_buffers import DEFAULT_MAX_BYTES, PullBuffers
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
-from paramserver.worker_client.transports.session_stream import Fallback, FastPath
+from paramserver.worker_client.transport.session_stream import Fallback, FastPath
 
 logger = logging.getLogger(__name__)
 

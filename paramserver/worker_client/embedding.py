@@ -31,7 +31,7 @@ from paramserver.core.tables import TableSpec, shard_of_ids
 from paramserver.errors import InvalidArgument, MalformedStream
 from paramserver.protocol import rows_wire, tensor
 from paramserver.worker_client.retry import RETRYABLE
-from paramserver.worker_client.transports.session_stream import Fallback
+from paramserver.worker_client.transport.session_stream import Fallback
 
 __all__ = ["RowPushAck", "ShardedTables", "TableClientMixin", "check_ids", "check_rows"]
 

@@ -30,7 +30,11 @@ from paramserver.errors import InvalidArgument, ResourceExhausted
 from paramserver.spmd import SpmdParallelWorkers
 from paramserver.spmd.layout import Layout
 from paramserver.spmd.objects import FilesystemObjectStore, _FsWriter
-from paramserver.spmd.rank_server.service import SERVICE_NAME, RankServerConfig, start_rank_server
+from paramserver.spmd.rank_server.rank_service import (
+    SERVICE_NAME,
+    RankServerConfig,
+    start_rank_server,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,7 @@ from paramserver.security.tls import ClientSecurity, ServerSecurity, TokenTable,
 from paramserver.server.config import ServerConfig
 from paramserver.server.observability.prometheus import MetricsServer
 from paramserver.server.serving import ParameterServerDaemon
-from paramserver.spmd.rank_server.service import RankServerConfig, start_rank_server
+from paramserver.spmd.rank_server.rank_service import RankServerConfig, start_rank_server
 from paramserver.worker_client import UpdateRule, connect, connect_sync
 
 from .ps_helpers import ServerProcess, running_server

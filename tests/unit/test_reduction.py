@@ -22,7 +22,7 @@ from paramserver.errors import (
     StaleUpdate,
     WorkerNotFound,
 )
-from paramserver.reduction.service import (
+from paramserver.reduction.reduce_service import (
     ReductionCoordinator,
     Ticket,
     strategy_from_config,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
-from paramserver.worker_client.transports.session_stream import FastPath
+from paramserver.worker_client.transport.session_stream import FastPath
 
 pytestmark = pytest.mark.timeout(30)
 

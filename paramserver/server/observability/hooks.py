@@ -47,6 +47,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
+from paramserver.core.shard import CoreObserver
+
 __all__ = [
     "CURRENT_RPC",
     "STALENESS_CLOCK_BOUNDS",
@@ -73,30 +75,6 @@ STALENESS_CLOCK_BOUNDS: tuple[float, ...] = (0, 1, 2, 3, 4, 5, 6, 8, 10, 16, 32,
 STALENESS_VERSION_BOUNDS: tuple[float, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 #: Upper bounds (seconds) of the checkpoint-duration histogram buckets.
 CHECKPOINT_SECONDS_BOUNDS: tuple[float, ...] = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300)
-
-
-class CoreObserver:
-    """Hooks the pure core calls; every method is a no-op here (the default observer)."""
-
-    def applied(
-        self,
-        worker_name: str,
-        staleness_clocks: int,
-        staleness_versions: int | None,
-        *,
-        worker_id: str = "",
-    ) -> None:
-        """One worker's gradient entered the parameters (a BSP step calls it per contributor);
-        ``worker_id`` names the registration (a worker that registers again gets a new one)."""
-
-    def dropped(self, reason: str, count: int = 1) -> None:
-        """Pushes (or queued gradients) not applied, by reason (see :data:`DROP_REASONS`)."""
-
-    def clocked(self, worker_name: str, clock: int) -> None:
-        """A worker ended iteration ``clock`` (its clock became ``clock + 1``)."""
-
-    def step_closed(self, step: int) -> None:
-        """BSP step ``step`` closed (its aggregate was applied, or it was aborted)."""
 
 
 #: Reasons a push or a queued gradient is not applied.

@@ -38,7 +38,7 @@ from paramserver.errors import ERROR_CLASS_METADATA_KEY, MalformedStream
 from paramserver.protocol import link, shm, tensor
 from paramserver.protocol.session_frames import MAX_INLINE_BYTES, SMALL_INLINE_BYTES
 from paramserver.worker_client.pull_buffers import PullBuffers
-from paramserver.worker_client.transports.link_client import LocalLinkCall
+from paramserver.worker_client.transport.link_client import LocalLinkCall
 
 logger = logging.getLogger(__name__)
 

@@ -1,1 +1,0 @@
-"""paramserver.worker_client.transports."""
