@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     from paramserver.cli import cluster_check, ops
     from paramserver.cli import rank as spmd_cli
     from paramserver.cli import ray_launch as ray_cli
+    from paramserver.cli import serve as daemon
     from paramserver.cli.demos import digits as training
-    from paramserver.server import serving as daemon
 
     for module in (daemon, ops, training, cluster_check, spmd_cli, ray_cli):
         module.add_subcommands(sub)

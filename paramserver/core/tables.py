@@ -37,16 +37,28 @@ rebuilds it; ``benchmarks/embedding.py`` measures the index (phase ``index``).
 
 from __future__ import annotations
 
-import hashlib
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
-import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
 from paramserver.errors import DimensionMismatch, InvalidArgument, NonFiniteGradient
+from paramserver.protocol.table_spec import (
+    _GOLDEN,
+    _U64,
+    CONSISTENCIES,
+    F32,
+    INITIALIZERS,
+    TABLE_DTYPES,
+    TABLE_RULE_KINDS,
+    Initializer,
+    TableRule,
+    TableSpec,
+    shard_of_ids,
+    splitmix64,
+    table_hash,
+)
 
 __all__ = [
     "CONSISTENCIES",
@@ -67,78 +79,7 @@ __all__ = [
     "table_hash",
 ]
 
-F32 = np.dtype(np.float32)
-TABLE_DTYPES: Final[dict[str, np.dtype[Any]]] = {
-    "float32": F32,
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}
-TABLE_RULE_KINDS: Final = ("sgd", "adagrad", "rowwise_adagrad", "adam")
-INITIALIZERS: Final = ("uniform", "normal", "zeros")
-CONSISTENCIES: Final = ("asp", "ssp", "bsp")
-
-_U64 = np.uint64
-_GOLDEN = _U64(0x9E3779B97F4A7C15)
-_M1 = _U64(0xBF58476D1CE4E5B9)
-_M2 = _U64(0x94D049BB133111EB)
 _EMPTY: Final = -1  # ids are >= 0, so -1 marks a free slot of the index
-
-
-def splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """SplitMix64's finalizer, element-wise (uint64 wrap-around arithmetic; Steele et al. 2014).
-
-    Args:
-        x: uint64 array of any shape.
-
-    Returns:
-        A new uint64 array of the same shape: a bijective, well-mixed hash of each element.
-    """
-    with np.errstate(over="ignore"):
-        z = x + _GOLDEN
-        z = (z ^ (z >> _U64(30))) * _M1
-        z = (z ^ (z >> _U64(27))) * _M2
-        return z ^ (z >> _U64(31))
-
-
-def table_hash(name: str) -> int:
-    """A stable 64-bit hash of a table name (the first 8 bytes of BLAKE2b, little-endian)."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
-
-
-def shard_of_ids(table: str, ids: npt.NDArray[np.int64], num_shards: int) -> npt.NDArray[np.int64]:
-    """The shard of each id: ``hash64(table, id) mod num_shards`` (vectorized).
-
-    ``hash64(table, id) = splitmix64(uint64(id) xor table_hash(table))``.
-
-    Args:
-        table: Table name.
-        ids: int64 array, shape (n,).
-        num_shards: Number of shards S >= 1.
-
-    Returns:
-        int64 array (n,) with values in [0, S).
-    """
-    h = splitmix64(ids.astype(np.int64, copy=False).view(np.uint64) ^ _U64(table_hash(table)))
-    return (h % _U64(num_shards)).astype(np.int64)
-
-
-@dataclass(frozen=True)
-class Initializer:
-    """How the initial row of an id is drawn.
-
-    Attributes:
-        kind: ``uniform`` (U[-scale, scale)), ``normal`` (N(0, scale²), Box-Muller) or ``zeros``.
-        scale: Half-width (uniform) or standard deviation (normal); finite and >= 0.
-    """
-
-    kind: str = "uniform"
-    scale: float = 0.01
-
-    def __post_init__(self) -> None:
-        if self.kind not in INITIALIZERS:
-            raise InvalidArgument(f"initializer must be one of {INITIALIZERS}, got {self.kind!r}")
-        if not (math.isfinite(self.scale) and self.scale >= 0):
-            raise InvalidArgument(f"initializer scale must be finite and >= 0, got {self.scale}")
 
 
 def _unit_uniform(bits: npt.NDArray[np.uint64]) -> npt.NDArray[np.float64]:
@@ -181,137 +122,6 @@ def initial_rows(
         radius = np.sqrt(-2.0 * np.log1p(-u[:, 0::2]))
         out = radius * np.cos(2.0 * np.pi * u[:, 1::2]) * init.scale
     return out.astype(np.float32)
-
-
-@dataclass(frozen=True)
-class TableRule:
-    """A row-wise update rule (resolved floats; see the module docstring for the sources).
-
-    Attributes:
-        kind: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam`` (lazy).
-        lr: Learning rate, finite and >= 0.
-        eps: Denominator epsilon (adagrad 1e-10 and adam 1e-8 by default), finite and > 0.
-        beta1: Adam first-moment decay in [0, 1).
-        beta2: Adam second-moment decay in [0, 1).
-        initial_accumulator: Adagrad accumulator start value, >= 0.
-    """
-
-    kind: str = "sgd"
-    lr: float = 0.01
-    eps: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    initial_accumulator: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in TABLE_RULE_KINDS:
-            raise InvalidArgument(
-                f"table rule must be one of {TABLE_RULE_KINDS}, got {self.kind!r}"
-            )
-        if self.eps == 0.0:
-            object.__setattr__(self, "eps", 1e-8 if self.kind == "adam" else 1e-10)
-        for name in ("lr", "initial_accumulator"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise InvalidArgument(f"table rule {name} must be finite and >= 0, got {v}")
-        if not (math.isfinite(self.eps) and self.eps > 0):
-            raise InvalidArgument(f"table rule eps must be finite and > 0, got {self.eps}")
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            if not 0.0 <= v < 1.0:
-                raise InvalidArgument(f"table rule {name} must lie in [0, 1), got {v}")
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """One table's declaration (first writer wins; later identical declarations are no-ops).
-
-    Attributes:
-        name: Non-empty table name (shares no namespace with dense keys).
-        dim: Row width, >= 1.
-        dtype: Storage dtype name: ``float32``, ``float16`` or ``bfloat16``.
-        rule: The row-wise update rule.
-        initializer: How initial rows are drawn.
-        seed: Seed of the initial rows (any int >= 0, < 2**64).
-        num_embeddings: When set, ids must lie in [0, num_embeddings); else any id >= 0.
-        consistency: ``asp``, ``ssp`` or ``bsp``, independent of the server's dense keys.
-        staleness: SSP bound s in clocks (0 under bsp, ignored under asp).
-        expiry_clocks: Drop a stored row not pushed for this many clocks (0: never).
-        expiry_s: Drop a stored row not pushed for this many seconds (0: never).
-        min_pushes: Frequency filter k: an id gets a stored row at its k-th push (1: off).
-    """
-
-    name: str
-    dim: int
-    dtype: str = "float32"
-    rule: TableRule = field(default_factory=TableRule)
-    initializer: Initializer = field(default_factory=Initializer)
-    seed: int = 0
-    num_embeddings: int | None = None
-    consistency: str = "asp"
-    staleness: int = 0
-    expiry_clocks: int = 0
-    expiry_s: float = 0.0
-    min_pushes: int = 1
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise InvalidArgument("a table needs a non-empty name")
-        where = f"table {self.name!r}"
-        if not isinstance(self.dim, int) or self.dim < 1:
-            raise InvalidArgument(f"{where}: dim must be an int >= 1, got {self.dim!r}")
-        if self.dtype not in TABLE_DTYPES:
-            raise InvalidArgument(
-                f"{where}: dtype must be one of {sorted(TABLE_DTYPES)}, got {self.dtype!r}"
-            )
-        if not 0 <= self.seed < (1 << 64):
-            raise InvalidArgument(f"{where}: seed must lie in [0, 2**64), got {self.seed}")
-        if self.num_embeddings is not None and self.num_embeddings < 1:
-            raise InvalidArgument(
-                f"{where}: num_embeddings must be >= 1 when set, got {self.num_embeddings}"
-            )
-        if self.consistency not in CONSISTENCIES:
-            raise InvalidArgument(
-                f"{where}: consistency must be one of {CONSISTENCIES}, got {self.consistency!r}"
-            )
-        if self.staleness < 0:
-            raise InvalidArgument(f"{where}: staleness must be >= 0, got {self.staleness}")
-        if self.consistency == "bsp":
-            object.__setattr__(self, "staleness", 0)
-        if self.expiry_clocks < 0 or not (math.isfinite(self.expiry_s) and self.expiry_s >= 0):
-            raise InvalidArgument(f"{where}: expiry_clocks and expiry_s must be >= 0")
-        if self.min_pushes < 1:
-            raise InvalidArgument(f"{where}: min_pushes must be >= 1, got {self.min_pushes}")
-
-    @property
-    def np_dtype(self) -> np.dtype[Any]:
-        """The storage dtype as a numpy dtype."""
-        return TABLE_DTYPES[self.dtype]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (checkpoint manifests, WAL)."""
-        return {
-            "name": self.name,
-            "dim": self.dim,
-            "dtype": self.dtype,
-            "rule": vars(self.rule).copy(),
-            "initializer": vars(self.initializer).copy(),
-            "seed": self.seed,
-            "num_embeddings": self.num_embeddings,
-            "consistency": self.consistency,
-            "staleness": self.staleness,
-            "expiry_clocks": self.expiry_clocks,
-            "expiry_s": self.expiry_s,
-            "min_pushes": self.min_pushes,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TableSpec:
-        """Inverse of :meth:`to_dict`."""
-        d = dict(d)
-        d["rule"] = TableRule(**d["rule"])
-        d["initializer"] = Initializer(**d["initializer"])
-        return cls(**d)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import tables_pb2 as tpb
-from paramserver.core.tables import Initializer, TableRule, TableSpec
 from paramserver.errors import MalformedStream
 from paramserver.protocol import tensor
+from paramserver.protocol.table_spec import Initializer, TableRule, TableSpec
 
 __all__ = [
     "RowsReceiver",

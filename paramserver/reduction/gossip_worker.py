@@ -64,7 +64,7 @@ from paramserver.security.tls import (
     endpoint_security,
     open_channel,
 )
-from paramserver.server.transports.grpc_service import grpc_errors
+from paramserver.server.serving import grpc_errors
 
 __all__ = ["GossipWorker"]
 

@@ -74,7 +74,7 @@ from paramserver.errors import (
 from paramserver.protocol import tensor
 from paramserver.security.tls import check_worker_identity
 from paramserver.server.config import ServerConfig
-from paramserver.server.transports.grpc_service import grpc_errors
+from paramserver.server.serving import grpc_errors
 from paramserver.server.wakeups import LeaseReaperBase
 
 __all__ = [

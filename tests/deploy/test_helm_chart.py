@@ -159,8 +159,8 @@ def test_schema_validation_catches_a_bad_object() -> None:
 @pytest.mark.parametrize("values", VALUE_SETS, ids=lambda p: p.stem)
 def test_shards_workers_and_rank_servers_agree(values: Path) -> None:
     from paramserver.cli.main import build_parser
+    from paramserver.cli.serve import serve_config
     from paramserver.core.sharding import parse_addresses
-    from paramserver.server.serving import serve_config
 
     v = values_of(values)
     objs = render(values)

@@ -13,16 +13,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from paramserver.cli.serve import daemon_for
 from paramserver.server.config import ServerConfig
-from paramserver.server.serving import ParameterServerDaemon
 
 
 @asynccontextmanager
-async def running_server(**config: Any) -> AsyncIterator[ParameterServerDaemon]:
-    """An in-process server on 127.0.0.1, ephemeral port."""
+async def running_server(**config: Any) -> AsyncIterator[Any]:
+    """An in-process server on 127.0.0.1, ephemeral port (the daemon of ``mode``)."""
     config.setdefault("host", "127.0.0.1")
     config.setdefault("port", 0)
-    daemon = ParameterServerDaemon(ServerConfig(**config))
+    daemon = daemon_for(ServerConfig(**config))
     await daemon.start()
     try:
         yield daemon

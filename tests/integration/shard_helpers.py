@@ -11,7 +11,7 @@ import numpy as np
 
 from paramserver.core.sharding import ShardMap
 from paramserver.server.config import ServerConfig
-from paramserver.server.serving import ParameterServerDaemon
+from paramserver.server.shard_daemon import ParameterServerDaemon
 from paramserver.worker_client import UpdateRule, connect
 from paramserver.worker_client.client import WorkerClient
 

@@ -119,7 +119,7 @@ _IMPORT_THEN_UVLOOP = """
     import numpy as np
     import uvloop
     from paramserver.server.config import ServerConfig
-    from paramserver.server.serving import ParameterServerDaemon
+    from paramserver.server.shard_daemon import ParameterServerDaemon
     from paramserver.worker_client import UpdateRule, connect
 
     async def main():
@@ -148,7 +148,7 @@ def test_import_creates_no_asyncio_objects_then_uvloop_works() -> None:
     future, task, lock, event, queue or grpc.aio channel/server behind; starting uvloop
     afterwards, an in-process server and a client on it work (3 pushes of ones: w == 3)."""
     out = _run_script(_IMPORT_THEN_UVLOOP)
-    assert "paramserver.server.serving" in out["imported"]  # type: ignore[operator]
+    assert "paramserver.server.shard_daemon" in out["imported"]  # type: ignore[operator]
     assert "paramserver.worker_client.client" in out["imported"]  # type: ignore[operator]
     assert out["calls"] == []
     assert out["after"] == out["before"] == []
@@ -162,7 +162,7 @@ _TWO_RUNS = """
     import numpy as np
     import uvloop
     from paramserver.server.config import ServerConfig
-    from paramserver.server.serving import ParameterServerDaemon
+    from paramserver.server.shard_daemon import ParameterServerDaemon
     from paramserver.worker_client import UpdateRule, WorkerClient, connect, connect_sync
 
     address = sys.argv[1]

@@ -14,7 +14,7 @@ import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.protocol import link, tensor
-from paramserver.server.serving import ParameterServerDaemon
+from paramserver.server.shard_daemon import ParameterServerDaemon
 from paramserver.server.transports import link_service as local_link
 from paramserver.worker_client import UpdateRule, WorkerClient
 

@@ -12,7 +12,7 @@ import pytest
 
 from paramserver.server.config import ServerConfig
 from paramserver.server.reshard import ReshardError
-from paramserver.server.serving import ParameterServerDaemon
+from paramserver.server.shard_daemon import ParameterServerDaemon
 
 from .ps_helpers import running_server
 from .shard_helpers import run_job, running_cluster

@@ -33,7 +33,7 @@ from paramserver.errors import (
 )
 from paramserver.protocol import shm, tensor
 from paramserver.protocol.session_frames import SMALL_INLINE_BYTES
-from paramserver.server.serving import ParameterServerDaemon
+from paramserver.server.shard_daemon import ParameterServerDaemon
 from paramserver.worker_client import UpdateRule, WorkerClient
 
 from .ps_helpers import ServerProcess, eventually, running_server

@@ -29,7 +29,7 @@ from paramserver.errors import TLS_MISMATCH_HINT, InvalidArgument, Unavailable, 
 from paramserver.security.tls import ClientSecurity, ServerSecurity, TokenTable, peer_security
 from paramserver.server.config import ServerConfig
 from paramserver.server.observability.prometheus import MetricsServer
-from paramserver.server.serving import ParameterServerDaemon
+from paramserver.server.shard_daemon import ParameterServerDaemon
 from paramserver.spmd.rank_server.rank_service import RankServerConfig, start_rank_server
 from paramserver.worker_client import UpdateRule, connect, connect_sync
 

@@ -268,7 +268,8 @@ class ShardActor:
         self, index: int, addresses: Sequence[str], serve_args: Sequence[str], state_dir: str
     ) -> None:
         from paramserver.cli.main import build_parser
-        from paramserver.server.serving import ParameterServerDaemon, serve_config
+        from paramserver.cli.serve import serve_config
+        from paramserver.server.shard_daemon import ParameterServerDaemon
 
         self.index = index
         self.address = addresses[index]

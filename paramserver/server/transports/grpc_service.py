@@ -8,8 +8,6 @@ INTERNAL, so nothing a client sends can crash the server.
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import logging
 import os
 import time
@@ -28,22 +26,20 @@ from paramserver.core.decompress import Encoded, decode
 from paramserver.core.optimizers import HALF_DTYPES, UpdateRule
 from paramserver.core.sharding import shard_map_to_proto
 from paramserver.errors import (
-    ERROR_CLASS_METADATA_KEY,
     DimensionMismatch,
     DTypeMismatch,
     FailedPrecondition,
     InvalidArgument,
     MalformedStream,
-    ParamServerError,
 )
 from paramserver.protocol import tensor, wire
-from paramserver.protocol.limits import cut_details, shown
+from paramserver.protocol.limits import shown
 from paramserver.security.tls import check_worker_identity
 from paramserver.server import wal
 from paramserver.server.checkpoint_cut import shard_map_of
 from paramserver.server.engine import InflightTicket, ServerEngine
 from paramserver.server.observability.hooks import observed_admit, observed_push, observed_snapshot
-from paramserver.server.transports.early_refusal import announce_refusal, drain_request_stream
+from paramserver.server.serving import abort_with, grpc_errors
 from paramserver.server.transports.session_service import SessionService
 from paramserver.server.transports.table_service import TableRpcs, table_infos
 
@@ -61,52 +57,6 @@ _AGGREGATION_PB = {
     "sum": pb.AGGREGATION_SUM,
     "weighted_mean": pb.AGGREGATION_WEIGHTED_MEAN,
 }
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
-    if isinstance(exc, ParamServerError):
-        details = cut_details(exc.message)
-        logger.debug("%s refused: %s", method, details)
-        context.set_trailing_metadata(((ERROR_CLASS_METADATA_KEY, type(exc).__name__),))
-        await context.abort(exc.code, details)
-    logger.error("%s failed with an unexpected error", method, exc_info=exc)
-    await context.abort(
-        grpc.StatusCode.INTERNAL, cut_details(f"internal error in {method}: {exc!r}")
-    )
-
-
-def grpc_errors(fn: F) -> F:
-    """Turn ParamServerError into its status code; anything else into a logged INTERNAL."""
-    name = fn.__name__
-    if inspect.isasyncgenfunction(fn):
-
-        @functools.wraps(fn)
-        async def gen_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
-            try:
-                async for item in fn(self, request, context):
-                    yield item
-            except (grpc.aio.AbortError, GeneratorExit):
-                raise
-            except Exception as exc:
-                await _abort(context, exc, name)
-
-        return gen_wrapper  # type: ignore[return-value]
-
-    @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: Any) -> Any:
-        try:
-            return await fn(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await announce_refusal(context, request, exc)  # the client stops writing at once
-            await _drain_request_stream(request)
-            await _abort(context, exc, name)
-
-    return wrapper  # type: ignore[return-value]
-
-
-_drain_request_stream = drain_request_stream  # (see paramserver.server.transports.early_refusal)
 
 
 def _rss_bytes() -> int:
@@ -592,7 +542,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, exc, "Session")
+            await abort_with(context, exc, "Session")
 
     @grpc_errors
     async def InitTable(self, request: Any, context: Any) -> Any:

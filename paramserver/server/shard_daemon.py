@@ -1,0 +1,417 @@
+"""The parameter-server shard daemon: a :class:`ParameterServerDaemon` serves one shard.
+
+It binds a grpc.aio server (:func:`paramserver.server.serving.start_grpc_server`) with the
+parameter-server servicer, the standard gRPC health service (``grpc.health.v1``: SERVING while
+up, NOT_SERVING from the start of a graceful shutdown, before the server stops) and server
+reflection. :meth:`ParameterServerDaemon.stop` stops accepting calls at once, finishes what is in
+flight within ``grace_s``, writes a final checkpoint when a checkpoint directory is configured and
+closes the write-ahead log. ``paramserver serve`` (:mod:`paramserver.cli.serve`) runs it until
+SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health
+
+from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.core.sharding import ShardMap
+from paramserver.errors import InvalidArgument, StorageError, StorageFull, storage_error
+from paramserver.protocol.link import available as local_link_available
+from paramserver.security.tls import (
+    ServerSecurity,
+    open_channel,
+    peer_security,
+)
+from paramserver.server.checkpoint import CheckpointManager
+from paramserver.server.checkpoint_cut import shard_map_of
+from paramserver.server.config import ServerConfig
+from paramserver.server.engine import ServerEngine
+from paramserver.server.observability.dashboard import PEER_TIMEOUT_S, Dashboard, gather_peers
+from paramserver.server.observability.prometheus import (
+    MetricsServer,
+    TransportStats,
+    auth_refusal_counter,
+    metrics_for,
+)
+from paramserver.server.observability.status_table import status_to_dict
+from paramserver.server.reshard import prepare_checkpoint_dir
+from paramserver.server.serving import GrpcEndpoint, start_grpc_server
+from paramserver.server.transports import link_service as local_link
+from paramserver.server.transports.grpc_service import ParameterServerServicer, add_to_server
+from paramserver.server.wal import WriteAheadLog, replay_into
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "paramserver.api.v1.ParameterServer"
+
+
+class ParameterServerDaemon:
+    """A running server shard. Use ``async with ParameterServerDaemon(config) as d:``.
+
+    Attributes:
+        address: ``host:port`` actually bound (port resolved when 0 was asked for).
+        engine: The engine holding the core state.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine: ServerEngine | None = None
+        self.checkpoints: CheckpointManager | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._endpoint: GrpcEndpoint | None = None
+        self._timer: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Task[Path | None]] = set()
+        self._checkpoint_lock = asyncio.Lock()
+        self._health_tasks: set[asyncio.Task[None]] = set()
+        self.recovery_s = 0.0
+        self.port = 0
+        #: The shard map served by GetShardMap (set on start; tests may replace it).
+        self.shard_map: ShardMap | None = None
+        self.metrics: MetricsServer | None = None
+        #: The parameter-server servicer once started (mode "ps").
+        self.servicer: ParameterServerServicer | None = None
+        #: The same-host local link once started (mode "ps", same-host paths on, Linux).
+        self.local_link: local_link.LocalLinkServer | None = None
+        #: TLS / token settings from the config (None: plain text, no tokens; validated here).
+        self.security: ServerSecurity | None = ServerSecurity.of_config(config)
+        #: Channels to the other shards, for the dashboard's cluster view (opened on first use).
+        self._peer_channels: dict[str, grpc.aio.Channel] = {}
+
+    @property
+    def address(self) -> str:
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Recover (newest checkpoint + WAL replay), bind, and start serving."""
+        if self.config.mode != "ps":
+            raise InvalidArgument(
+                f"ParameterServerDaemon serves mode 'ps', not {self.config.mode!r} "
+                "(mode 'reduce': paramserver.reduction.reduce_daemon.ReductionDaemon)"
+            )
+        engine = ServerEngine(self.config)
+        self.engine = engine
+        prepare_checkpoint_dir(self.config)  # restore-time resharding; refuse foreign shards
+        self._recover(engine)
+        interceptors, self.metrics = metrics_for(engine, self._transport_stats)
+        if self.metrics is not None:
+            self.metrics.dashboard = self._dashboard(self.metrics.registry)
+            # Before the gRPC port: grpc.aio keeps a port bound by a server that never started
+            # (even after stop), so a metrics port in use must fail before grpc binds anything.
+            await self._start_metrics()
+        if self.security is not None:  # authentication first: a refused call reaches nothing
+            interceptors = [*self.security.interceptors(self._refusal_counter()), *interceptors]
+        self.servicer = ParameterServerServicer(engine, self)
+        servicer = self.servicer
+        endpoint = await start_grpc_server(
+            f"{self.config.host}:{self.config.port}",
+            lambda server: add_to_server(servicer, server),
+            service_names=(SERVICE_NAME,),
+            security=self.security,
+            interceptors=interceptors,
+            max_receive_message_bytes=self.config.max_receive_message_bytes,
+            on_failure=self._abandon,
+        )
+        self._endpoint = endpoint
+        self._server = endpoint.server
+        self._health = endpoint.health
+        self.port = endpoint.port
+        if self.metrics is not None:
+            self.metrics.dashboard.info["address"] = self.address
+        await self._start_local_link()
+        self.shard_map = shard_map_of(self.config, self.address)
+        engine.start()
+        if self.checkpoints is not None and self.config.checkpoint_every_s > 0:
+            self._timer = asyncio.get_running_loop().create_task(
+                self._checkpoint_timer(), name="paramserver-checkpoint-timer"
+            )
+        await endpoint.set_serving(True)
+        engine.on_storage_failure = self._storage_failed
+        logger.info(
+            "paramserver listening on %s:%d (%s, staleness %d, aggregation %s, lease %d ms%s)",
+            self.config.host,
+            self.port,
+            self.config.consistency,
+            engine.core.cluster.staleness,
+            self.config.aggregation,
+            self.config.lease_ms,
+            ", write-ahead log on" if engine.wal is not None else "",
+        )
+
+    def _storage_failed(self, exc: StorageError) -> None:
+        """The write-ahead log failed with memory possibly ahead of it: health NOT_SERVING
+        (orchestrators restart the server, which then replays the log)."""
+        endpoint = self._endpoint
+        if endpoint is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            endpoint.set_serving(False), name="paramserver-health-failed"
+        )
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _start_local_link(self) -> None:
+        """Same-host workers' Session over a Unix socket
+        (:mod:`paramserver.server.transports.link_service`),
+        unless same-host paths are off (``--no-shared-memory``) or there are no abstract
+        sockets; a socket that cannot be bound only costs the speed-up."""
+        assert self.servicer is not None
+        if not (self.config.shared_memory and local_link_available()):
+            return
+        link = local_link.LocalLinkServer(
+            self.servicer.sessions, self.config.max_receive_message_bytes
+        )
+        try:
+            await link.start()
+        except OSError as exc:
+            logger.warning("no same-host local link (%s): workers stay on gRPC", exc)
+            return
+        self.local_link = link
+        self.servicer.sessions.local_link = link
+
+    def _dashboard(self, registry: Any) -> Dashboard:
+        """The metrics port's page of this shard: its Status and, in a sharded cluster, every
+        other shard's, read over gRPC from the shard map's addresses."""
+        cfg = self.config
+
+        async def status() -> dict[str, Any]:
+            if self.servicer is None:
+                return {}
+            from paramserver.api.v1 import parameter_server_pb2 as pb
+
+            return status_to_dict(await self.servicer.Status(pb.StatusRequest(), None))
+
+        async def read_peer(address: str) -> dict[str, Any]:
+            from paramserver.api.v1 import parameter_server_pb2 as pb
+
+            channel = self._peer_channels.get(address)
+            if channel is None:
+                client = peer_security(self.security, None) if self.security is not None else None
+                channel = self._peer_channels[address] = open_channel(address, client)
+            try:
+                stub = pb_grpc.ParameterServerStub(channel)
+                resp = await stub.Status(pb.StatusRequest(), timeout=PEER_TIMEOUT_S)
+            except BaseException:  # a fresh channel next time (the peer may have moved)
+                self._peer_channels.pop(address, None)
+                await channel.close()
+                raise
+            return status_to_dict(resp)
+
+        async def peers() -> list[dict[str, Any]]:
+            shard_map = self.shard_map
+            if shard_map is None:
+                return []
+            others = [(i, a) for i, a in enumerate(shard_map.addresses) if i != cfg.shard_index]
+            return await gather_peers(others, read_peer)
+
+        info = {
+            "mode": cfg.mode,
+            "shard_index": cfg.shard_index,
+            "num_shards": cfg.num_shards,
+            "address": "",  # set once the gRPC port is bound
+            "wal": cfg.wal,
+            "checkpoint_dir": cfg.checkpoint_dir or "",
+            "checkpoint_every_s": cfg.checkpoint_every_s,
+            "lease_ms": cfg.lease_ms,
+        }
+        return Dashboard(
+            "ps", registry, info=info, status=status, peers=peers if cfg.num_shards > 1 else None
+        )
+
+    def _transport_stats(self) -> TransportStats:
+        """The Session transport's state for the metrics endpoint (read at scrape time)."""
+        servicer = self.servicer
+        if servicer is None:
+            return TransportStats()
+        link = self.local_link
+        return TransportStats(
+            sessions_open=servicer.sessions.open_sessions,
+            segments_mapped=servicer.sessions.mapped_segments,
+            local_links_opened=link.links_opened if link is not None else 0,
+            local_links_refused=link.links_refused if link is not None else 0,
+        )
+
+    def _refusal_counter(self) -> Callable[[str, str], None] | None:
+        """Counts token refusals in the metrics registry (None without metrics)."""
+        return auth_refusal_counter(self.metrics.registry) if self.metrics is not None else None
+
+    async def _start_metrics(self) -> None:
+        """Start the metrics endpoint; when it cannot bind, close the write-ahead log
+        :meth:`_recover` opened and re-raise (nothing else is running yet)."""
+        assert self.metrics is not None
+        try:
+            await self.metrics.start()
+        except BaseException:
+            self.metrics = None
+            await self._close_wal()
+            raise
+
+    async def _close_wal(self) -> None:
+        if self.engine is not None and self.engine.wal is not None:
+            await self.engine.wal.close()
+            self.engine.wal = None
+
+    async def _abandon(self) -> None:
+        """Undo a start that failed before serving (the gRPC server is stopped already): stop
+        the metrics endpoint and close the write-ahead log."""
+        if self.metrics is not None:
+            await self.metrics.stop()
+        await self._close_wal()
+
+    def _recover(self, engine: ServerEngine) -> None:
+        """Restore the newest verified checkpoint, replay the WAL after it, open the WAL."""
+        cfg = self.config
+        t0 = time.monotonic()
+        if cfg.checkpoint_dir:
+            self.checkpoints = CheckpointManager(
+                Path(cfg.checkpoint_dir), keep=cfg.keep_checkpoints
+            )
+            restored = self.checkpoints.restore_latest(engine.core)
+            if restored is not None:
+                logger.info("restored checkpoint %s", restored.name)
+                engine.obs.checkpoint_restored(restored.name, restored.stat().st_mtime)
+            if cfg.checkpoint_every_steps:
+                engine.core.on_progress = self._on_progress
+        wal_dir = Path(cfg.wal_dir) if cfg.wal_dir else Path(cfg.checkpoint_dir or ".") / "wal"
+        after = self.checkpoints.last_restored_wal_sequence if self.checkpoints else 0
+        if not cfg.wal and (cfg.wal_dir or cfg.checkpoint_dir) and wal_dir.is_dir():
+            unreplayed = sum(1 for _ in WriteAheadLog(wal_dir).replay(after))
+            if unreplayed:
+                raise InvalidArgument(
+                    f"the write-ahead log in {wal_dir} holds {unreplayed} acknowledged "
+                    "record(s) that no checkpoint contains: start with --wal to replay them "
+                    "(or delete that directory to discard them)"
+                )
+        if cfg.wal:
+            log = WriteAheadLog(
+                wal_dir, fsync_interval_ms=cfg.wal_fsync_interval_ms if cfg.wal_fsync else None
+            )
+            last = log.open()
+            replayed = replay_into(engine.core, log.replay(after))
+            if last < after:
+                log.next_sequence = after + 1
+            engine.wal = log
+            if replayed:
+                logger.info(
+                    "replayed %d write-ahead-log records after sequence %d", replayed, after
+                )
+        self.recovery_s = time.monotonic() - t0
+
+    def _on_progress(self, mark: int) -> None:
+        every = self.config.checkpoint_every_steps
+        if every and mark % every == 0:
+            self.request_checkpoint()
+
+    def request_checkpoint(self) -> asyncio.Task[Path | None]:
+        """Start a checkpoint now (one at a time); the task returns its path (None if off)."""
+        task = asyncio.get_running_loop().create_task(self.checkpoint(), name="paramserver-ckpt")
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
+
+    async def checkpoint(self) -> Path | None:
+        """Write one consistent checkpoint; the snapshot is taken without yielding.
+
+        The write-ahead log is rotated at the snapshot and truncated once the checkpoint
+        commits. The file writing runs in a worker thread so the server keeps serving.
+
+        Raises:
+            StorageFull: (RESOURCE_EXHAUSTED) the disk is full; the previous checkpoint stands.
+            StorageError: (UNAVAILABLE) another I/O error; the previous checkpoint stands.
+        """
+        if self.checkpoints is None or self.engine is None:
+            return None
+        async with self._checkpoint_lock:
+            engine = self.engine
+            t0 = time.monotonic()
+            # Pushes applied in worker threads: wait for them and hold new ones back while the
+            # snapshot is taken (no await inside), so values match counters and dedup state.
+            async with engine.offload.quiesced():
+                wal_sequence = engine.wal.rotate() if engine.wal is not None else 0
+                snap = self.checkpoints.snapshot(engine.core, wal_sequence=wal_sequence)
+            try:
+                path = await asyncio.get_running_loop().run_in_executor(
+                    None, self.checkpoints.write, snap
+                )
+            except OSError as exc:  # disk full, EIO...: the previous checkpoint stands
+                raise storage_error(exc, f"checkpoint in {self.checkpoints.directory}") from exc
+            if engine.wal is not None:
+                engine.wal.truncate_through(wal_sequence)
+            engine.obs.checkpoint_written(time.monotonic() - t0, Path(path).name)
+            return path
+
+    async def _checkpoint_timer(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.checkpoint_every_s)
+            try:
+                await self.checkpoint()
+            except (StorageFull, StorageError) as exc:
+                logger.error("periodic checkpoint failed; the previous one stands: %s", exc)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Refuse new calls, end waits with UNAVAILABLE, let in-flight calls finish within the
+        grace, write a final checkpoint, close the WAL."""
+        grace = self.config.grace_s if grace_s is None else grace_s
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+            self._timer = None
+        if self.engine is not None:
+            self.engine.begin_shutdown()
+        if self.servicer is not None:  # idle Session streams end now, not after the grace
+            self.servicer.sessions.begin_shutdown()
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        link, self.local_link = self.local_link, None
+        if self._server is not None:
+            stopping: list[Any] = [self._server.stop(grace)]
+            if link is not None:
+                self.servicer.sessions.local_link = None  # type: ignore[union-attr]
+                stopping.append(link.stop(grace))
+            await asyncio.gather(*stopping)
+            self._server = None
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        if self.engine is not None:
+            await self.engine.stop()
+            if self.checkpoints is not None:
+                try:
+                    path = await self.checkpoint()
+                    logger.info("final checkpoint %s", path)
+                except (StorageFull, StorageError) as exc:
+                    logger.error("final checkpoint failed; the previous one stands: %s", exc)
+            if self.engine.wal is not None:
+                await self.engine.wal.close()
+        if self.metrics is not None:
+            await self.metrics.stop()
+        channels, self._peer_channels = list(self._peer_channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+    async def wait_closed(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    async def __aenter__(self) -> ParameterServerDaemon:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop(grace_s=0.5)
