@@ -55,16 +55,14 @@ from paramserver.errors import (
     WorkerNotFound,
 )
 from paramserver.protocol import tensor
-from paramserver.protocol.keepalive import SERVER_KEEPALIVE_OPTIONS
 from paramserver.reduction.reduce_client import ReductionClient
 from paramserver.security.tls import (
     ClientSecurity,
     ServerSecurity,
-    bind,
     endpoint_security,
     open_channel,
 )
-from paramserver.server.serving import grpc_errors
+from paramserver.server.serving import grpc_errors, start_grpc_server
 
 __all__ = ["GossipWorker"]
 
@@ -246,18 +244,22 @@ class GossipWorker:
             AlreadyExists: (ALREADY_EXISTS) the name is live.
         """
         sec = self.endpoint_security
-        server = grpc.aio.server(
-            interceptors=sec.interceptors() if sec is not None else None,
-            options=[("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS],
-        )
-        pb_grpc.add_PushSumPeerServicer_to_server(_PushSumEndpoint(self), server)
+        worker = self
         try:
-            port = bind(server, f"{self.host}:0", sec)
+            endpoint = await start_grpc_server(
+                f"{self.host}:0",
+                lambda server: pb_grpc.add_PushSumPeerServicer_to_server(
+                    _PushSumEndpoint(worker), server
+                ),
+                security=sec,
+                interceptors=sec.interceptors() if sec is not None else (),
+                health_and_reflection=False,
+            )
         except ParamServerError as exc:
             raise ParamServerError(
                 f"could not bind a push-sum endpoint on {self.host}:0: {exc.message}"
             ) from exc
-        await server.start()
+        server, port = endpoint.server, endpoint.port
         self._server = server
         client = ReductionClient(
             self.address,
