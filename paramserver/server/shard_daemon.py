@@ -46,6 +46,7 @@ from paramserver.server.observability.prometheus import (
 from paramserver.server.observability.status_table import status_to_dict
 from paramserver.server.reshard import prepare_checkpoint_dir
 from paramserver.server.serving import GrpcEndpoint, start_grpc_server
+from paramserver.server.shard_service import ShardService
 from paramserver.server.transports import link_service as local_link
 from paramserver.server.transports.grpc_service import ParameterServerServicer, add_to_server
 from paramserver.server.wal import WriteAheadLog, replay_into
@@ -112,7 +113,7 @@ class ParameterServerDaemon:
             await self._start_metrics()
         if self.security is not None:  # authentication first: a refused call reaches nothing
             interceptors = [*self.security.interceptors(self._refusal_counter()), *interceptors]
-        self.servicer = ParameterServerServicer(engine, self)
+        self.servicer = ParameterServerServicer(ShardService(engine), self)
         servicer = self.servicer
         endpoint = await start_grpc_server(
             f"{self.config.host}:{self.config.port}",

@@ -356,7 +356,7 @@ async def test_broken_session_retries_with_the_same_request_id_exactly_once() ->
         assert servicer is not None
         async with _client(daemon, "w0") as ps:
             await ps.init({"w": np.zeros(BIG, np.float32)}, rule=ADD)
-            real_apply = servicer.apply_push
+            real_apply = servicer.shard.apply_push
             cuts = []
 
             async def apply_then_cut(**kw: Any) -> pb.PushResponse:
@@ -367,12 +367,12 @@ async def test_broken_session_retries_with_the_same_request_id_exactly_once() ->
                     ps.fastpath._call.cancel()
                 return resp
 
-            servicer.apply_push = apply_then_cut  # type: ignore[method-assign]
+            servicer.shard.apply_push = apply_then_cut  # type: ignore[method-assign]
             try:
                 got = await ps.push_pull({"w": np.full(BIG, 2, np.float32)})
                 ack = await ps.push({"w": np.ones(BIG, np.float32)})
             finally:
-                servicer.apply_push = real_apply  # type: ignore[method-assign]
+                servicer.shard.apply_push = real_apply  # type: ignore[method-assign]
             np.testing.assert_array_equal(got["w"], np.full(BIG, 2, np.float32))
             assert not ack.duplicate
             status = await ps.status()
@@ -542,7 +542,7 @@ async def test_a_reply_past_the_deadline_is_never_read_and_the_retry_is_a_duplic
         assert servicer is not None
         async with _client(daemon, "w0") as ps:
             await ps.init({"w": np.zeros(4, np.float32)}, rule=ADD)
-            real_apply = servicer.apply_push
+            real_apply = servicer.shard.apply_push
             slow = [True]
 
             async def slow_once(**kw: Any) -> pb.PushResponse:
@@ -551,11 +551,11 @@ async def test_a_reply_past_the_deadline_is_never_read_and_the_retry_is_a_duplic
                     await asyncio.sleep(0.6)
                 return resp
 
-            servicer.apply_push = slow_once  # type: ignore[method-assign]
+            servicer.shard.apply_push = slow_once  # type: ignore[method-assign]
             try:
                 ack = await ps.push({"w": np.ones(4, np.float32)}, timeout_s=0.2)
             finally:
-                servicer.apply_push = real_apply  # type: ignore[method-assign]
+                servicer.shard.apply_push = real_apply  # type: ignore[method-assign]
             assert ack.duplicate
             got = await ps.pull(["w"])
             np.testing.assert_array_equal(got["w"], np.ones(4, np.float32))

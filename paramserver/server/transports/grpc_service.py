@@ -1,8 +1,9 @@
-"""gRPC servicer of the parameter server: decode, call the core, encode. Nothing else.
+"""gRPC servicer of the parameter server: decode, call the shard, encode. Nothing else.
 
-:func:`grpc_errors` is the one place where :class:`~paramserver.errors.ParamServerError` becomes
-``context.abort(code, message)``; any other exception is logged with its traceback and becomes
-INTERNAL, so nothing a client sends can crash the server.
+Every dense-key request goes through :class:`~paramserver.server.shard_service.ShardService`;
+:func:`~paramserver.server.serving.grpc_errors` maps errors to status codes (any exception
+that is not a :class:`~paramserver.errors.ParamServerError` is logged and becomes INTERNAL, so
+nothing a client sends can crash the server).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -20,10 +21,8 @@ import numpy as np
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.api.v1 import tensor_pb2
-from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.core.consistency import Consistency
 from paramserver.core.decompress import Encoded, decode
-from paramserver.core.optimizers import HALF_DTYPES, UpdateRule
 from paramserver.core.sharding import shard_map_to_proto
 from paramserver.errors import (
     DimensionMismatch,
@@ -34,12 +33,10 @@ from paramserver.errors import (
 )
 from paramserver.protocol import tensor, wire
 from paramserver.protocol.limits import shown
-from paramserver.security.tls import check_worker_identity
-from paramserver.server import wal
 from paramserver.server.checkpoint_cut import shard_map_of
-from paramserver.server.engine import InflightTicket, ServerEngine
-from paramserver.server.observability.hooks import observed_admit, observed_push, observed_snapshot
+from paramserver.server.engine import InflightTicket
 from paramserver.server.serving import abort_with, grpc_errors
+from paramserver.server.shard_service import ShardHost, ShardService
 from paramserver.server.transports.session_service import SessionService
 from paramserver.server.transports.table_service import TableRpcs, table_infos
 
@@ -115,90 +112,32 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) ->
 class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[misc]
     """Implements ``paramserver.api.v1.ParameterServer`` over a :class:`ServerEngine`."""
 
-    def __init__(self, engine: ServerEngine, daemon: Any = None) -> None:
+    def __init__(self, shard: ShardService, host: ShardHost | None = None) -> None:
+        engine = shard.engine
+        #: The funnel every dense-key request goes through.
+        self.shard = shard
         self.engine = engine
         self.core = engine.core
-        self.daemon = daemon
-        #: Serves the Session RPC (fast path: inline small tensors, same-host shared memory).
-        self.sessions = SessionService(
-            self, shared_memory=getattr(engine.config, "shared_memory", True)
-        )
+        #: Checkpoints and the shard map of the daemon serving this (None in bare tests).
+        self.host = host
         #: Embedding-table RPCs (their own push path: validate, log, apply, acknowledge).
         self.table_rpcs = TableRpcs(engine)
-
-    def _view(self) -> pb.ClusterView:
-        view = pb.ClusterView()
-        self._view_into(view)
-        return view
-
-    def _view_into(self, view: pb.ClusterView) -> None:
-        """Fill ``view`` (e.g. a response's own field: no message copy) with the cluster now."""
-        cluster = self.core.cluster
-        view.consistency = _CONSISTENCY_PB[self.core.consistency]
-        view.staleness = cluster.staleness
-        view.live_workers = len(cluster.live_workers())
-        view.min_clock = cluster.min_clock()
-        view.membership_epoch = cluster.epoch
+        #: Serves the Session RPC (fast path: inline small tensors, same-host shared memory).
+        self.sessions = SessionService(
+            shard, self.table_rpcs, shared_memory=getattr(engine.config, "shared_memory", True)
+        )
 
     @grpc_errors
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
-        check_worker_identity(request.worker_name)  # (per-worker tokens: docs/security.md)
-        self.engine.check_serving()
-        seq = 0
-
-        def log(worker_id: str) -> None:
-            nonlocal seq
-            seq = self.engine.log(
-                wal.record_register(
-                    request.worker_name,
-                    request.replace,
-                    request.client_nonce,
-                    worker_id,
-                    request.resume_worker_id,
-                )
-            )
-
-        rec = self.core.register(
-            request.worker_name,
-            self.engine.now(),
-            replace=request.replace,
-            client_nonce=request.client_nonce,
-            resume_worker_id=request.resume_worker_id,
-            log=log,
-        )
-        self.engine.notify()
-        await self.engine.durable(seq)
-        logger.info("registered %s at clock %d", rec.worker_id, rec.clock)
-        return pb.RegisterResponse(
-            worker_id=rec.worker_id,
-            lease_ms=self.engine.config.lease_ms,
-            clock=rec.clock,
-            view=self._view(),
-        )
+        return await self.shard.register(request)
 
     @grpc_errors
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        check_worker_identity(request.worker_id)
-        self.core.heartbeat(request.worker_id, self.engine.now())
-        return pb.HeartbeatResponse(lease_ms=self.engine.config.lease_ms, view=self._view())
+        return self.shard.heartbeat(request)
 
     @grpc_errors
     async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
-        seq = 0
-
-        def log() -> None:
-            nonlocal seq
-            seq = self.engine.log(
-                wal_pb.WalRecord(depart=wal_pb.WalDepart(worker_id=request.worker_id, why="left"))
-            )
-
-        check_worker_identity(request.worker_id)
-        self.engine.check_serving()
-        change = self.core.leave(request.worker_id, log=log)
-        self.engine.notify()
-        await self.engine.durable(seq)
-        logger.info("worker %s left at clock %d", change.worker.worker_id, change.worker.clock)
-        return pb.LeaveResponse(view=self._view())
+        return await self.shard.leave(request)
 
     async def _read_tensors(
         self,
@@ -305,30 +244,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         self, request_iterator: AsyncIterator[pb.InitRequest], context: Any
     ) -> pb.InitResponse:
         header, tensors = await self._read_tensors(request_iterator, "header")
-        rule = UpdateRule.from_proto(header.rule) if header.HasField("rule") else UpdateRule()
-        seq = 0
-
-        def log(will_create: dict[str, bool]) -> None:
-            nonlocal seq
-            self.engine.check_serving()
-            if self.engine.wal is None or not any(will_create.values()):
-                return
-            seq = self.engine.log(
-                wal_pb.WalRecord(
-                    init=wal_pb.WalInit(
-                        rule=rule.to_proto(),
-                        tensors=wal.tensors_to_wal(
-                            {k: tensors[k] for k, c in will_create.items() if c}
-                        ),
-                    )
-                )
-            )
-
-        # Receive buffers: stored, not copied.
-        created = self.core.init(tensors, rule, take=True, log=log)
-        self.engine.notify()
-        await self.engine.durable(seq)
-        return pb.InitResponse(keys=[pb.KeyInit(key=k, created=c) for k, c in created.items()])
+        return await self.shard.init(header, tensors)
 
     @grpc_errors
     async def Push(
@@ -345,187 +261,23 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         )
         if header.require_keys:  # push_pull over the streams: its pull keys, checked first
             self.core.require_keys(header.require_keys)
-        return await self.apply_push_header(header, grads)
-
-    async def apply_push_header(
-        self, header: pb.PushHeader, grads: dict[str, np.ndarray]
-    ) -> pb.PushResponse:
-        """:meth:`apply_push` with its arguments taken from a wire ``PushHeader``."""
-        return await self.apply_push(
-            worker_id=header.worker_id,
-            request_id=header.request_id,
-            clock=header.clock,
-            num_samples=header.num_samples,
-            base_version=header.base_version if header.HasField("base_version") else None,
-            grads=grads,
-        )
-
-    @observed_push
-    async def apply_push(
-        self,
-        *,
-        worker_id: str,
-        request_id: int,
-        clock: int,
-        num_samples: int,
-        base_version: int | None,
-        grads: dict[str, np.ndarray],
-    ) -> pb.PushResponse:
-        """Apply one decoded push (the seam every push path shares: Push stream, Session).
-
-        Args:
-            grads: key -> decoded gradient (dtype and shape checked by the core). The arrays may
-                be views of a receive buffer or shared memory; they are not kept after return.
-
-        Raises:
-            InvalidArgument, KeyNotFound, WorkerNotFound, StaleUpdate (see ``ServerCore.push``).
-        """
-        if not worker_id:
-            raise InvalidArgument("push header needs a worker_id")
-        check_worker_identity(worker_id)
-        if not grads:
-            raise InvalidArgument("a push needs at least one gradient; it carried none")
-        offload = self.engine.offload
-        # Big gradients: the NaN/Inf scan runs in a worker thread (a failed scan leaves it to
-        # the core, which refuses the push with its usual bookkeeping). Small ones (the
-        # common case) skip the coroutine hops: the core scans them inline.
-        finite = (
-            not self.engine.config.allow_non_finite
-            and offload.worth_a_thread(grads)
-            and await offload.all_finite(grads)
-        )
-        # Half-precision keys are range-checked when the push is decided (before it is
-        # logged), which reads their values: wait until no earlier update of them is still
-        # applying. Both waits are re-checked together; no await between them and the decision.
-        ranged = [k for k, g in grads.items() if g.dtype in HALF_DTYPES]
-        while offload.holding_writers or (ranged and not offload.idle(ranged)):
-            if offload.holding_writers:  # (a checkpoint may hold decisions back)
-                await offload.admit_writer()
-            else:
-                await offload.settled(ranged)
-        self.engine.check_serving()
-        applied: list[asyncio.Future[None]] = []
-        seq = 0
-
-        def log() -> None:  # decided: the record goes to the log before anything is applied
-            nonlocal seq
-            if self.engine.wal is None:
-                return
-            seq = self.engine.log(
-                wal_pb.WalRecord(
-                    push=wal_pb.WalPush(
-                        worker_id=worker_id,
-                        request_id=request_id,
-                        clock=clock,
-                        num_samples=num_samples,
-                        base_version=base_version,
-                        grads=wal.tensors_to_wal(grads),
-                    )
-                )
-            )
-
-        result = self.core.push(
-            worker_id,
-            request_id,
-            clock,
-            grads,
-            self.engine.now(),
-            num_samples=num_samples,
-            base_version=base_version,
-            applier=lambda checked: applied.append(offload.apply(checked)),
-            finite_checked=finite,
-            log=log,
-        )
-        for done in applied:  # decided: applied exactly once even if this call is cancelled
-            if not done.done():  # (small applies ran inline: nothing to wait for)
-                await asyncio.shield(done)
-        self.engine.notify()
-        await self.engine.durable(seq)
-        resp = pb.PushResponse(
-            duplicate=result.duplicate,
-            applied_updates=result.applied_updates,
-            dropped_stale=result.dropped_stale,
-        )
-        self._view_into(resp.view)
-        return resp
+        return await self.shard.apply_push_header(header, grads)
 
     @grpc_errors
     async def Pull(
         self, request: pb.PullRequest, context: Any
     ) -> AsyncIterator[pb.PullResponse | bytes]:
-        keys = await self.admit_pull(request.worker_id, request.keys, request.timeout_ms)
-        yield pb.PullResponse(info=pb.PullInfo(view=self._view(), version=self.core.version))
+        shard = self.shard
+        keys = await shard.admit_pull(request.worker_id, request.keys, request.timeout_ms)
+        yield pb.PullResponse(info=pb.PullInfo(view=shard.view(), version=self.core.version))
         for key in keys:
             # Copy lazily, one key at a time: a consistent value per key without holding the
             # whole model twice; frames are produced as the reader consumes them.
-            value = await self.pull_snapshot(key)
+            value = await shard.pull_snapshot(key)
             # Wire bytes: the servicer must be registered by add_to_server (its Pull
             # responses are serialized by paramserver.protocol.wire.serialize).
             for msg in tensor.encode_frame_bytes(key, value):
                 yield msg
-
-    @observed_admit
-    async def admit_pull(self, worker_id: str, keys: Any, timeout_ms: int) -> list[str]:
-        """Check the keys and wait as the consistency model requires (every pull path shares it).
-
-        Args:
-            worker_id: The pulling worker; "" reads as an observer (no wait).
-            keys: Keys to read; empty means every key.
-            timeout_ms: Wait deadline in milliseconds; 0 means the server's default.
-
-        Returns:
-            The keys to send, in order.
-
-        Raises:
-            KeyNotFound (NOT_FOUND), WaitTimeout (DEADLINE_EXCEEDED), Aborted (ABORTED).
-        """
-        check_worker_identity(worker_id)
-        key_list = self.core.require_keys(keys)
-        wait_ms = timeout_ms or self.engine.config.wait_timeout_ms
-        await self.engine.wait_pull(worker_id, wait_ms / 1000.0)
-        return key_list
-
-    @observed_snapshot
-    async def pull_snapshot(self, key: str) -> np.ndarray:
-        """A consistent private copy of one key's value (the caller may encode it at leisure).
-
-        Taken after every push of the key decided before the call has been applied; big keys
-        are copied in a worker thread (see :mod:`paramserver.server.apply_threads`).
-        """
-        wait_s = self.engine.config.wait_timeout_ms / 1000.0
-        return await self.engine.offload.snapshot(key, timeout_s=wait_s)
-
-    @observed_snapshot
-    async def pull_snapshot_bytes(self, key: str) -> bytes:
-        """:meth:`pull_snapshot` as raw little-endian C-order bytes (inline wire payloads):
-        one copy for a small key no update is still applying to, else a snapshot first."""
-        offload = self.engine.offload
-        value = offload.read_now(key)
-        if value is not None:
-            return value.tobytes()  # taken now: no await between the check and the copy
-        wait_s = self.engine.config.wait_timeout_ms / 1000.0
-        return (await offload.snapshot(key, timeout_s=wait_s)).tobytes()
-
-    async def pull_snapshot_into(self, key: str, out: np.ndarray) -> None:
-        """:meth:`pull_snapshot` written into ``out`` (one copy, e.g. into a client's shared
-        memory): a consistent copy of one key's value.
-
-        Args:
-            out: Array of the key's dtype and shape to overwrite.
-        """
-        wait_s = self.engine.config.wait_timeout_ms / 1000.0
-        await self.engine.offload.snapshot(key, out, timeout_s=wait_s)
-
-    async def pull_snapshots_into(self, keys: Sequence[str], outs: Sequence[np.ndarray]) -> None:
-        """:meth:`pull_snapshot_into` of several keys at once (one decision and at most one
-        worker-thread hop for the request; see :meth:`Offload.snapshot_many`).
-
-        Args:
-            keys: Declared keys.
-            outs: One array per key, of its dtype and shape, to overwrite.
-        """
-        wait_s = self.engine.config.wait_timeout_ms / 1000.0
-        await self.engine.offload.snapshot_many(keys, outs, timeout_s=wait_s)
 
     async def Session(
         self, request_iterator: AsyncIterator[pb.SessionRequest], context: Any
@@ -561,22 +313,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
-        check_worker_identity(request.worker_id)
-        seq = 0
-
-        def log() -> None:
-            nonlocal seq
-            seq = self.engine.log(
-                wal_pb.WalRecord(
-                    clock=wal_pb.WalClock(worker_id=request.worker_id, clock=request.clock)
-                )
-            )
-
-        self.engine.check_serving()
-        new = self.core.clock(request.worker_id, request.clock, log=log)
-        self.engine.notify()
-        await self.engine.durable(seq)
-        return pb.ClockResponse(clock=new, view=self._view())
+        return await self.shard.clock(request)
 
     @grpc_errors
     async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
@@ -617,7 +354,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
                 )
             )
         return pb.StatusResponse(
-            view=self._view(),
+            view=self.shard.view(),
             aggregation=_AGGREGATION_PB[self.engine.config.aggregation],
             workers=workers,
             keys=keys,
@@ -649,11 +386,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
     async def Checkpoint(
         self, request: pb.CheckpointRequest, context: Any
     ) -> pb.CheckpointResponse:
-        if self.daemon is None or self.daemon.checkpoints is None:
+        host = self.host
+        if host is None or host.checkpoints is None:
             raise FailedPrecondition("checkpoints are off: start the server with --checkpoint-dir")
         t0 = time.monotonic()
-        path = await self.daemon.request_checkpoint()
-        wal_sequence = self.daemon.checkpoints.last_written_wal_sequence
+        path = await host.request_checkpoint()
+        wal_sequence = host.checkpoints.last_written_wal_sequence
         return pb.CheckpointResponse(
             path=str(path),
             wal_sequence=wal_sequence,
@@ -665,7 +403,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         self, request: pb.GetShardMapRequest, context: Any
     ) -> pb.GetShardMapResponse:
         cfg = self.engine.config
-        shard_map = getattr(self.daemon, "shard_map", None)
+        shard_map = self.host.shard_map if self.host is not None else None
         if shard_map is None:
             shard_map = shard_map_of(cfg, f"{cfg.host}:{cfg.port}")
         return shard_map_to_proto(shard_map, cfg.shard_index)

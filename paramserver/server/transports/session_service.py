@@ -3,9 +3,9 @@
 The stream opens with ``SessionOpen`` (answered by ``SessionOpened``); then every request —
 push, pull, push_pull, or a shared-memory offer that attaches or grows the segment — is answered
 by one response carrying the request's ``seq``, in order. Requests are decoded here and handed to
-the seams every push and pull path shares (:meth:`ParameterServerServicer.apply_push`,
-:meth:`~ParameterServerServicer.admit_pull`, :meth:`~ParameterServerServicer.pull_snapshot`,
-:meth:`~ParameterServerServicer.pull_snapshot_into`), inside the same back-pressure ticket as the
+the funnel every push and pull path shares (:class:`~paramserver.server.shard_service.ShardService`:
+``apply_push``, ``admit_pull``, ``pull_snapshot``, ``pull_snapshot_into``), inside the same
+back-pressure ticket as the
 Push stream, so dedup, the WAL commit and every error code are those of the ordinary path. A
 refused request is answered with a ``SessionError`` (status code, message, exact error class)
 and the stream keeps serving; only a protocol violation (no open first, a second open) ends it.
@@ -36,8 +36,9 @@ from paramserver.server.engine import InflightTicket
 from paramserver.server.slicing import SLICE_KEYS
 
 if TYPE_CHECKING:
-    from paramserver.server.transports.grpc_service import ParameterServerServicer
+    from paramserver.server.shard_service import ShardService
     from paramserver.server.transports.link_service import LocalLinkServer
+    from paramserver.server.transports.table_service import TableRpcs
 
 logger = logging.getLogger(__name__)
 
@@ -70,22 +71,25 @@ class _Session:
 
 
 class SessionService:
-    """Serves ``ParameterServer.Session`` streams for one servicer.
+    """Serves ``ParameterServer.Session`` streams of one shard.
 
     Args:
-        servicer: The servicer whose seams every request goes through.
+        shard: The funnel every dense-key request goes through.
+        table_rpcs: The embedding-table calls (row pulls and pushes on the stream).
         shared_memory: Accept shared-memory offers (False: network only, ``--no-shared-memory``).
         max_inline_bytes: Largest inline payload (bytes) of one message.
     """
 
     def __init__(
         self,
-        servicer: ParameterServerServicer,
+        shard: ShardService,
+        table_rpcs: TableRpcs,
         *,
         shared_memory: bool = True,
         max_inline_bytes: int = MAX_INLINE_BYTES,
     ) -> None:
-        self.servicer = servicer
+        self.shard = shard
+        self.table_rpcs = table_rpcs
         self.shared_memory = shared_memory
         self.max_inline_bytes = max_inline_bytes
         #: Streams open now, and shared-memory segments mapped now (for tests and status).
@@ -201,7 +205,7 @@ class SessionService:
                 resp = pb.SessionResponse(seq=req.seq)
                 both = resp.push_pull
                 # Unknown pull keys are refused before the push is applied: all or nothing.
-                self.servicer.core.require_keys(req.push_pull.pull.keys)
+                self.shard.core.require_keys(req.push_pull.pull.keys)
                 pushed = await self._push(session, req.push_pull.push)
                 both.push.CopyFrom(pushed)
                 await self._pull(session, req.push_pull.pull, both.pull)
@@ -235,8 +239,8 @@ class SessionService:
         every :data:`~paramserver.server.slicing.SLICE_KEYS` tensors, so a push of many keys
         never holds the loop (heartbeats, other workers) for long."""
         out: dict[str, np.ndarray] = {}
-        limit = self.servicer.engine.config.max_tensor_bytes
-        keep_copies = self.servicer.core.aggregator is not None  # BSP queues the arrays
+        limit = self.shard.engine.config.max_tensor_bytes
+        keep_copies = self.shard.core.aggregator is not None  # BSP queues the arrays
         for i, t in enumerate(tensors):
             if i and not i % SLICE_KEYS:
                 await asyncio.sleep(0)
@@ -296,8 +300,8 @@ class SessionService:
             raise InvalidArgument(
                 f"tensor {keys[0]!r}: shared-memory slot but no segment is mapped"
             )
-        limit = self.servicer.engine.config.max_tensor_bytes
-        keep_copies = self.servicer.core.aggregator is not None
+        limit = self.shard.engine.config.max_tensor_bytes
+        keep_copies = self.shard.core.aggregator is not None
         region = session.mapping.push if session.mapping is not None else None
         from_wire = tensor.dtype_from_wire
         pos = 0
@@ -325,25 +329,25 @@ class SessionService:
     async def _push(self, session: _Session, push: pb.SessionPush) -> pb.PushResponse:
         header = push.header
         # Backpressure.ticket() without its generator-based context manager (per request).
-        ticket = InflightTicket(self.servicer.engine.backpressure)
+        ticket = InflightTicket(self.shard.engine.backpressure)
         try:
             ticket.enter(header.worker_id)
             grads = await self._decode(session, push.tensors, ticket)
             if push.HasField("slots"):
                 self._decode_slots(session, push.slots, ticket, grads)
-            return await self.servicer.apply_push_header(header, grads)
+            return await self.shard.apply_push_header(header, grads)
         finally:
             ticket.release()
 
     async def _pull(self, session: _Session, req: pb.PullRequest, out: pb.SessionPulled) -> None:
         """Admit the pull and write its info and values into ``out`` (a response's field)."""
-        servicer = self.servicer
-        keys = await servicer.admit_pull(req.worker_id, req.keys, req.timeout_ms)
+        shard = self.shard
+        keys = await shard.admit_pull(req.worker_id, req.keys, req.timeout_ms)
         out.SetInParent()  # present even when it stays empty
         info = out.info
-        servicer._view_into(info.view)
-        info.version = servicer.core.version
-        store = servicer.core.store
+        shard.view_into(info.view)
+        info.version = shard.core.version
+        store = shard.core.store
         values = [store.get(key).value for key in keys]
         total = sum(v.nbytes for v in values)
         mapping = session.mapping
@@ -351,7 +355,7 @@ class SessionService:
             add = out.tensors.add
             for key, value in zip(keys, values, strict=True):
                 # dtype and shape are fixed per key; the bytes are a consistent snapshot.
-                data = await servicer.pull_snapshot_bytes(key)
+                data = await shard.pull_snapshot_bytes(key)
                 add(key=key, dtype=tensor.dtype_to_wire(value.dtype), shape=value.shape, data=data)
             return
         needed = sum(shm.align_up(v.nbytes) for v in values)
@@ -397,16 +401,16 @@ class SessionService:
                     slot={"offset_bytes": offset, "size_bytes": size},
                 )
                 offset = shm.align_up(offset + size)
-        await servicer.pull_snapshots_into(keys, dsts)
+        await shard.pull_snapshots_into(keys, dsts)
 
     async def _rows(self, session: _Session, req: pb.SessionRows, out: pb.SessionRowsDone) -> None:
         """An embedding-table row pull or push (the servicer's table handlers decide)."""
-        rpcs = self.servicer.table_rpcs
+        rpcs = self.table_rpcs
         header = req.header
         tensors = [req.ids, req.grads] if req.push else [req.ids]
         if req.ids.key != "ids" or (req.push and req.grads.key != "grads"):
             raise MalformedStream("SessionRows tensors must be keyed 'ids' (and 'grads')")
-        ticket = InflightTicket(self.servicer.engine.backpressure)
+        ticket = InflightTicket(self.shard.engine.backpressure)
         try:
             if req.push:
                 ticket.enter(header.worker_id)

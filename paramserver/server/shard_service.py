@@ -1,0 +1,362 @@
+"""The funnel of a server shard: every push, pull and membership change of every transport.
+
+The gRPC servicer, the ``Session`` stream and the same-host local link decode their requests and
+call a :class:`ShardService`; it builds every write-ahead-log record of a dense-key mutation
+(register, leave, init, push, clock), waits as the consistency model requires, hands big work
+to worker threads and answers once the change is durable. The transports encode the answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import wal_pb2 as wal_pb
+from paramserver.core.consistency import Consistency
+from paramserver.core.optimizers import HALF_DTYPES, UpdateRule
+from paramserver.errors import InvalidArgument
+from paramserver.security.tls import check_worker_identity
+from paramserver.server import wal
+from paramserver.server.engine import ServerEngine
+from paramserver.server.observability.hooks import observed_admit, observed_push, observed_snapshot
+
+if TYPE_CHECKING:
+    from paramserver.core.sharding import ShardMap
+    from paramserver.server.checkpoint import CheckpointManager
+
+logger = logging.getLogger(__name__)
+
+_CONSISTENCY_PB = {
+    Consistency.BSP: pb.CONSISTENCY_BSP,
+    Consistency.SSP: pb.CONSISTENCY_SSP,
+    Consistency.ASP: pb.CONSISTENCY_ASP,
+}
+
+
+class ShardHost(Protocol):
+    """What the daemon serving a shard offers its RPCs: checkpoints and the shard map."""
+
+    @property
+    def checkpoints(self) -> CheckpointManager | None: ...
+
+    @property
+    def shard_map(self) -> ShardMap | None: ...
+
+    def request_checkpoint(self) -> asyncio.Task[Path | None]: ...
+
+
+class ShardService:
+    """The one path of every dense-key request of a shard, whatever transport brought it.
+
+    Args:
+        engine: The shard's engine (core state, write-ahead log, worker threads, waits).
+    """
+
+    def __init__(self, engine: ServerEngine) -> None:
+        self.engine = engine
+        self.core = engine.core
+
+    def view(self) -> pb.ClusterView:
+        view = pb.ClusterView()
+        self.view_into(view)
+        return view
+
+    def view_into(self, view: pb.ClusterView) -> None:
+        """Fill ``view`` (e.g. a response's own field: no message copy) with the cluster now."""
+        cluster = self.core.cluster
+        view.consistency = _CONSISTENCY_PB[self.core.consistency]
+        view.staleness = cluster.staleness
+        view.live_workers = len(cluster.live_workers())
+        view.min_clock = cluster.min_clock()
+        view.membership_epoch = cluster.epoch
+
+    async def register(self, request: pb.RegisterRequest) -> pb.RegisterResponse:
+        """Register a worker (a new registration, a replacement or a resumption); logged and
+        durable before the answer.
+
+        Raises:
+            AlreadyExists (ALREADY_EXISTS), InvalidArgument (INVALID_ARGUMENT), Unavailable.
+        """
+        check_worker_identity(request.worker_name)  # (per-worker tokens: docs/security.md)
+        self.engine.check_serving()
+        seq = 0
+
+        def log(worker_id: str) -> None:
+            nonlocal seq
+            seq = self.engine.log(
+                wal.record_register(
+                    request.worker_name,
+                    request.replace,
+                    request.client_nonce,
+                    worker_id,
+                    request.resume_worker_id,
+                )
+            )
+
+        rec = self.core.register(
+            request.worker_name,
+            self.engine.now(),
+            replace=request.replace,
+            client_nonce=request.client_nonce,
+            resume_worker_id=request.resume_worker_id,
+            log=log,
+        )
+        self.engine.notify()
+        await self.engine.durable(seq)
+        logger.info("registered %s at clock %d", rec.worker_id, rec.clock)
+        return pb.RegisterResponse(
+            worker_id=rec.worker_id,
+            lease_ms=self.engine.config.lease_ms,
+            clock=rec.clock,
+            view=self.view(),
+        )
+
+    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        """Renew a worker's lease.
+
+        Raises:
+            WorkerNotFound (FAILED_PRECONDITION): the lease expired or the worker left.
+        """
+        check_worker_identity(request.worker_id)
+        self.core.heartbeat(request.worker_id, self.engine.now())
+        return pb.HeartbeatResponse(lease_ms=self.engine.config.lease_ms, view=self.view())
+
+    async def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
+        """A worker leaves; logged and durable before the answer."""
+        seq = 0
+
+        def log() -> None:
+            nonlocal seq
+            seq = self.engine.log(
+                wal_pb.WalRecord(depart=wal_pb.WalDepart(worker_id=request.worker_id, why="left"))
+            )
+
+        check_worker_identity(request.worker_id)
+        self.engine.check_serving()
+        change = self.core.leave(request.worker_id, log=log)
+        self.engine.notify()
+        await self.engine.durable(seq)
+        logger.info("worker %s left at clock %d", change.worker.worker_id, change.worker.clock)
+        return pb.LeaveResponse(view=self.view())
+
+    async def init(self, header: pb.InitHeader, tensors: dict[str, np.ndarray]) -> pb.InitResponse:
+        """Declare keys with their initial values (first writer wins; logged when any key is
+        created).
+
+        Raises:
+            KeyConflict (ALREADY_EXISTS), InvalidArgument (INVALID_ARGUMENT).
+        """
+        rule = UpdateRule.from_proto(header.rule) if header.HasField("rule") else UpdateRule()
+        seq = 0
+
+        def log(will_create: dict[str, bool]) -> None:
+            nonlocal seq
+            self.engine.check_serving()
+            if self.engine.wal is None or not any(will_create.values()):
+                return
+            seq = self.engine.log(
+                wal_pb.WalRecord(
+                    init=wal_pb.WalInit(
+                        rule=rule.to_proto(),
+                        tensors=wal.tensors_to_wal(
+                            {k: tensors[k] for k, c in will_create.items() if c}
+                        ),
+                    )
+                )
+            )
+
+        # Receive buffers: stored, not copied.
+        created = self.core.init(tensors, rule, take=True, log=log)
+        self.engine.notify()
+        await self.engine.durable(seq)
+        return pb.InitResponse(keys=[pb.KeyInit(key=k, created=c) for k, c in created.items()])
+
+    async def apply_push_header(
+        self, header: pb.PushHeader, grads: dict[str, np.ndarray]
+    ) -> pb.PushResponse:
+        """:meth:`apply_push` with its arguments taken from a wire ``PushHeader``."""
+        return await self.apply_push(
+            worker_id=header.worker_id,
+            request_id=header.request_id,
+            clock=header.clock,
+            num_samples=header.num_samples,
+            base_version=header.base_version if header.HasField("base_version") else None,
+            grads=grads,
+        )
+
+    @observed_push
+    async def apply_push(
+        self,
+        *,
+        worker_id: str,
+        request_id: int,
+        clock: int,
+        num_samples: int,
+        base_version: int | None,
+        grads: dict[str, np.ndarray],
+    ) -> pb.PushResponse:
+        """Apply one decoded push (the seam every push path shares: Push stream, Session).
+
+        Args:
+            grads: key -> decoded gradient (dtype and shape checked by the core). The arrays may
+                be views of a receive buffer or shared memory; they are not kept after return.
+
+        Raises:
+            InvalidArgument, KeyNotFound, WorkerNotFound, StaleUpdate (see ``ServerCore.push``).
+        """
+        if not worker_id:
+            raise InvalidArgument("push header needs a worker_id")
+        check_worker_identity(worker_id)
+        if not grads:
+            raise InvalidArgument("a push needs at least one gradient; it carried none")
+        offload = self.engine.offload
+        # Big gradients: the NaN/Inf scan runs in a worker thread (a failed scan leaves it to
+        # the core, which refuses the push with its usual bookkeeping). Small ones (the
+        # common case) skip the coroutine hops: the core scans them inline.
+        finite = (
+            not self.engine.config.allow_non_finite
+            and offload.worth_a_thread(grads)
+            and await offload.all_finite(grads)
+        )
+        # Half-precision keys are range-checked when the push is decided (before it is
+        # logged), which reads their values: wait until no earlier update of them is still
+        # applying. Both waits are re-checked together; no await between them and the decision.
+        ranged = [k for k, g in grads.items() if g.dtype in HALF_DTYPES]
+        while offload.holding_writers or (ranged and not offload.idle(ranged)):
+            if offload.holding_writers:  # (a checkpoint may hold decisions back)
+                await offload.admit_writer()
+            else:
+                await offload.settled(ranged)
+        self.engine.check_serving()
+        applied: list[asyncio.Future[None]] = []
+        seq = 0
+
+        def log() -> None:  # decided: the record goes to the log before anything is applied
+            nonlocal seq
+            if self.engine.wal is None:
+                return
+            seq = self.engine.log(
+                wal_pb.WalRecord(
+                    push=wal_pb.WalPush(
+                        worker_id=worker_id,
+                        request_id=request_id,
+                        clock=clock,
+                        num_samples=num_samples,
+                        base_version=base_version,
+                        grads=wal.tensors_to_wal(grads),
+                    )
+                )
+            )
+
+        result = self.core.push(
+            worker_id,
+            request_id,
+            clock,
+            grads,
+            self.engine.now(),
+            num_samples=num_samples,
+            base_version=base_version,
+            applier=lambda checked: applied.append(offload.apply(checked)),
+            finite_checked=finite,
+            log=log,
+        )
+        for done in applied:  # decided: applied exactly once even if this call is cancelled
+            if not done.done():  # (small applies ran inline: nothing to wait for)
+                await asyncio.shield(done)
+        self.engine.notify()
+        await self.engine.durable(seq)
+        resp = pb.PushResponse(
+            duplicate=result.duplicate,
+            applied_updates=result.applied_updates,
+            dropped_stale=result.dropped_stale,
+        )
+        self.view_into(resp.view)
+        return resp
+
+    @observed_admit
+    async def admit_pull(self, worker_id: str, keys: Any, timeout_ms: int) -> list[str]:
+        """Check the keys and wait as the consistency model requires (every pull path shares it).
+
+        Args:
+            worker_id: The pulling worker; "" reads as an observer (no wait).
+            keys: Keys to read; empty means every key.
+            timeout_ms: Wait deadline in milliseconds; 0 means the server's default.
+
+        Returns:
+            The keys to send, in order.
+
+        Raises:
+            KeyNotFound (NOT_FOUND), WaitTimeout (DEADLINE_EXCEEDED), Aborted (ABORTED).
+        """
+        check_worker_identity(worker_id)
+        key_list = self.core.require_keys(keys)
+        wait_ms = timeout_ms or self.engine.config.wait_timeout_ms
+        await self.engine.wait_pull(worker_id, wait_ms / 1000.0)
+        return key_list
+
+    @observed_snapshot
+    async def pull_snapshot(self, key: str) -> np.ndarray:
+        """A consistent private copy of one key's value (the caller may encode it at leisure).
+
+        Taken after every push of the key decided before the call has been applied; big keys
+        are copied in a worker thread (see :mod:`paramserver.server.apply_threads`).
+        """
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        return await self.engine.offload.snapshot(key, timeout_s=wait_s)
+
+    @observed_snapshot
+    async def pull_snapshot_bytes(self, key: str) -> bytes:
+        """:meth:`pull_snapshot` as raw little-endian C-order bytes (inline wire payloads):
+        one copy for a small key no update is still applying to, else a snapshot first."""
+        offload = self.engine.offload
+        value = offload.read_now(key)
+        if value is not None:
+            return value.tobytes()  # taken now: no await between the check and the copy
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        return (await offload.snapshot(key, timeout_s=wait_s)).tobytes()
+
+    async def pull_snapshot_into(self, key: str, out: np.ndarray) -> None:
+        """:meth:`pull_snapshot` written into ``out`` (one copy, e.g. into a client's shared
+        memory): a consistent copy of one key's value.
+
+        Args:
+            out: Array of the key's dtype and shape to overwrite.
+        """
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        await self.engine.offload.snapshot(key, out, timeout_s=wait_s)
+
+    async def pull_snapshots_into(self, keys: Sequence[str], outs: Sequence[np.ndarray]) -> None:
+        """:meth:`pull_snapshot_into` of several keys at once (one decision and at most one
+        worker-thread hop for the request; see :meth:`Offload.snapshot_many`).
+
+        Args:
+            keys: Declared keys.
+            outs: One array per key, of its dtype and shape, to overwrite.
+        """
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        await self.engine.offload.snapshot_many(keys, outs, timeout_s=wait_s)
+
+    async def clock(self, request: pb.ClockRequest) -> pb.ClockResponse:
+        """A worker ends an iteration; logged and durable before the answer."""
+        check_worker_identity(request.worker_id)
+        seq = 0
+
+        def log() -> None:
+            nonlocal seq
+            seq = self.engine.log(
+                wal_pb.WalRecord(
+                    clock=wal_pb.WalClock(worker_id=request.worker_id, clock=request.clock)
+                )
+            )
+
+        self.engine.check_serving()
+        new = self.core.clock(request.worker_id, request.clock, log=log)
+        self.engine.notify()
+        await self.engine.durable(seq)
+        return pb.ClockResponse(clock=new, view=self.view())
