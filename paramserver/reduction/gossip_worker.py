@@ -37,7 +37,6 @@ import logging
 import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
-from types import TracebackType
 from typing import Any, Final
 
 import grpc
@@ -65,6 +64,8 @@ from paramserver.security.tls import (
 from paramserver.server.serving import grpc_errors, start_grpc_server
 
 __all__ = ["GossipWorker"]
+
+from paramserver.closing import AsyncClosing
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class _PushSumEndpoint(pb_grpc.PushSumPeerServicer):  # type: ignore[misc]
         return pb.PushShareResponse(duplicate=duplicate)
 
 
-class GossipWorker:
+class GossipWorker(AsyncClosing):
     """One push-sum participant over gRPC (Kempe et al. 2003).
 
     Args:
@@ -208,17 +209,6 @@ class GossipWorker:
         self._left = False
 
     # ------------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> GossipWorker:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     @property
     def worker_id(self) -> str:

@@ -5,7 +5,6 @@ and, with a metrics port, RPC counts, durations and token refusals. No parameter
 from __future__ import annotations
 
 import logging
-from types import TracebackType
 from typing import Any
 
 from paramserver.errors import InvalidArgument
@@ -22,12 +21,12 @@ from paramserver.server.observability.prometheus import (
     metrics_security,
     rpc_metrics_server,
 )
-from paramserver.server.serving import GrpcEndpoint, start_grpc_server
+from paramserver.server.serving import GrpcEndpoint, ServingDaemon, start_grpc_server
 
 logger = logging.getLogger(__name__)
 
 
-class ReductionDaemon:
+class ReductionDaemon(ServingDaemon):
     """A running reduction server. Use ``async with ReductionDaemon(config) as d:``.
 
     Attributes:
@@ -114,15 +113,3 @@ class ReductionDaemon:
     async def wait_closed(self) -> None:
         if self._endpoint is not None:
             await self._endpoint.server.wait_for_termination()
-
-    async def __aenter__(self) -> ReductionDaemon:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop(grace_s=0.5)

@@ -24,7 +24,8 @@ import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from types import TracebackType
+from typing import Any, Self, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -169,21 +170,40 @@ async def start_grpc_server(
     return GrpcEndpoint(server, port, health_servicer, tuple(service_names))
 
 
-class Daemon(Protocol):
-    """What :func:`serve_until_signalled` runs: a server started, stopped, waited on."""
+class ServingDaemon:
+    """A server that is started, stopped and waited on (what :func:`serve_until_signalled`
+    runs). ``async with daemon:`` starts it and stops it with a 0.5 s grace."""
 
-    @property
-    def port(self) -> int: ...
+    port: int
 
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        raise NotImplementedError
 
-    async def stop(self, grace_s: float | None = None) -> None: ...
+    async def stop(self, grace_s: float | None = None) -> None:
+        raise NotImplementedError
 
-    async def wait_closed(self) -> None: ...
+    async def wait_closed(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop(grace_s=0.5)
 
 
 async def serve_until_signalled(
-    daemon: Daemon, *, grace_s: float, port_file: str | None = None, notes: Sequence[str] = ()
+    daemon: ServingDaemon,
+    *,
+    grace_s: float,
+    port_file: str | None = None,
+    notes: Sequence[str] = (),
 ) -> None:
     """Start ``daemon``, serve until SIGTERM/SIGINT, then stop it gracefully.
 

@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -45,7 +44,7 @@ from paramserver.server.observability.prometheus import (
 )
 from paramserver.server.observability.status_table import status_to_dict
 from paramserver.server.reshard import prepare_checkpoint_dir
-from paramserver.server.serving import GrpcEndpoint, start_grpc_server
+from paramserver.server.serving import GrpcEndpoint, ServingDaemon, start_grpc_server
 from paramserver.server.shard_service import ShardService
 from paramserver.server.transports import link_service as local_link
 from paramserver.server.transports.grpc_service import ParameterServerServicer, add_to_server
@@ -56,7 +55,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "paramserver.api.v1.ParameterServer"
 
 
-class ParameterServerDaemon:
+class ParameterServerDaemon(ServingDaemon):
     """A running server shard. Use ``async with ParameterServerDaemon(config) as d:``.
 
     Attributes:
@@ -404,15 +403,3 @@ class ParameterServerDaemon:
     async def wait_closed(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
-
-    async def __aenter__(self) -> ParameterServerDaemon:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop(grace_s=0.5)

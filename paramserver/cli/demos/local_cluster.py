@@ -39,6 +39,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
+from paramserver.closing import Closing
 from paramserver.errors import InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
@@ -184,7 +185,7 @@ def _flag_args(flags: Mapping[str, Any]) -> list[str]:
     return out
 
 
-class LocalCluster:
+class LocalCluster(Closing):
     """Real ``paramserver serve`` processes on 127.0.0.1, for one ``with`` block.
 
     Use it as ``async with`` (start and stop run in a worker thread, the event loop keeps
@@ -323,16 +324,8 @@ class LocalCluster:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
-    def __enter__(self) -> LocalCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+    open = start
+    close = stop
 
     async def __aenter__(self) -> LocalCluster:
         starting = asyncio.ensure_future(asyncio.to_thread(self.start))

@@ -20,12 +20,12 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from paramserver.closing import Closing
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.spmd.layout import Layout
 
@@ -205,7 +205,7 @@ class RankServerProcess:
             self.process.wait(timeout=timeout_s)
 
 
-class RankServerCluster:
+class RankServerCluster(Closing):
     """Rank-server subprocesses of one or more instances (context manager; stops them all).
 
     Args:
@@ -368,13 +368,4 @@ class RankServerCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    def __enter__(self) -> RankServerCluster:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+    close = stop

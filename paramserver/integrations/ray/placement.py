@@ -45,7 +45,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import ray
@@ -57,6 +56,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from paramserver.closing import Closing
 from paramserver.errors import InvalidArgument, Unavailable, WaitTimeout
 
 logger = logging.getLogger(__name__)
@@ -419,7 +419,7 @@ def _evaluate_digits_main(addresses: Sequence[str], job: DigitsJob) -> dict[str,
 
 
 # ---------------------------------------------------------------------------- the group
-class RayShardGroup:
+class RayShardGroup(Closing):
     """The shards of one job on a Ray cluster (``ray.init`` must have run).
 
     Use as ``with RayShardGroup(cfg) as shards: job = shards.submit(DigitsJob());
@@ -527,16 +527,7 @@ class RayShardGroup:
             remove_placement_group(self._pg)
             self._pg = None
 
-    def __enter__(self) -> RayShardGroup:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+    open = start
 
 
 class WorkerJob:
