@@ -55,7 +55,7 @@ def free_port() -> int:
 
 
 def report(fault: str, **measured: Any) -> None:
-    """Print one measurement line (``pytest -s`` shows them; the README table quotes them)."""
+    """Print one measurement line (``pytest -s`` shows them; docs/durability.md quotes them)."""
     values = ", ".join(
         f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in measured.items()
     )

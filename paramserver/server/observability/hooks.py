@@ -13,7 +13,7 @@ Two hook objects, both cheap no-ops until something listens:
   :func:`observed_snapshot`. The metrics module installs a Prometheus implementation; without
   ``--metrics-port`` the no-op base stays.
 
-Definitions (README "Observability"):
+Definitions (docs/observability.md "Definitions"):
 
 * **Staleness of an applied gradient, in clocks** (Ho et al., "More Effective Distributed ML via a
   Stale Synchronous Parallel Parameter Server", NIPS 2013: the clock difference): when a gradient
