@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import ml_dtypes
@@ -647,3 +647,54 @@ def decode_frames(
             tensors[key] = array
     assembler.finish()
     return tensors
+
+
+async def read_headed_stream(
+    messages: AsyncIterator[Any],
+    *,
+    head: str,
+    what: str,
+    max_tensor_bytes: int | None = None,
+    head_first: bool = True,
+) -> tuple[Any, dict[str, np.ndarray]]:
+    """Read a stream whose messages carry either its one ``head`` message or a tensor ``frame``
+    (the ``body`` oneof of the reduction and push-sum streams).
+
+    Args:
+        messages: The stream.
+        head: The oneof field of the head message (``"header"``, ``"result"``).
+        what: The stream in error messages (``"reduce stream"``).
+        max_tensor_bytes: Largest tensor accepted, checked at its frame header (None: no limit).
+        head_first: The head must come before every frame (False: anywhere, e.g. a result
+            after the tensors it describes).
+
+    Returns:
+        ``(head message, key -> array)``; each array is complete and owned by the caller.
+
+    Raises:
+        MalformedStream: (INVALID_ARGUMENT) no head, two heads, a frame before the head when
+            ``head_first``, a message that is neither, a key twice, or a broken tensor.
+    """
+    found: Any = None
+    tensors: dict[str, np.ndarray] = {}
+    assembler = TensorAssembler(max_tensor_bytes=max_tensor_bytes)
+    async for msg in messages:
+        which = msg.WhichOneof("body")
+        if which == head:
+            if found is not None:
+                raise MalformedStream(f"second {head} in one {what}")
+            found = getattr(msg, head)
+        elif which != "frame":
+            raise MalformedStream(f"{what}: a message with neither {head} nor frame")
+        elif found is None and head_first:
+            raise MalformedStream(f"a {what} must start with its {head}")
+        else:
+            done = assembler.feed(msg.frame)
+            if done is not None:
+                if done[0] in tensors:
+                    raise MalformedStream(f"tensor {done[0]!r} appears twice in one {what}")
+                tensors[done[0]] = done[1]
+    assembler.finish()
+    if found is None:
+        raise MalformedStream(f"{what} ended without its {head}")
+    return found, tensors

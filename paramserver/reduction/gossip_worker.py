@@ -94,27 +94,12 @@ class _PushSumEndpoint(pb_grpc.PushSumPeerServicer):  # type: ignore[misc]
     async def PushShare(
         self, request_iterator: AsyncIterator[pb.PushShareRequest], context: Any
     ) -> pb.PushShareResponse:
-        header: pb.PushShareHeader | None = None
-        tensors: dict[str, npt.NDArray[Any]] = {}
         # A share is "s" (this node's value shape, float64) and "w" (a float64 scalar): a frame
         # header claiming more is refused before anything is allocated for it.
         limit = max(self.worker.value_nbytes, np.dtype(np.float64).itemsize)
-        assembler = tensor.TensorAssembler(max_tensor_bytes=limit)
-        async for msg in request_iterator:
-            which = msg.WhichOneof("body")
-            if which == "header":
-                if header is not None:
-                    raise MalformedStream("second PushShareHeader in one stream")
-                header = msg.header
-            elif header is None:
-                raise MalformedStream("a push-sum share must start with a PushShareHeader")
-            else:
-                done = assembler.feed(msg.frame)
-                if done is not None:
-                    tensors[done[0]] = done[1]
-        assembler.finish()
-        if header is None:
-            raise MalformedStream("empty push-sum share stream")
+        header, tensors = await tensor.read_headed_stream(
+            request_iterator, head="header", what="push-sum share", max_tensor_bytes=limit
+        )
         if set(tensors) != {"s", "w"} or tensors["w"].shape != ():
             raise MalformedStream(
                 f"a push-sum share carries tensors 's' and 'w' (shape ()), got "

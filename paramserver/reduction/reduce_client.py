@@ -326,19 +326,9 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
 
         async def attempt() -> tuple[pb.ReduceResult, dict[str, npt.NDArray[Any]]]:
             call = self.stub.Reduce(messages(), timeout=wait_s + self.rpc_timeout_s)
-            result: pb.ReduceResult | None = None
-            out: dict[str, npt.NDArray[Any]] = {}
-            assembler = tensor.TensorAssembler()
-            async for resp in call:
-                if resp.WhichOneof("body") == "result":
-                    result = resp.result
-                    continue
-                done = assembler.feed(resp.frame)
-                if done is not None:
-                    out[done[0]] = done[1]
-            assembler.finish()
-            if result is None:
-                raise MalformedStream("reduce answer ended without its ReduceResult")
+            result, out = await tensor.read_headed_stream(
+                call, head="result", what="reduce answer", head_first=False
+            )
             return result, out
 
         result, out = await self._call(attempt, "reduce")

@@ -65,7 +65,6 @@ from paramserver.errors import (
     DimensionMismatch,
     FailedPrecondition,
     InvalidArgument,
-    MalformedStream,
     StaleUpdate,
     Unavailable,
     WaitTimeout,
@@ -680,29 +679,9 @@ class ReductionEngine(LeaseReaperBase):
 async def _read_reduce(
     request_iterator: AsyncIterator[pb.ReduceRequest], max_tensor_bytes: int | None
 ) -> tuple[pb.ReduceHeader, dict[str, npt.NDArray[Any]]]:
-    header: pb.ReduceHeader | None = None
-    gradients: dict[str, npt.NDArray[Any]] = {}
-    assembler = tensor.TensorAssembler(max_tensor_bytes=max_tensor_bytes)
-    async for msg in request_iterator:
-        which = msg.WhichOneof("body")
-        if which == "header":
-            if header is not None:
-                raise MalformedStream("second ReduceHeader in one reduce stream")
-            header = msg.header
-            continue
-        if header is None:
-            raise MalformedStream("a reduce stream must start with a ReduceHeader")
-        if which != "frame":
-            raise MalformedStream("reduce message with neither header nor frame")
-        done = assembler.feed(msg.frame)
-        if done is not None:
-            layer, array = done
-            if layer in gradients:
-                raise MalformedStream(f"layer {layer!r} appears twice in one reduce stream")
-            gradients[layer] = array
-    if header is None:
-        raise MalformedStream("empty reduce stream: no ReduceHeader")
-    assembler.finish()
+    header, gradients = await tensor.read_headed_stream(
+        request_iterator, head="header", what="reduce stream", max_tensor_bytes=max_tensor_bytes
+    )
     return header, gradients
 
 

@@ -980,33 +980,32 @@ class _BearerMetadata:
         )
 
 
+def _bearer_kind(base: type, method: str) -> type:
+    """A :class:`_BearerMetadata` interceptor of one of grpc.aio's four call kinds."""
+
+    async def intercept(self: _BearerMetadata, continuation: Any, details: Any, body: Any) -> Any:
+        return await continuation(self._details(details), body)
+
+    return type(f"_Bearer{base.__name__}", (_BearerMetadata, base), {method: intercept})
+
+
 # grpc.aio files an interceptor under the first of the four kinds it is an instance of, so each
 # kind needs an object of its own.
-class _BearerUnaryUnary(_BearerMetadata, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
-
-
-class _BearerUnaryStream(_BearerMetadata, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
-
-
-class _BearerStreamUnary(_BearerMetadata, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
-    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._details(details), requests)
-
-
-class _BearerStreamStream(_BearerMetadata, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._details(details), requests)
+_BEARER_KINDS = tuple(
+    _bearer_kind(base, f"intercept_{kind}")
+    for base, kind in (
+        (grpc.aio.UnaryUnaryClientInterceptor, "unary_unary"),
+        (grpc.aio.UnaryStreamClientInterceptor, "unary_stream"),
+        (grpc.aio.StreamUnaryClientInterceptor, "stream_unary"),
+        (grpc.aio.StreamStreamClientInterceptor, "stream_stream"),
+    )
+)
 
 
 def bearer_interceptors(token: str) -> list[Any]:
     """Client interceptors adding ``authorization: Bearer <token>`` to every call of a
     plain-text ``grpc.aio`` channel (unary and streaming)."""
-    kinds = (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamUnary, _BearerStreamStream)
-    return [kind(token) for kind in kinds]
+    return [kind(token) for kind in _BEARER_KINDS]
 
 
 def open_channel(

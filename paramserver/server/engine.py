@@ -263,13 +263,35 @@ class ServerEngine(LeaseReaperBase):
             WorkerNotFound: the worker is (or became, while waiting) not live
                 (FAILED_PRECONDITION).
         """
+        return await self.wait_admitted(
+            lambda: self.core.check_pull(worker_id), f"pull by {worker_id!r}", timeout_s
+        )
+
+    async def wait_admitted(
+        self, decide: Callable[[], Admission], what: str, timeout_s: float
+    ) -> Admission:
+        """Wait until ``decide()`` admits, re-deciding at every change of the shard: the one
+        wait loop of dense pulls and row pulls.
+
+        Args:
+            decide: The consistency model's decision now (called with no await before it).
+            what: The waiter in messages, e.g. ``"pull by 'w0-1'"``.
+            timeout_s: Deadline of the wait in seconds.
+
+        Returns:
+            The admitting decision.
+
+        Raises:
+            WaitTimeout (DEADLINE_EXCEEDED), Aborted (ABORTED), Unavailable (UNAVAILABLE),
+            WorkerNotFound (FAILED_PRECONDITION): as :meth:`wait_pull` says.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             if self.shutting_down:
                 raise Unavailable("server is shutting down: retry against its successor")
-            self.check_serving()
-            adm = self.core.check_pull(worker_id)
+            self.check_serving()  # the log failed: no reads of state it may not hold
+            adm = decide()
             if adm.admitted:
                 return adm
             if adm.aborted:
@@ -277,7 +299,7 @@ class ServerEngine(LeaseReaperBase):
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise WaitTimeout(
-                    f"pull by {worker_id!r} waited {timeout_s:.3f} s for workers "
+                    f"{what} waited {timeout_s:.3f} s for workers "
                     f"[{', '.join(adm.waiting_for)}]: {adm.reason}"
                 )
             change = self._next_change()

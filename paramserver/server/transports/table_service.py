@@ -9,8 +9,6 @@ on disk. The servicer's error decorator turns refusals into status codes.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,8 +23,6 @@ from paramserver.errors import (
     MalformedStream,
     StorageError,
     StorageFull,
-    Unavailable,
-    WaitTimeout,
 )
 from paramserver.protocol import rows_wire, tensor
 from paramserver.security.tls import check_worker_identity
@@ -114,24 +110,11 @@ class TableRpcs:
     async def _wait_rows(self, worker_id: str, table: str, timeout_ms: int) -> None:
         engine = self.engine
         wait_ms = timeout_ms or engine.config.wait_timeout_ms
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_ms / 1000.0
-        while True:
-            if engine.shutting_down:
-                raise Unavailable("server is shutting down: retry against its successor")
-            engine.check_serving()  # the log failed: no reads of state it may not hold
-            adm = self.tables.check_pull(engine.core.cluster, worker_id, table)
-            if adm.admitted:
-                return
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise WaitTimeout(
-                    f"row pull by {worker_id!r} waited {wait_ms / 1000.0:.3f} s for workers "
-                    f"[{', '.join(adm.waiting_for)}]: {adm.reason}"
-                )
-            change = engine._next_change()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(change), remaining)
+        await engine.wait_admitted(
+            lambda: self.tables.check_pull(engine.core.cluster, worker_id, table),
+            f"row pull by {worker_id!r}",
+            wait_ms / 1000.0,
+        )
 
     # ------------------------------------------------------------------ PullRows
     async def pull_rows(self, request_iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
