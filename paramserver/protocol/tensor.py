@@ -674,6 +674,7 @@ async def read_headed_stream(
     Raises:
         MalformedStream: (INVALID_ARGUMENT) no head, two heads, a frame before the head when
             ``head_first``, a message that is neither, a key twice, or a broken tensor.
+        InvalidArgument: (INVALID_ARGUMENT) a tensor larger than ``max_tensor_bytes``.
     """
     found: Any = None
     tensors: dict[str, np.ndarray] = {}

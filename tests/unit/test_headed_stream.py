@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import reduction_pb2 as rpb
-from paramserver.errors import MalformedStream
+from paramserver.errors import InvalidArgument, MalformedStream
 from paramserver.protocol import tensor
 
 pytestmark = pytest.mark.timeout(30)
@@ -71,5 +71,5 @@ def test_malformed_streams_are_refused(msgs: list[Any], match: str) -> None:
 
 
 def test_a_tensor_over_the_limit_is_refused_at_its_header() -> None:
-    with pytest.raises(MalformedStream):
+    with pytest.raises(InvalidArgument, match="size_bytes 800 exceeds max_tensor_bytes 64"):
         _read([HEAD, *_frames("a", np.zeros(100, np.float64))], max_tensor_bytes=64)
