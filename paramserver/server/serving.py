@@ -24,12 +24,12 @@ import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from paramserver.closing import AsyncClosing
 from paramserver.errors import ERROR_CLASS_METADATA_KEY, ParamServerError
 from paramserver.protocol.keepalive import SERVER_KEEPALIVE_OPTIONS
 from paramserver.protocol.limits import cut_details
@@ -170,7 +170,7 @@ async def start_grpc_server(
     return GrpcEndpoint(server, port, health_servicer, tuple(service_names))
 
 
-class ServingDaemon:
+class ServingDaemon(AsyncClosing):
     """A server that is started, stopped and waited on (what :func:`serve_until_signalled`
     runs). ``async with daemon:`` starts it and stops it with a 0.5 s grace."""
 
@@ -185,16 +185,10 @@ class ServingDaemon:
     async def wait_closed(self) -> None:
         raise NotImplementedError
 
-    async def __aenter__(self) -> Self:
+    async def open(self) -> None:
         await self.start()
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def close(self) -> None:
         await self.stop(grace_s=0.5)
 
 

@@ -36,7 +36,6 @@ import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
 from paramserver.closing import Closing
@@ -338,12 +337,7 @@ class LocalCluster(Closing):
             self.stop()
             raise
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         try:
             await asyncio.to_thread(self.stop)
         finally:
