@@ -7,7 +7,7 @@ import argparse
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -138,6 +138,18 @@ def _retain_freed_memory(limit: int) -> str:
     return "malloc: glibc's defaults kept (--malloc-retain-bytes 0)"
 
 
+def _ask(args: argparse.Namespace, address: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
+    """One call to the server at ``address`` with the security of ``args``; a failed RPC
+    becomes one line and exit 1 (:func:`paramserver.cli.main.run_command`)."""
+    security = client_security_from_args(args, os.environ)
+
+    async def ask() -> Any:
+        async with open_channel(address, security) as channel:
+            return await call(pb_grpc.ParameterServerStub(channel))
+
+    return run_loop(ask(), use_uvloop=False)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from paramserver.api.v1 import parameter_server_pb2 as pb
     from paramserver.server.observability.status_table import render_status
@@ -146,14 +158,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if not address:
         raise InvalidArgument("give the server as ADDRESS or --server HOST:PORT")
     address = parse_address(address, "--server" if args.server else "ADDRESS")
-    security = client_security_from_args(args, os.environ)
-
-    async def fetch() -> Any:
-        async with open_channel(address, security) as channel:
-            stub = pb_grpc.ParameterServerStub(channel)
-            return await stub.Status(pb.StatusRequest(), timeout=args.timeout_s)
-
-    resp = run_loop(fetch(), use_uvloop=False)  # a failed RPC: one line (paramserver.cli.main)
+    resp = _ask(args, address, lambda stub: stub.Status(pb.StatusRequest(), timeout=args.timeout_s))
     if args.json:
         print(json.dumps(status_to_dict(resp), indent=2, sort_keys=True))
     else:
@@ -165,14 +170,9 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     from paramserver.api.v1 import parameter_server_pb2 as pb
 
     address = parse_address(args.server, "--server")
-    security = client_security_from_args(args, os.environ)
-
-    async def ask() -> Any:
-        async with open_channel(address, security) as channel:
-            stub = pb_grpc.ParameterServerStub(channel)
-            return await stub.Checkpoint(pb.CheckpointRequest(), timeout=args.timeout_s)
-
-    resp = run_loop(ask(), use_uvloop=False)  # a failed RPC: one line (paramserver.cli.main)
+    resp = _ask(
+        args, address, lambda stub: stub.Checkpoint(pb.CheckpointRequest(), timeout=args.timeout_s)
+    )
     print(
         json.dumps(
             {"path": resp.path, "wal_sequence": resp.wal_sequence, "duration_ms": resp.duration_ms}
