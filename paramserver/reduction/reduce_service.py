@@ -71,7 +71,7 @@ from paramserver.errors import (
     WorkerNotFound,
 )
 from paramserver.protocol import tensor
-from paramserver.security.tls import check_worker_identity
+from paramserver.security.tokens import check_worker_identity
 from paramserver.server.config import ServerConfig
 from paramserver.server.serving import grpc_errors
 from paramserver.server.wakeups import LeaseReaperBase

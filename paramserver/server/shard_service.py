@@ -21,7 +21,7 @@ from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.core.consistency import Consistency
 from paramserver.core.optimizers import HALF_DTYPES, UpdateRule
 from paramserver.errors import InvalidArgument
-from paramserver.security.tls import check_worker_identity
+from paramserver.security.tokens import check_worker_identity
 from paramserver.server import wal
 from paramserver.server.engine import ServerEngine
 from paramserver.server.observability.hooks import observed_admit, observed_push, observed_snapshot

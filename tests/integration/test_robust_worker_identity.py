@@ -15,7 +15,8 @@ import pytest
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import PermissionDenied
-from paramserver.security.tls import ClientSecurity, TokenTable, open_channel
+from paramserver.security.tls import ClientSecurity, open_channel
+from paramserver.security.tokens import TokenTable
 from paramserver.worker_client import UpdateRule, connect
 
 from .ps_helpers import running_server

@@ -223,12 +223,12 @@ async def test_refusals_are_logged_with_method_and_peer_never_the_token(
 ) -> None:
     wrong = "s3cret-but-wrong-" + tokens.worker[:8]
     async with running_server(auth_tokens=tokens.path) as srv:
-        with caplog.at_level(logging.WARNING, logger="paramserver.security.tls"):
+        with caplog.at_level(logging.WARNING, logger="paramserver.security.tokens"):
             await call_every_method(srv.address, _only(PS, "Pull"), ClientSecurity(token=wrong))
             await call_every_method(
                 srv.address, _only(PS, "Checkpoint"), ClientSecurity(token=tokens.worker)
             )
-    records = [r.getMessage() for r in caplog.records if r.name == "paramserver.security.tls"]
+    records = [r.getMessage() for r in caplog.records if r.name == "paramserver.security.tokens"]
     assert len(records) == 2, records
     assert "/paramserver.api.v1.ParameterServer/Pull" in records[0]
     assert "UNAUTHENTICATED" in records[0] and "127.0.0.1" in records[0]

@@ -26,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from paramserver.cli.demos.local_cluster import free_ports
 from paramserver.cli.main import main as cli_main
 from paramserver.errors import TLS_MISMATCH_HINT, InvalidArgument, Unavailable, from_rpc_error
-from paramserver.security.tls import ClientSecurity, ServerSecurity, TokenTable, peer_security
+from paramserver.security.tls import ClientSecurity, ServerSecurity, peer_security
+from paramserver.security.tokens import TokenTable
 from paramserver.server.config import ServerConfig
 from paramserver.server.observability.prometheus import MetricsServer
 from paramserver.server.shard_daemon import ParameterServerDaemon

@@ -17,15 +17,17 @@ import pytest
 import paramserver.api.v1 as api
 from paramserver.errors import InvalidArgument, PermissionDenied, Unauthenticated, from_rpc_error
 from paramserver.security.tls import (
-    OPEN_SERVICES,
-    RPC_ROLES,
     ClientSecurity,
-    Role,
     ServerSecurity,
-    TokenAuthInterceptor,
-    TokenTable,
     endpoint_security,
     token_from_sources,
+)
+from paramserver.security.tokens import (
+    OPEN_SERVICES,
+    RPC_ROLES,
+    Role,
+    TokenAuthInterceptor,
+    TokenTable,
 )
 from paramserver.server.config import ServerConfig
 
@@ -51,7 +53,7 @@ def test_every_rpc_of_every_service_is_classified() -> None:
     rpcs = all_rpcs()
     assert len(rpcs) >= 30  # ParameterServer, ReductionService, PushSumPeer, RankServer
     missing = sorted(rpcs - set(RPC_ROLES))
-    assert not missing, f"classify these RPCs in paramserver.security.tls.RPC_ROLES: {missing}"
+    assert not missing, f"classify these RPCs in paramserver.security.tokens.RPC_ROLES: {missing}"
     admin = {name for name, role in RPC_ROLES.items() if role is Role.ADMIN}
     assert admin == {
         "/paramserver.api.v1.ParameterServer/Checkpoint",
@@ -169,7 +171,7 @@ async def test_open_services_pass_and_refusals_keep_the_streaming_kind(
             raise RuntimeError(f"{code.name}: {detail}")
 
     with (
-        caplog.at_level(logging.WARNING, logger="paramserver.security.tls"),
+        caplog.at_level(logging.WARNING, logger="paramserver.security.tokens"),
         pytest.raises(RuntimeError, match="UNAUTHENTICATED"),
     ):
         await refused.stream_stream(iter(()), Context())

@@ -40,7 +40,7 @@ import grpc
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import MalformedStream, Unauthenticated
 from paramserver.protocol.link import FrameReader, socket_address, write_frame
-from paramserver.security.tls import CALLER_WORKER_NAME
+from paramserver.security.tokens import CALLER_WORKER_NAME
 from paramserver.server.observability.hooks import CURRENT_RPC
 from paramserver.server.transports.session_service import error_response
 

@@ -31,7 +31,7 @@ from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
 from paramserver.protocol import shm, tensor
 from paramserver.protocol.session_frames import MAX_INLINE_BYTES, SMALL_INLINE_BYTES
-from paramserver.security.tls import check_worker_identity
+from paramserver.security.tokens import check_worker_identity
 from paramserver.server.engine import InflightTicket
 from paramserver.server.slicing import SLICE_KEYS
 

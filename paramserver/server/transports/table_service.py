@@ -25,7 +25,7 @@ from paramserver.errors import (
     StorageFull,
 )
 from paramserver.protocol import rows_wire, tensor
-from paramserver.security.tls import check_worker_identity
+from paramserver.security.tokens import check_worker_identity
 from paramserver.server.engine import ServerEngine
 from paramserver.server.table_wal import record_expire_rows, record_init_table, record_push_rows
 
