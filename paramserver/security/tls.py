@@ -137,9 +137,40 @@ def _check_ca(path: str) -> None:
         ) from None
 
 
+# --------------------------------------------------------------------------- both sides
+@dataclass(frozen=True)
+class _PemFiles:
+    """The certificate, key and CA bytes of a side, read and checked once when it is built."""
+
+    _cert: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
+    _key: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
+    _ca: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
+
+    def _load(
+        self, cert: str | None, key: str | None, ca: str | None, side: str, *, warn: bool
+    ) -> None:
+        """Read and check ``cert``+``key`` (as ``side``, e.g. "server certificate") and ``ca``;
+        ``warn``: log when the key file is readable by others."""
+        if cert is not None and key is not None:
+            cert_pem = _read_file(cert, "--tls-cert")
+            key_pem = _read_file(key, "--tls-key")
+            _check_pem(cert_pem, cert, "--tls-cert", b"CERTIFICATE")
+            _check_pem(key_pem, key, "--tls-key", b"PRIVATE KEY")
+            _check_key_pair(cert, key, key_pem, side)
+            if warn:
+                _warn_if_shared(key, "TLS key")
+            object.__setattr__(self, "_cert", cert_pem)
+            object.__setattr__(self, "_key", key_pem)
+        if ca is not None:
+            ca_pem = _read_file(ca, "--tls-ca")
+            _check_pem(ca_pem, ca, "--tls-ca", b"CERTIFICATE")
+            _check_ca(ca)
+            object.__setattr__(self, "_ca", ca_pem)
+
+
 # --------------------------------------------------------------------------- server side
 @dataclass(frozen=True)
-class ServerSecurity:
+class ServerSecurity(_PemFiles):
     """TLS / mutual TLS and token authentication of one server.
 
     Attributes:
@@ -161,9 +192,6 @@ class ServerSecurity:
     tls_ca: str | None = None
     auth_tokens: str | None = None
     tokens: TokenTable | None = None
-    _cert: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
-    _key: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
-    _ca: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -173,20 +201,7 @@ class ServerSecurity:
                 "--tls-ca on a server requires client certificates (mutual TLS) and needs the "
                 "server's own --tls-cert and --tls-key"
             )
-        if self.tls_cert is not None and self.tls_key is not None:
-            cert = _read_file(self.tls_cert, "--tls-cert")
-            key = _read_file(self.tls_key, "--tls-key")
-            _check_pem(cert, self.tls_cert, "--tls-cert", b"CERTIFICATE")
-            _check_pem(key, self.tls_key, "--tls-key", b"PRIVATE KEY")
-            _check_key_pair(self.tls_cert, self.tls_key, key, "server certificate")
-            _warn_if_shared(self.tls_key, "TLS key")
-            object.__setattr__(self, "_cert", cert)
-            object.__setattr__(self, "_key", key)
-        if self.tls_ca is not None:
-            ca = _read_file(self.tls_ca, "--tls-ca")
-            _check_pem(ca, self.tls_ca, "--tls-ca", b"CERTIFICATE")
-            _check_ca(self.tls_ca)
-            object.__setattr__(self, "_ca", ca)
+        self._load(self.tls_cert, self.tls_key, self.tls_ca, "server certificate", warn=True)
         if self.tokens is None and self.auth_tokens is not None:
             object.__setattr__(self, "tokens", TokenTable.from_file(self.auth_tokens))
 
@@ -331,7 +346,7 @@ def bind_failure_reason(address: str, error: OSError | None = None) -> str:
 
 # --------------------------------------------------------------------------- client side
 @dataclass(frozen=True)
-class ClientSecurity:
+class ClientSecurity(_PemFiles):
     """How a client reaches a server: TLS (server verified by a CA), mutual TLS (plus a client
     certificate), and the bearer token.
 
@@ -361,26 +376,11 @@ class ClientSecurity:
     token: str | None = dataclasses.field(default=None, repr=False)
     token_file: str | None = None
     tls: bool = False
-    _cert: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
-    _key: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
-    _ca: bytes = dataclasses.field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidArgument("--tls-cert and --tls-key go together (mutual TLS needs both)")
-        if self.tls_cert is not None and self.tls_key is not None:
-            cert = _read_file(self.tls_cert, "--tls-cert")
-            key = _read_file(self.tls_key, "--tls-key")
-            _check_pem(cert, self.tls_cert, "--tls-cert", b"CERTIFICATE")
-            _check_pem(key, self.tls_key, "--tls-key", b"PRIVATE KEY")
-            _check_key_pair(self.tls_cert, self.tls_key, key, "client certificate")
-            object.__setattr__(self, "_cert", cert)
-            object.__setattr__(self, "_key", key)
-        if self.tls_ca is not None:
-            ca = _read_file(self.tls_ca, "--tls-ca")
-            _check_pem(ca, self.tls_ca, "--tls-ca", b"CERTIFICATE")
-            _check_ca(self.tls_ca)
-            object.__setattr__(self, "_ca", ca)
+        self._load(self.tls_cert, self.tls_key, self.tls_ca, "client certificate", warn=False)
         if self.tls_ca is not None or self.tls_cert is not None:
             object.__setattr__(self, "tls", True)
         if self.tls_server_name is not None and not self.tls:

@@ -36,6 +36,7 @@ node too). See docs/engines.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import logging
@@ -376,16 +377,10 @@ def _worker_main(
             server=addresses[0],  # any shard: the client fetches the shard map from it
             worker_index=index,
             num_workers=num_workers,
-            epochs=job.epochs,
-            batch_size=job.batch_size,
-            lr=job.lr,
-            momentum=job.momentum,
-            hidden=job.hidden,
-            seed=job.seed,
             evaluate=False,
-            slow_factor=job.slow_factor,
             replace=True,
             retry=retry,
+            **dataclasses.asdict(job),
         )
         result = run_loop(train_worker(cfg))
     elif inspect.iscoroutinefunction(job):
