@@ -95,6 +95,20 @@ class PushResult:
     queued: bool = False
 
 
+#: The observer's drop reason of a refused push, by error class (most specific first).
+_DROP_REASONS: tuple[tuple[type[Exception], str], ...] = (
+    (NonFiniteGradient, "non_finite"),
+    (ValueOutOfRange, "out_of_range"),
+    (InvalidArgument, "invalid"),
+    (StaleUpdate, "stale_step"),
+    (KeyNotFound, "unknown_key"),
+)
+
+
+def _drop_reason(exc: Exception) -> str:
+    return next((why for cls, why in _DROP_REASONS if isinstance(exc, cls)), "rejected")
+
+
 class ServerCore:
     """One shard's parameters, membership, clocks and BSP aggregation.
 
@@ -357,26 +371,11 @@ class ServerCore:
             result = self._apply_or_queue(
                 rec, clock, grads, checked, now, max(num_samples, 1), base_version, applier, log
             )
-        except InvalidArgument as exc:
-            # Name the pushing worker too, same class and code.
-            self.rejected_pushes += 1
-            self.observer.dropped(
-                "non_finite"
-                if isinstance(exc, NonFiniteGradient)
-                else "out_of_range"
-                if isinstance(exc, ValueOutOfRange)
-                else "invalid"
-            )
-            raise type(exc)(f"push from worker {rec.worker_id!r}: {exc.message}") from exc
         except Exception as exc:
             self.rejected_pushes += 1
-            self.observer.dropped(
-                "stale_step"
-                if isinstance(exc, StaleUpdate)
-                else "unknown_key"
-                if isinstance(exc, KeyNotFound)
-                else "rejected"
-            )
+            self.observer.dropped(_drop_reason(exc))
+            if isinstance(exc, InvalidArgument):  # name the pushing worker too, same class
+                raise type(exc)(f"push from worker {rec.worker_id!r}: {exc.message}") from exc
             raise
         seen[request_id] = result
         if len(seen) > DEDUP_WINDOW:

@@ -31,10 +31,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-import ml_dtypes
 import numpy as np
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.core.store import SUPPORTED_DTYPES
 from paramserver.errors import DimensionMismatch, InvalidArgument, MalformedStream
 
 __all__ = [
@@ -72,14 +72,7 @@ _SLICE_RE: Final = re.compile(r"^(?P<key>.+)@slice(?P<index>\d+)/(?P<count>\d+)$
 _LAYOUT_FORMAT: Final = 1
 
 # Stable dtype codes of the layout tensor (never renumber).
-_DTYPE_CODES: Final[tuple[np.dtype[Any], ...]] = (
-    np.dtype(np.float16),
-    np.dtype(ml_dtypes.bfloat16),
-    np.dtype(np.float32),
-    np.dtype(np.float64),
-    np.dtype(np.int32),
-    np.dtype(np.int64),
-)
+_DTYPE_CODES: Final[tuple[np.dtype[Any], ...]] = SUPPORTED_DTYPES  # append only
 
 
 def key_hash(key: str) -> int:

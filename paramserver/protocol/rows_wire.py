@@ -35,22 +35,11 @@ _RULES = {
     tpb.TABLE_RULE_KIND_ROWWISE_ADAGRAD: "rowwise_adagrad",
     tpb.TABLE_RULE_KIND_ADAM: "adam",
 }
-_RULES_PB = {
-    "sgd": tpb.TABLE_RULE_KIND_SGD,
-    "adagrad": tpb.TABLE_RULE_KIND_ADAGRAD,
-    "rowwise_adagrad": tpb.TABLE_RULE_KIND_ROWWISE_ADAGRAD,
-    "adam": tpb.TABLE_RULE_KIND_ADAM,
-}
 _INITS = {
     tpb.TABLE_INITIALIZER_UNSPECIFIED: "uniform",
     tpb.TABLE_INITIALIZER_UNIFORM: "uniform",
     tpb.TABLE_INITIALIZER_NORMAL: "normal",
     tpb.TABLE_INITIALIZER_ZEROS: "zeros",
-}
-_INITS_PB = {
-    "uniform": tpb.TABLE_INITIALIZER_UNIFORM,
-    "normal": tpb.TABLE_INITIALIZER_NORMAL,
-    "zeros": tpb.TABLE_INITIALIZER_ZEROS,
 }
 _CONS = {
     tpb.TABLE_CONSISTENCY_UNSPECIFIED: "asp",
@@ -58,11 +47,16 @@ _CONS = {
     tpb.TABLE_CONSISTENCY_SSP: "ssp",
     tpb.TABLE_CONSISTENCY_BSP: "bsp",
 }
-_CONS_PB = {
-    "asp": tpb.TABLE_CONSISTENCY_ASP,
-    "ssp": tpb.TABLE_CONSISTENCY_SSP,
-    "bsp": tpb.TABLE_CONSISTENCY_BSP,
-}
+
+
+def _to_wire(names: dict[int, str]) -> dict[str, int]:
+    """The inverse of a wire enum -> name table (UNSPECIFIED, value 0, is never written)."""
+    return {name: code for code, name in names.items() if code != 0}
+
+
+_RULES_PB = _to_wire(_RULES)
+_INITS_PB = _to_wire(_INITS)
+_CONS_PB = _to_wire(_CONS)
 
 
 def spec_to_proto(spec: TableSpec) -> Any:

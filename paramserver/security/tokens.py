@@ -41,13 +41,15 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from paramserver.errors import InvalidArgument, PermissionDenied
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Shortest token accepted in a token file (a guessable token is no authentication).
 MIN_TOKEN_CHARS = 16
@@ -167,6 +169,17 @@ def _check_metadata_token(token: str, where: str) -> None:
 
 
 # --------------------------------------------------------------------------- tokens
+def _lookup(pairs: Sequence[tuple[str, T]], token: str) -> T | None:
+    """The value paired with ``token``, comparing with :func:`hmac.compare_digest` against
+    every entry (no early exit on a match, so the time does not tell which one matched)."""
+    given = token.encode("utf-8", "surrogatepass")
+    found: T | None = None
+    for known, value in pairs:
+        if hmac.compare_digest(given, known.encode("utf-8")) and found is None:
+            found = value
+    return found
+
+
 @dataclass(frozen=True)
 class TokenTable:
     """The tokens a server accepts and the role of each.
@@ -261,22 +274,12 @@ class TokenTable:
     def role_of(self, token: str) -> Role | None:
         """The role of ``token``, or None when unknown. Compares with
         :func:`hmac.compare_digest` against every entry (no early exit on a match)."""
-        given = token.encode("utf-8", "surrogatepass")
-        found: Role | None = None
-        for known, role in self.entries:
-            if hmac.compare_digest(given, known.encode("utf-8")) and found is None:
-                found = role
-        return found
+        return _lookup(self.entries, token)
 
     def worker_name_of(self, token: str) -> str | None:
         """The worker name ``token`` is bound to, or None (a role-only token, or unknown).
         Compares with :func:`hmac.compare_digest` against every bound entry."""
-        given = token.encode("utf-8", "surrogatepass")
-        found: str | None = None
-        for known, name in self.bound:
-            if hmac.compare_digest(given, known.encode("utf-8")) and found is None:
-                found = name
-        return found
+        return _lookup(self.bound, token)
 
 
 #: The worker name the calling token is bound to, while a handler serves that call (None: a

@@ -287,28 +287,33 @@ def _store_of(entries: Mapping[str, LogicalEntry]) -> ParameterStore:
 
 
 # ------------------------------------------------------------------------------ the tool
+def _load_checkpoint(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One verified checkpoint of the cut: its tensors and manifest.
+
+    Raises:
+        ReshardError: the checkpoint does not verify (the path named).
+    """
+    try:
+        return CheckpointManager(path.parent).load(path)
+    except CheckpointError as exc:
+        raise ReshardError(f"{path}: {exc}") from exc
+
+
 def load_model(cut: Cut) -> dict[str, LogicalEntry]:
     """Load and verify the cut's checkpoints and merge them into the logical model."""
-    stores = []
-    for path in cut.paths:
-        try:
-            tensors, manifest = CheckpointManager(path.parent).load(path)
-        except CheckpointError as exc:
-            raise ReshardError(f"{path}: {exc}") from exc
-        stores.append(ParameterStore.from_state_dict(tensors, manifest["store"]))
+    stores = [
+        ParameterStore.from_state_dict(tensors, manifest["store"])
+        for tensors, manifest in map(_load_checkpoint, cut.paths)
+    ]
     return merge_stores(stores)
 
 
 def load_tables(cut: Cut) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The cut's embedding tables merged into one (rows moved by id on the way out)."""
-    parts = []
-    for path in cut.paths:
-        try:
-            tensors, manifest = CheckpointManager(path.parent).load(path)
-        except CheckpointError as exc:
-            raise ReshardError(f"{path}: {exc}") from exc
-        tables = {k: v for k, v in tensors.items() if k.startswith("table/")}
-        parts.append((tables, manifest.get("tables", {})))
+    parts = [
+        ({k: v for k, v in tensors.items() if k.startswith("table/")}, manifest.get("tables", {}))
+        for tensors, manifest in map(_load_checkpoint, cut.paths)
+    ]
     return merge_table_states(parts)
 
 
