@@ -5,6 +5,7 @@ runs."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import shlex
 import sys
@@ -82,15 +83,7 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
     if args.train:
         job = _load_function(args.train)
     else:
-        job = DigitsJob(
-            epochs=args.epochs,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            momentum=args.momentum,
-            hidden=args.hidden,
-            seed=args.seed,
-            slow_factor=args.slow_factor,
-        )
+        job = DigitsJob(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DigitsJob)})
     ray.init(address=args.address, log_to_driver=args.worker_logs)
     try:
         result = launch(cfg, job)
@@ -115,6 +108,8 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
 
 def add_subcommands(sub: Any) -> None:
     """Register ``ray-launch``."""
+    from paramserver.cli.demos.digits import add_model_flags
+
     p = sub.add_parser(
         "ray-launch",
         help="run a job on a Ray cluster: shards as actors, workers as tasks (paramserver[ray])",
@@ -181,12 +176,6 @@ def add_subcommands(sub: Any) -> None:
         help="run train(client, worker_index, num_workers) instead of the digits job",
     )
     p.add_argument("--worker-logs", action="store_true", help="stream worker output here")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
+    add_model_flags(p, epochs=10)
     p.add_argument("--slow-factor", type=float, default=1.0, help="workers x slower")
-    p.add_argument("--min-accuracy", type=float, default=0.93, help="exit 1 below this bar")
     p.set_defaults(func=_cmd_ray_launch)

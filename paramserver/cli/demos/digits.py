@@ -764,7 +764,9 @@ def _final_accuracy(address: str, args: argparse.Namespace) -> float:
     return float(run_loop(read(), use_uvloop=not args.no_uvloop))
 
 
-def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int, framework: bool = True) -> None:
+def add_model_flags(p: argparse.ArgumentParser, *, epochs: int) -> None:
+    """The digits job's flags (epochs, batch size, learning rate, momentum, hidden units, seed,
+    minimum accuracy), shared by ``worker``, ``demo`` and ``ray-launch``."""
     p.add_argument("--epochs", type=int, default=epochs, help=f"epochs (default {epochs})")
     p.add_argument("--batch-size", type=int, default=32, help="examples per push (default 32)")
     p.add_argument(
@@ -791,6 +793,10 @@ def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int, framework: b
         default=0.93,
         help="exit 1 when the final test accuracy is below this bar (default 0.93)",
     )
+
+
+def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int, framework: bool = True) -> None:
+    add_model_flags(p, epochs=epochs)
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
     p.add_argument(
         "--compression",
