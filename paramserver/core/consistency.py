@@ -19,7 +19,7 @@ network or an event loop. Decisions carry the names of the workers they wait for
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from paramserver.errors import AlreadyExists, InvalidArgument, StaleUpdate, WorkerNotFound
@@ -342,23 +342,55 @@ class ClusterState:
         Raises:
             WorkerNotFound: the worker is not live (FAILED_PRECONDITION).
         """
-        if not worker_id or self.consistency is Consistency.ASP:
+        return self.admit_read(
+            worker_id,
+            asynchronous=self.consistency is Consistency.ASP,
+            staleness=self.staleness,
+            describe=lambda rec, need: (
+                f"worker {rec.name!r} at clock {rec.clock} (staleness {self.staleness}) waits "
+                f"for clock >= {need}"
+            ),
+            aborted=self.aborted_steps,
+        )
+
+    def admit_read(
+        self,
+        worker_id: str,
+        *,
+        asynchronous: bool,
+        staleness: int,
+        describe: Callable[[WorkerRecord, int], str],
+        aborted: Mapping[int, str] | None = None,
+    ) -> Admission:
+        """The bounded-staleness read rule every pull shares (dense keys and table rows).
+
+        A read by a worker at clock ``c`` is admitted iff every live worker that holds the
+        cluster back has clock ``>= c - staleness`` (Ho et al. 2013); ``asynchronous`` (ASP)
+        and an observer read (empty ``worker_id``) are always admitted.
+
+        Args:
+            worker_id: The reading worker ("" for an observer).
+            asynchronous: No bound (ASP).
+            staleness: The bound ``s`` in clocks (0: BSP).
+            describe: ``(reader, needed clock) -> text`` of a wait, for its reason.
+            aborted: Aborted BSP steps by step, with their reason (a read waiting on one fails).
+
+        Raises:
+            WorkerNotFound: the worker is not live (FAILED_PRECONDITION).
+        """
+        if not worker_id or asynchronous:
             if worker_id:
                 self.require_live(worker_id)
             return Admission(True, reason="no wait")
         rec = self.require_live(worker_id)
-        need = rec.clock - self.staleness
-        if need - 1 in self.aborted_steps:
-            return Admission(False, reason=self.aborted_steps[need - 1], aborted=True)
-        holding = self.holding_workers()
-        behind = tuple(sorted(w.name for w in holding if w.clock < need))
+        need = rec.clock - staleness
+        if aborted and need - 1 in aborted:
+            return Admission(False, reason=aborted[need - 1], aborted=True)
+        behind = tuple(sorted(w.name for w in self.holding_workers() if w.clock < need))
         if not behind:
             return Admission(True, reason=f"min clock >= {need}")
         return Admission(
             False,
             waiting_for=behind,
-            reason=(
-                f"worker {rec.name!r} at clock {rec.clock} (staleness {self.staleness}) waits "
-                f"for clock >= {need} from {', '.join(behind)}"
-            ),
+            reason=f"{describe(rec, need)} from {', '.join(behind)}",
         )

@@ -147,22 +147,13 @@ class TableSet:
             KeyNotFound (NOT_FOUND), WorkerNotFound (FAILED_PRECONDITION).
         """
         spec = self.get(name).spec
-        if not worker_id or spec.consistency == "asp":
-            if worker_id:
-                cluster.require_live(worker_id)
-            return Admission(True, reason="no wait")
-        rec = cluster.require_live(worker_id)
-        need = rec.clock - spec.staleness
-        behind = tuple(sorted(w.name for w in cluster.holding_workers() if w.clock < need))
-        if not behind:
-            return Admission(True, reason=f"min clock >= {need}")
-        return Admission(
-            False,
-            waiting_for=behind,
-            reason=(
+        return cluster.admit_read(
+            worker_id,
+            asynchronous=spec.consistency == "asp",
+            staleness=spec.staleness,
+            describe=lambda rec, need: (
                 f"row pull of table {name!r} by {rec.name!r} at clock {rec.clock} "
-                f"({spec.consistency}, staleness {spec.staleness}) waits for clock >= {need} "
-                f"from {', '.join(behind)}"
+                f"({spec.consistency}, staleness {spec.staleness}) waits for clock >= {need}"
             ),
         )
 
