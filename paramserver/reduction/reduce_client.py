@@ -41,6 +41,7 @@ from paramserver.security.tls import ClientSecurity
 from paramserver.worker_client.client import normalized_tensors
 from paramserver.worker_client.lifecycle import ServiceSession
 from paramserver.worker_client.retry import RetryPolicy
+from paramserver.worker_client.transport.streams import read_tensor_stream
 
 __all__ = ["LayerInfo", "ReduceInfo", "ReductionClient", "connect_reduction"]
 
@@ -326,17 +327,7 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
 
         async def attempt() -> tuple[pb.ReduceResult, dict[str, npt.NDArray[Any]]]:
             call = self.stub.Reduce(messages(), timeout=wait_s + self.rpc_timeout_s)
-            result: pb.ReduceResult | None = None
-            out: dict[str, npt.NDArray[Any]] = {}
-            assembler = tensor.TensorAssembler()
-            async for resp in call:
-                if resp.WhichOneof("body") == "result":
-                    result = resp.result
-                    continue
-                done = assembler.feed(resp.frame)
-                if done is not None:
-                    out[done[0]] = done[1]
-            assembler.finish()
+            result, out = await read_tensor_stream(call, "result")
             if result is None:
                 raise MalformedStream("reduce answer ended without its ReduceResult")
             return result, out

@@ -53,7 +53,7 @@ from paramserver.worker_client.lifecycle import ServiceSession
 from paramserver.worker_client.options import ClientOptions
 from paramserver.worker_client.pull_buffers import DEFAULT_MAX_BYTES, PullBuffers
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
-from paramserver.worker_client.transport.base import PullResult, PushPayload, Transports
+from paramserver.worker_client.transport.base import PullResult, PullSpec, PushPayload, Transports
 from paramserver.worker_client.transport.session_stream import SessionTransport
 from paramserver.worker_client.transport.streams import SEND_CHUNK_BYTES, StreamTransport
 
@@ -460,14 +460,13 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             (FAILED_PRECONDITION), WaitTimeout, Unavailable.
         """
         grads = await self._cast(grads, cast)
-        request_id, payload = self._prepare_push(grads, num_samples, base_version)
-        deadline_s = timeout_s or self.rpc_timeout_s
+        payload = self._prepare_push(grads, num_samples, base_version, timeout_s)
 
         async def attempt() -> pb.PushResponse:
-            return await self.transports.send(lambda t: t.push(payload, deadline_s))
+            return await self.transports.send(lambda t: t.push(payload))
 
         resp = await self._member_call(attempt, "push", _PUSH_RETRYABLE)
-        return self._ack(request_id, resp)
+        return self._ack(payload, resp)
 
     async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[Any]]:
         """Stored dtypes of ``keys`` (those that exist), asking the server once for keys not
@@ -481,11 +480,16 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         return await cast_gradients(self, grads, cast)
 
     def _prepare_push(
-        self, grads: Mapping[str, np.ndarray], num_samples: int, base_version: int | None
-    ) -> tuple[int, PushPayload]:
-        """What every push path needs once per push (not per attempt): a fresh request id,
-        the gradients normalised and encoded (error-feedback residuals advance once), and a
-        factory of the push header (the clock and version are read at each attempt).
+        self,
+        grads: Mapping[str, np.ndarray],
+        num_samples: int,
+        base_version: int | None,
+        timeout_s: float | None,
+    ) -> PushPayload:
+        """What every transport needs once per push (not per attempt): a fresh request id,
+        the gradients normalised and encoded (error-feedback residuals advance once), a
+        factory of the push header (the clock and version are read at each attempt) and the
+        deadline of the push's call (``timeout_s``, default ``rpc_timeout_s``).
 
         Raises:
             InvalidArgument: no gradients, an empty key or an unsupported dtype
@@ -507,12 +511,12 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
                 base_version=self.last_version if base_version is None else base_version,
             )
 
-        return request_id, PushPayload.of(header, parts)
+        return PushPayload.of(request_id, header, parts, timeout_s or self.rpc_timeout_s)
 
-    def _ack(self, request_id: int, resp: pb.PushResponse) -> PushAck:
+    def _ack(self, push: PushPayload, resp: pb.PushResponse) -> PushAck:
         self.view = resp.view
         return PushAck(
-            request_id=request_id,
+            request_id=push.request_id,
             duplicate=resp.duplicate,
             applied_updates=resp.applied_updates,
             dropped_stale=resp.dropped_stale,
@@ -555,7 +559,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
 
         async def attempt() -> dict[str, np.ndarray]:
             info, values = await self.transports.send(
-                lambda t: t.pull(request(), call_deadline_s, copy=copy)
+                lambda t: t.pull(PullSpec(request(), call_deadline_s, copy))
             )
             self._note_pull(info, observer)
             return values
@@ -617,37 +621,31 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             The errors of :meth:`push` and :meth:`pull`, with the same classes and status codes.
         """
         grads = await self._cast(grads, cast)
-        request_id, payload = self._prepare_push(grads, num_samples, base_version)
+        # (the push's own call, over the streams, has the RPC deadline)
+        payload = self._prepare_push(grads, num_samples, base_version, None)
         key_list = list(payload.parts) if keys is None else list(keys)
         timeout_ms, call_deadline_s = self._pull_deadlines(timeout_s)
-        push_deadline_s = self.rpc_timeout_s
 
         def request() -> pb.PullRequest:
             return pb.PullRequest(worker_id=self.worker_id, keys=key_list, timeout_ms=timeout_ms)
 
         async def attempt() -> dict[str, np.ndarray]:
             pushed, pulled = await self.transports.send(
-                lambda t: t.push_pull(
-                    payload,
-                    request(),
-                    push_deadline_s=push_deadline_s,
-                    deadline_s=call_deadline_s,
-                    copy=copy,
-                )
+                lambda t: t.push_pull(payload, PullSpec(request(), call_deadline_s, copy))
             )
-            self._ack(request_id, pushed)
+            self._ack(payload, pushed)
             if pulled is None:  # the values come by a Pull stream of their own
-                pulled = await self._pull_separately(request(), call_deadline_s)
+                pulled = await self._pull_separately(PullSpec(request(), call_deadline_s))
             info, values = pulled
             self._note_pull(info, False)
             return values
 
         return await self._member_call(attempt, "push_pull")
 
-    async def _pull_separately(self, request: pb.PullRequest, deadline_s: float) -> PullResult:
+    async def _pull_separately(self, pull: PullSpec) -> PullResult:
         streams = self.transports.streams
         assert isinstance(streams, StreamTransport)
-        return await streams.pull(request, deadline_s, record_sizes=False)
+        return await streams.pull(pull, record_sizes=False)
 
     async def clock(self) -> int:
         """End the current iteration; returns the new clock (idempotent when retried).

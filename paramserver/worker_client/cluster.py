@@ -31,8 +31,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
-from types import TracebackType
-from typing import Any, Self, TypeVar, Unpack
+from typing import Any, TypeVar, Unpack
 
 import grpc
 import numpy as np
@@ -73,6 +72,8 @@ from paramserver.worker_client.client import (
 )
 from paramserver.worker_client.compression import GradientCompressor
 from paramserver.worker_client.embedding import RowPushAck, ShardedTables
+from paramserver.worker_client.forwarding import Forwarded
+from paramserver.worker_client.lifecycle import AsyncSession
 from paramserver.worker_client.options import (
     ClientOptions,
     PullOptions,
@@ -446,21 +447,16 @@ class ShardedWorkerClient:
                 delay = min(delay * 2, 0.5)
 
     async def push(
-        self,
-        grads: Mapping[str, np.ndarray],
-        *,
-        num_samples: int = 1,
-        base_version: int | None = None,
-        timeout_s: float | None = None,
-        cast: bool | None = None,
+        self, grads: Mapping[str, np.ndarray], **options: Unpack[PushOptions]
     ) -> PushAck:
-        """Split the gradients like their keys and push to every shard holding a part.
+        """Split the gradients like their keys and push to every shard holding a part
+        (the keyword arguments of :meth:`WorkerClient.push`).
 
         With ``base_version`` None each shard uses its own version of the last pull (ASP
         ``max_staleness`` is judged per shard). ``cast`` as in :meth:`WorkerClient.push`
         (gradients are cast to their keys' dtypes before they are split).
         """
-        grads = await cast_gradients(self, grads, cast)
+        grads = await cast_gradients(self, grads, options.get("cast"))
         arrays = {k: tensor.normalize(v, k) for k, v in grads.items()}
         layouts = await self._resolve(list(arrays))
         if not self._allow_non_finite:
@@ -474,17 +470,8 @@ class ShardedWorkerClient:
                         f"out of {array.size}; nothing was pushed to any shard"
                     )
         parts = self.shard_map.route(layouts, arrays)
-        calls = {
-            i: self.shards[i].push(
-                part,
-                num_samples=num_samples,
-                base_version=base_version,
-                timeout_s=timeout_s,
-                cast=False,
-            )
-            for i, part in enumerate(parts)
-            if part
-        }
+        per_shard: PushOptions = {**options, "cast": False}  # (cast above)
+        calls = {i: self.shards[i].push(part, **per_shard) for i, part in enumerate(parts) if part}
         if not calls:
             raise InvalidArgument("a push needs at least one gradient; got none")
         acks = await self._fan_out(calls)
@@ -499,16 +486,12 @@ class ShardedWorkerClient:
         )
 
     async def pull(
-        self,
-        keys: Iterable[str] | None = None,
-        *,
-        timeout_s: float | None = None,
-        observer: bool = False,
-        copy: bool = True,
+        self, keys: Iterable[str] | None = None, **options: Unpack[PullOptions]
     ) -> dict[str, np.ndarray]:
         """Pull from every shard holding a part of ``keys`` (all keys when empty), concurrently,
-        and reassemble; each shard waits as its consistency model requires. ``copy`` as in
-        :meth:`WorkerClient.pull` (sliced keys are always reassembled into fresh arrays)."""
+        and reassemble; each shard waits as its consistency model requires. The keyword
+        arguments of :meth:`WorkerClient.pull` (sliced keys are always reassembled into fresh
+        arrays)."""
         key_list = list(keys or [])
         layouts = await self._resolve(key_list) if key_list else await self._resolve_all()
         names: list[list[str]] = [[] for _ in self.shards]
@@ -517,11 +500,7 @@ class ShardedWorkerClient:
                 if not lay.sliced or name != layout_key(lay.key):
                     names[shard].append(name)
         pulled = await self._fan_out(
-            {
-                i: self.shards[i].pull(ns, timeout_s=timeout_s, observer=observer, copy=copy)
-                for i, ns in enumerate(names)
-                if ns
-            }
+            {i: self.shards[i].pull(ns, **options) for i, ns in enumerate(names) if ns}
         )
         parts: dict[str, np.ndarray] = {}
         for got in pulled.values():
@@ -533,19 +512,21 @@ class ShardedWorkerClient:
         self,
         grads: Mapping[str, np.ndarray],
         keys: Iterable[str] | None = None,
-        *,
-        num_samples: int = 1,
-        base_version: int | None = None,
-        timeout_s: float | None = None,
-        copy: bool = True,
-        cast: bool | None = None,
+        **options: Unpack[PushPullOptions],
     ) -> dict[str, np.ndarray]:
         """:meth:`WorkerClient.push_pull`; over several shards a push to every shard holding a
-        part, then a pull from them (two fan-outs)."""
+        part, then a pull from them (two fan-outs; ``timeout_s`` is the pull's)."""
         key_list = list(grads) if keys is None else list(keys)
         await self._resolve(key_list)  # an unknown pull key is refused before the push
-        await self.push(grads, num_samples=num_samples, base_version=base_version, cast=cast)
-        return await self.pull(key_list, timeout_s=timeout_s, copy=copy)
+        await self.push(
+            grads,
+            num_samples=options.get("num_samples", 1),
+            base_version=options.get("base_version"),
+            cast=options.get("cast"),
+        )
+        return await self.pull(
+            key_list, timeout_s=options.get("timeout_s"), copy=options.get("copy", True)
+        )
 
     async def clock(self) -> int:
         """End the current iteration on every shard; returns the new (cluster-wide) clock."""
@@ -630,7 +611,7 @@ class ShardedWorkerClient:
         return await await_workers(self, n, timeout_s)
 
 
-class ClusterWorkerClient:
+class ClusterWorkerClient(AsyncSession):
     """A worker session with a parameter server of one or many shards (what
     :func:`~paramserver.worker_client.connect` returns).
 
@@ -676,18 +657,6 @@ class ClusterWorkerClient:
         return isinstance(self._api, ShardedWorkerClient)
 
     # ------------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     async def open(self) -> None:
         """Fetch the shard map, then open one session per shard (or the one client's)."""
         single = self.client
@@ -717,64 +686,23 @@ class ClusterWorkerClient:
         await api.close()
 
     # ------------------------------------------------------------------ state
-    @property
-    def worker_id(self) -> str:
-        """The worker's id (a sharded cluster: the first shard's)."""
-        return self._api.worker_id
-
-    @worker_id.setter
-    def worker_id(self, value: str) -> None:
-        self._api.worker_id = value  # (a single shard: the id its calls carry)
-
-    @property
-    def clock_value(self) -> int:
-        """The worker's clock (one number cluster-wide)."""
-        return self._api.clock_value
-
-    @property
-    def view(self) -> pb.ClusterView | None:
-        """The cluster as last seen (merged over shards: fewest live, lowest clock)."""
-        return self._api.view
-
-    @property
-    def last_version(self) -> int:
-        """Parameter version of the last pull (summed over shards)."""
-        return self._api.last_version
-
-    @property
-    def lease_ms(self) -> int:
-        """The lease (the shortest over shards), milliseconds."""
-        return self._api.lease_ms
-
-    @property
-    def evicted(self) -> bool:
-        """Some shard evicted the worker."""
-        return self._api.evicted
-
-    @property
-    def reregistrations(self) -> int:
-        """Re-registrations after a server forgot the worker (summed over shards)."""
-        return self._api.reregistrations
-
-    @property
-    def stub(self) -> Any:
-        """The single shard's stub (raises when not open, or for a sharded cluster)."""
-        return self.client.stub
-
-    @property
-    def fastpath(self) -> SessionTransport | None:
-        """The single shard's Session transport (None: ``session=False``)."""
-        return self.client.fastpath
-
-    @property
-    def pull_buffers(self) -> PullBuffers:
-        """The single shard's recycled pull memory."""
-        return self.client.pull_buffers
-
-    @property
-    def compressor(self) -> GradientCompressor:
-        """The single shard's gradient compressor (its ratio)."""
-        return self.client.compressor
+    worker_id = Forwarded[str]("_api", "The worker's id (a sharded cluster: the first shard's).")
+    clock_value = Forwarded[int]("_api", "The worker's clock (one number cluster-wide).")
+    view = Forwarded[pb.ClusterView | None](
+        "_api", "The cluster as last seen (merged over shards: fewest live, lowest clock)."
+    )
+    last_version = Forwarded[int]("_api", "Parameter version of the last pull (shards: summed).")
+    lease_ms = Forwarded[int]("_api", "The lease in milliseconds (shards: the shortest).")
+    evicted = Forwarded[bool]("_api", "The server (some shard) evicted the worker.")
+    reregistrations = Forwarded[int](
+        "_api", "Re-registrations after a server forgot the worker (shards: summed)."
+    )
+    stub = Forwarded[Any]("client", "The single shard's stub (the client must be open).")
+    fastpath = Forwarded[SessionTransport | None](
+        "client", "The single shard's Session transport (None: ``session=False``)."
+    )
+    pull_buffers = Forwarded[PullBuffers]("client", "The single shard's recycled pull memory.")
+    compressor = Forwarded[GradientCompressor]("client", "The single shard's compressor.")
 
     # ------------------------------------------------------------------ calls
     async def register(self, *, replace: bool | None = None, resume_worker_id: str = "") -> int:

@@ -28,6 +28,7 @@ from paramserver.errors import WaitTimeout
 from paramserver.worker_client.client import PushAck, connect
 from paramserver.worker_client.cluster import ClusterWorkerClient
 from paramserver.worker_client.embedding import RowPushAck
+from paramserver.worker_client.forwarding import Forwarded
 from paramserver.worker_client.options import (
     ClientOptions,
     PullOptions,
@@ -134,13 +135,8 @@ class SyncWorkerClient:
         self.close()
 
     # The blocking API mirrors WorkerClient's async one.
-    @property
-    def worker_id(self) -> str:
-        return self.client.worker_id
-
-    @property
-    def clock_value(self) -> int:
-        return self.client.clock_value
+    worker_id = Forwarded[str]("client", "The worker's id (see :class:`ClusterWorkerClient`).")
+    clock_value = Forwarded[int]("client", "The worker's clock.")
 
     def init(
         self, tensors: Mapping[str, np.ndarray], rule: UpdateRule | None = None

@@ -56,14 +56,14 @@ def _header() -> pb.PushHeader:
 GRAD = {"k": np.ones(N, np.float32)}
 
 
-def _push(grads: dict[str, np.ndarray] = GRAD) -> PushPayload:
-    return PushPayload.of(_header, {k: [WirePart(v)] for k, v in grads.items()})
+def _push(deadline_s: float) -> PushPayload:
+    return PushPayload.of(1, _header, {k: [WirePart(v)] for k, v in GRAD.items()}, deadline_s)
 
 
 async def _push_expecting_deadline(fp: SessionTransport, deadline_s: float) -> float:
     t0 = time.monotonic()
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await fp.push(_push(), deadline_s)
+        await fp.push(_push(deadline_s))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     return time.monotonic() - t0
 
@@ -71,7 +71,7 @@ async def _push_expecting_deadline(fp: SessionTransport, deadline_s: float) -> f
 async def test_many_quick_requests_then_a_hanging_one_expires_at_its_own_deadline() -> None:
     fp, call = _fastpath()
     for _ in range(100):  # long deadlines: the timer is armed once and stays
-        resp = await fp.push(_push(), 30.0)
+        resp = await fp.push(_push(30.0))
         assert resp.applied_updates == 1
     call.hang = True
     elapsed = await _push_expecting_deadline(fp, 0.2)
@@ -82,7 +82,7 @@ async def test_many_quick_requests_then_a_hanging_one_expires_at_its_own_deadlin
 
 async def test_timer_armed_for_a_finished_request_re_arms_for_the_one_in_flight() -> None:
     fp, call = _fastpath()
-    await fp.push(_push(), 0.1)  # arms the timer at +0.1 s, finishes at once
+    await fp.push(_push(0.1))  # arms the timer at +0.1 s, finishes at once
     call.hang = True
     elapsed = await _push_expecting_deadline(fp, 0.4)  # the +0.1 s firing must not expire it
     assert 0.39 <= elapsed < 2.0
@@ -92,21 +92,21 @@ async def test_timer_armed_for_a_finished_request_re_arms_for_the_one_in_flight(
 async def test_an_outside_cancellation_stays_a_cancellation() -> None:
     fp, call = _fastpath()
     call.hang = True
-    task = asyncio.ensure_future(fp.push(_push(), 30.0))
+    task = asyncio.ensure_future(fp.push(_push(30.0)))
     await asyncio.sleep(0.05)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     call.hang = False
     fp._call = call  # a fresh stream
-    assert (await fp.push(_push(), 30.0)).applied_updates == 1
+    assert (await fp.push(_push(30.0))).applied_updates == 1
     fp.close()
 
 
 async def test_no_stray_cancellation_after_a_request_that_finished_in_time() -> None:
     fp, _ = _fastpath()
     for _ in range(3):
-        await fp.push(_push(), 0.05)
+        await fp.push(_push(0.05))
     await asyncio.sleep(0.2)  # the timer fires with nothing in flight
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
     fp.close()

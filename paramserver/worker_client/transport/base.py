@@ -35,7 +35,15 @@ from paramserver.errors import ParamServerError
 from paramserver.protocol import rows_wire
 from paramserver.worker_client.compression import WirePart
 
-__all__ = ["Declined", "PullResult", "PushPayload", "RowPush", "Transport", "Transports"]
+__all__ = [
+    "Declined",
+    "PullResult",
+    "PullSpec",
+    "PushPayload",
+    "RowPush",
+    "Transport",
+    "Transports",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,26 +72,50 @@ class PushPayload:
     """One push as every transport takes it (built once per push, sent per attempt).
 
     Attributes:
+        request_id: The push's request id (the same at every attempt: applied once).
         header: Builds the push header at each attempt (clock and version read then).
         parts: key -> the parts the Push stream sends (compressed gradients: several).
         dense: key -> the array when every key is one uncompressed part, else None.
+        deadline_s: Deadline of the push's own call, seconds.
     """
 
+    request_id: int
     header: Callable[[], pb.PushHeader]
     parts: Mapping[str, list[WirePart]]
     dense: Mapping[str, np.ndarray] | None
+    deadline_s: float
 
     @classmethod
     def of(
-        cls, header: Callable[[], pb.PushHeader], parts: Mapping[str, list[WirePart]]
+        cls,
+        request_id: int,
+        header: Callable[[], pb.PushHeader],
+        parts: Mapping[str, list[WirePart]],
+        deadline_s: float,
     ) -> PushPayload:
         """The payload of ``parts`` (``dense`` worked out from them)."""
         dense: dict[str, np.ndarray] = {}
         for key, key_parts in parts.items():
             if len(key_parts) != 1 or key_parts[0].role != tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
-                return cls(header, parts, None)
+                return cls(request_id, header, parts, None, deadline_s)
             dense[key] = key_parts[0].array
-        return cls(header, parts, dense)
+        return cls(request_id, header, parts, dense, deadline_s)
+
+
+@dataclass(frozen=True, slots=True)
+class PullSpec:
+    """One attempt of a pull as every transport takes it.
+
+    Attributes:
+        request: The ``PullRequest`` (worker id, keys, the server's wait in ms).
+        deadline_s: Deadline of the whole call (wait and transfer), seconds.
+        copy: False: shared-memory values may be views of the pull region, valid until the
+            next request (the streams always return fresh arrays).
+    """
+
+    request: pb.PullRequest
+    deadline_s: float
+    copy: bool = True
 
 
 @dataclass(slots=True)
@@ -118,23 +150,14 @@ class Transport(Protocol):
     def close(self) -> None:
         """Release the transport's streams and memory (no I/O)."""
 
-    async def push(self, push: PushPayload, deadline_s: float) -> pb.PushResponse | Declined:
+    async def push(self, push: PushPayload) -> pb.PushResponse | Declined:
         """Push gradients; the server's response."""
 
-    async def pull(
-        self, request: pb.PullRequest, deadline_s: float, *, copy: bool = True
-    ) -> PullResult | Declined:
-        """Pull values (``copy`` False: shared-memory values may be views of the pull region,
-        valid until the next request)."""
+    async def pull(self, pull: PullSpec) -> PullResult | Declined:
+        """Pull values: the server's info and key -> value."""
 
     async def push_pull(
-        self,
-        push: PushPayload,
-        request: pb.PullRequest,
-        *,
-        push_deadline_s: float,
-        deadline_s: float,
-        copy: bool = True,
+        self, push: PushPayload, pull: PullSpec
     ) -> tuple[pb.PushResponse, PullResult | None] | Declined:
         """Push, then pull the values after it; the pull's result None: pull them separately
         (the push was applied)."""

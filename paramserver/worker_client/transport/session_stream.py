@@ -52,7 +52,13 @@ from paramserver.protocol.session_frames import (
     slot_batch_entries,
 )
 from paramserver.worker_client.pull_buffers import PullBuffers
-from paramserver.worker_client.transport.base import Declined, PullResult, PushPayload, RowPush
+from paramserver.worker_client.transport.base import (
+    Declined,
+    PullResult,
+    PullSpec,
+    PushPayload,
+    RowPush,
+)
 from paramserver.worker_client.transport.link_client import LocalLinkCall
 
 logger = logging.getLogger(__name__)
@@ -504,7 +510,7 @@ class SessionTransport:
         return pulled.info, self._decode(pulled, copy)
 
     # ------------------------------------------------------------------ requests
-    async def push(self, push: PushPayload, deadline_s: float) -> pb.PushResponse | Declined:
+    async def push(self, push: PushPayload) -> pb.PushResponse | Declined:
         """One push over the session (declined, nothing sent: compressed gradients, too large
         without shared memory, or no Session RPC).
 
@@ -514,7 +520,7 @@ class SessionTransport:
         arrays = push.dense
         if arrays is None:
             return _COMPRESSED
-        async with self._lock, self._deadline(deadline_s):
+        async with self._lock, self._deadline(push.deadline_s):
             header = push.header()
             declined = await self._ensure_open(header.worker_id)
             if declined is not None:
@@ -525,23 +531,22 @@ class SessionTransport:
                 return declined
             return (await self._roundtrip(request)).push
 
-    async def pull(
-        self, request: pb.PullRequest, deadline_s: float, *, copy: bool = True
-    ) -> PullResult | Declined:
-        """One pull over the session; values are fresh arrays unless ``copy`` is False (then
-        shared-memory values are views of the pull region, valid until the next request).
+    async def pull(self, pull: PullSpec) -> PullResult | Declined:
+        """One pull over the session; values are fresh arrays unless ``pull.copy`` is False
+        (then shared-memory values are views of the pull region, valid until the next request).
 
         Raises:
             grpc.aio.AioRpcError: as :meth:`push`.
         """
-        async with self._lock, self._deadline(deadline_s):
+        request = pull.request
+        async with self._lock, self._deadline(pull.deadline_s):
             declined = await self._ensure_open(request.worker_id)
             if declined is None:
                 declined = await self._prepare_pull(list(request.keys))
             if declined is not None:
                 return declined
             pulled = (await self._roundtrip(pb.SessionRequest(pull=request))).pull
-            return await self._finish_pull(request, pulled, copy)
+            return await self._finish_pull(request, pulled, pull.copy)
 
     async def pull_rows(
         self, header: tpb.RowsHeader, ids: npt.NDArray[np.int64], deadline_s: float
@@ -617,16 +622,9 @@ class SessionTransport:
             return done, inline_array(t)
 
     async def push_pull(
-        self,
-        push: PushPayload,
-        request: pb.PullRequest,
-        *,
-        push_deadline_s: float,
-        deadline_s: float,
-        copy: bool = True,
+        self, push: PushPayload, pull: PullSpec
     ) -> tuple[pb.PushResponse, PullResult | None] | Declined:
-        """Push, then pull, in one round trip (both within ``deadline_s``;
-        ``push_deadline_s`` is the streams' alone).
+        """Push, then pull, in one round trip (both within ``pull.deadline_s``).
 
         Returns:
             The push's response, and the pull's info and values — None when the values could
@@ -639,7 +637,8 @@ class SessionTransport:
         arrays = push.dense
         if arrays is None:
             return _COMPRESSED
-        async with self._lock, self._deadline(deadline_s):
+        request = pull.request
+        async with self._lock, self._deadline(pull.deadline_s):
             header = push.header()
             declined = await self._ensure_open(header.worker_id)
             if declined is not None:
@@ -656,7 +655,7 @@ class SessionTransport:
             both.pull.CopyFrom(request)
             resp = await self._roundtrip(req)
             pushed = resp.push_pull.push
-            pulled = await self._finish_pull(request, resp.push_pull.pull, copy)
+            pulled = await self._finish_pull(request, resp.push_pull.pull, pull.copy)
             return pushed, None if isinstance(pulled, Declined) else pulled
 
     def _deadline(self, deadline_s: float) -> _Deadline:

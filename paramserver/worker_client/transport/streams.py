@@ -8,7 +8,7 @@ One call per request: ``Push`` (tensor frames, any size, compressed gradients to
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -18,11 +18,10 @@ from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import REFUSAL_METADATA_KEY, MalformedStream
 from paramserver.protocol import rows_wire, tensor
-from paramserver.worker_client.compression import WirePart
 from paramserver.worker_client.pull_buffers import PullBuffers
-from paramserver.worker_client.transport.base import PullResult, PushPayload, RowPush
+from paramserver.worker_client.transport.base import PullResult, PullSpec, PushPayload, RowPush
 
-__all__ = ["SEND_CHUNK_BYTES", "StreamTransport", "read_rows"]
+__all__ = ["SEND_CHUNK_BYTES", "StreamTransport", "read_rows", "read_tensor_stream"]
 
 #: Payload bytes per frame sent to the server: 16 KiB under 1 MiB, so a whole message (frame
 #: header, key, shape, proto framing) stays within a server receive limit as low as 1 MiB.
@@ -57,15 +56,14 @@ class StreamTransport:
     def close(self) -> None:
         """Nothing to release (each stream ends with its request)."""
 
-    async def push(self, push: PushPayload, deadline_s: float) -> pb.PushResponse:
+    async def push(self, push: PushPayload) -> pb.PushResponse:
         """Push over a Push stream (stops sending at once when the server announces a
         refusal in its initial metadata)."""
-        return await self._push(push.header(), push.parts, deadline_s)
+        return await self._push(push.header(), push)
 
-    async def _push(
-        self, header: pb.PushHeader, parts: Mapping[str, list[WirePart]], deadline_s: float
-    ) -> pb.PushResponse:
+    async def _push(self, header: pb.PushHeader, push: PushPayload) -> pb.PushResponse:
         refused = asyncio.Event()
+        parts = push.parts
 
         def messages() -> Iterator[pb.PushRequest | bytes]:
             yield pb.PushRequest(header=header)
@@ -84,7 +82,7 @@ class StreamTransport:
                             return  # half-close: the refusal's status follows at once
                         yield frame
 
-        call = self._stub().Push(messages(), timeout=deadline_s)
+        call = self._stub().Push(messages(), timeout=push.deadline_s)
         watch = asyncio.ensure_future(_watch_refusal(call, refused))
         try:
             resp: pb.PushResponse = await call
@@ -92,29 +90,12 @@ class StreamTransport:
         finally:
             watch.cancel()
 
-    async def pull(
-        self,
-        request: pb.PullRequest,
-        deadline_s: float,
-        *,
-        copy: bool = True,
-        record_sizes: bool = True,
-    ) -> PullResult:
-        """Pull over a Pull stream; values are always fresh arrays (``copy`` has no effect).
-        ``record_sizes``: update ``sizes`` with the pulled values' sizes."""
-        call = self._stub().Pull(request, timeout=deadline_s)
-        out: dict[str, np.ndarray] = {}
+    async def pull(self, pull: PullSpec, *, record_sizes: bool = True) -> PullResult:
+        """Pull over a Pull stream; values are always fresh arrays (``pull.copy`` has no
+        effect). ``record_sizes``: update ``sizes`` with the pulled values' sizes."""
+        call = self._stub().Pull(pull.request, timeout=pull.deadline_s)
         buffers = self.pull_buffers
-        assembler = tensor.TensorAssembler(allocate=buffers.empty)
-        info: pb.PullInfo | None = None
-        async for resp in call:
-            if resp.WhichOneof("body") == "info":
-                info = resp.info
-                continue
-            done = assembler.feed(resp.frame)
-            if done is not None:
-                out[done[0]] = done[1]
-        assembler.finish()
+        info, out = await read_tensor_stream(call, "info", buffers.empty)
         if info is None:
             raise MalformedStream("pull stream ended without its info message")
         for key, value in out.items():
@@ -123,20 +104,12 @@ class StreamTransport:
             self.sizes.update((k, v.nbytes) for k, v in out.items())
         return info, out
 
-    async def push_pull(
-        self,
-        push: PushPayload,
-        request: pb.PullRequest,
-        *,
-        push_deadline_s: float,
-        deadline_s: float,
-        copy: bool = True,
-    ) -> tuple[pb.PushResponse, None]:
+    async def push_pull(self, push: PushPayload, pull: PullSpec) -> tuple[pb.PushResponse, None]:
         """The push, refused unapplied by the server when a pull key does not exist; the
         values are then pulled separately (this returns None for them)."""
         header = push.header()
-        header.require_keys.extend(request.keys)
-        return await self._push(header, push.parts, push_deadline_s), None
+        header.require_keys.extend(pull.request.keys)
+        return await self._push(header, push), None
 
     async def pull_rows(
         self, header: tpb.RowsHeader, ids: npt.NDArray[np.int64], deadline_s: float
@@ -168,6 +141,39 @@ class StreamTransport:
 
         resp: tpb.PushRowsResponse = await self._stub().PushRows(requests(), timeout=deadline_s)
         return resp
+
+
+async def read_tensor_stream(
+    stream: AsyncIterator[Any],
+    head: str,
+    allocate: Callable[[str, np.dtype[Any], tuple[int, ...]], np.ndarray] | None = None,
+) -> tuple[Any, dict[str, np.ndarray]]:
+    """Read a reply stream of one head message and tensor frames (a Pull or Reduce answer).
+
+    Args:
+        stream: The call's responses: each has a ``body`` oneof of ``head`` or ``frame``.
+        head: The name of the head field (``"info"``, ``"result"``).
+        allocate: Where the assembler puts each value (default: new arrays).
+
+    Returns:
+        (the head message or None when none came, key -> value).
+
+    Raises:
+        MalformedStream: frames that do not add up (:class:`~paramserver.protocol.tensor.
+            TensorAssembler`).
+    """
+    found: Any = None
+    out: dict[str, np.ndarray] = {}
+    assembler = tensor.TensorAssembler(allocate=allocate)
+    async for resp in stream:
+        if resp.WhichOneof("body") == head:
+            found = getattr(resp, head)
+            continue
+        done = assembler.feed(resp.frame)
+        if done is not None:
+            out[done[0]] = done[1]
+    assembler.finish()
+    return found, out
 
 
 async def read_rows(stream: AsyncIterator[Any], table: str) -> np.ndarray:
