@@ -653,8 +653,8 @@ class ClusterWorkerClient(AsyncSession):
 
     @property
     def sharded(self) -> bool:
-        """True when talking to a cluster of more than one shard."""
-        return isinstance(self._api, ShardedWorkerClient)
+        """True when talking to a cluster of more than one shard (while open)."""
+        return len(self.shards) > 1
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
@@ -681,9 +681,9 @@ class ClusterWorkerClient(AsyncSession):
         self.shards = [single]
 
     async def close(self) -> None:
-        """Leave every shard and close every channel."""
-        api, self._api, self.shards = self._api, self.client, []
-        await api.close()
+        """Leave every shard and close every channel (the worker's state stays readable)."""
+        self.shards = []
+        await self._api.close()
 
     # ------------------------------------------------------------------ state
     worker_id = Forwarded[str]("_api", "The worker's id (a sharded cluster: the first shard's).")
