@@ -1,8 +1,8 @@
-"""The routing worker client of a sharded cluster (what :func:`connect` returns).
+"""The worker client of a cluster of one or many shards (what :func:`connect` returns).
 
 :class:`ClusterWorkerClient` is a composite over per-shard
-:class:`~paramserver.worker_client.client.WorkerClient` s: it asks the server it is given for the
-cluster's shard map (``GetShardMap``) when it opens. A single-shard cluster is one
+:class:`~paramserver.worker_client.client.WorkerClient` objects: it asks the server it is given
+for the cluster's shard map (``GetShardMap``) when it opens. A single-shard cluster is one
 ``WorkerClient`` (every call is that client's). Over S > 1 shards,
 :class:`ShardedWorkerClient` opens one ``WorkerClient`` per shard (same worker name on every
 shard, each with its own heartbeats, retries and request ids) and routes every call by
