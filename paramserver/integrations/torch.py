@@ -52,6 +52,7 @@ import numpy as np
 from paramserver.core.optimizers import UpdateRule
 from paramserver.errors import InvalidArgument
 from paramserver.worker_client.client import PushAck, WorkerClient
+from paramserver.worker_client.cluster import ClusterWorkerClient
 
 try:
     import torch
@@ -258,7 +259,7 @@ def load_parameters(
 
 
 async def init_from_module(
-    client: WorkerClient,
+    client: WorkerClient | ClusterWorkerClient,
     module: torch.nn.Module,
     rule: UpdateRule | None = None,
     *,
@@ -301,7 +302,7 @@ async def init_from_module(
 
 
 async def push_gradients(
-    client: WorkerClient,
+    client: WorkerClient | ClusterWorkerClient,
     module: torch.nn.Module,
     *,
     prefix: str = "",
@@ -320,7 +321,7 @@ async def push_gradients(
 
 
 async def pull_parameters(
-    client: WorkerClient,
+    client: WorkerClient | ClusterWorkerClient,
     module: torch.nn.Module,
     *,
     prefix: str = "",
@@ -352,7 +353,7 @@ class TorchWorker:
 
     def __init__(
         self,
-        client: WorkerClient,
+        client: WorkerClient | ClusterWorkerClient,
         module: torch.nn.Module,
         *,
         prefix: str = "",

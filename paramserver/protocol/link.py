@@ -3,7 +3,7 @@
 Each message on the Unix-domain stream socket is its serialized bytes after a 4-byte
 little-endian length (the ``Session`` messages of ``parameter_server.proto``). The server end
 is :mod:`paramserver.server.transports.link_service`, the client end
-:mod:`paramserver.worker_client.transports.link_client`.
+:mod:`paramserver.worker_client.transport.link_client`.
 """
 
 from __future__ import annotations

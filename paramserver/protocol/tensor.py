@@ -656,6 +656,7 @@ async def read_headed_stream(
     what: str,
     max_tensor_bytes: int | None = None,
     head_first: bool = True,
+    allocate: Callable[[str, np.dtype[Any], tuple[int, ...]], np.ndarray] | None = None,
 ) -> tuple[Any, dict[str, np.ndarray]]:
     """Read a stream whose messages carry either its one ``head`` message or a tensor ``frame``
     (the ``body`` oneof of the reduction and push-sum streams).
@@ -667,6 +668,8 @@ async def read_headed_stream(
         max_tensor_bytes: Largest tensor accepted, checked at its frame header (None: no limit).
         head_first: The head must come before every frame (False: anywhere, e.g. a result
             after the tensors it describes).
+        allocate: Where each tensor is received (see :class:`TensorAssembler`; default new
+            arrays).
 
     Returns:
         ``(head message, key -> array)``; each array is complete and owned by the caller.
@@ -678,7 +681,7 @@ async def read_headed_stream(
     """
     found: Any = None
     tensors: dict[str, np.ndarray] = {}
-    assembler = TensorAssembler(max_tensor_bytes=max_tensor_bytes)
+    assembler = TensorAssembler(max_tensor_bytes=max_tensor_bytes, allocate=allocate)
     async for msg in messages:
         which = msg.WhichOneof("body")
         if which == head:

@@ -1,9 +1,10 @@
 """Worker client: async sessions with a parameter-server shard, plus a blocking wrapper.
 
 ``connect(address, worker_name=...)`` returns an async context manager
-(:class:`WorkerClient`); ``connect_sync`` returns the blocking :class:`SyncWorkerClient`.
-Given any shard of a sharded cluster, ``connect`` routes over every shard
-(:class:`ClusterWorkerClient`, also ``connect_cluster``).
+(:class:`ClusterWorkerClient`: one :class:`WorkerClient` for a single-shard server, one per shard
+for a sharded cluster, routing over every shard; also ``connect_cluster``); ``connect_sync``
+returns the blocking :class:`SyncWorkerClient`. Their keyword arguments are typed once
+(:class:`~paramserver.worker_client.options.ClientOptions`).
 The reduction service's clients (``connect_reduction``, ``GossipWorker``) are in
 :mod:`paramserver.reduction`. Sparse embedding tables: ``init_table`` / ``pull_rows`` /
 ``push_rows`` with a :class:`TableSpec` (see ``docs/embedding-tables.md``).

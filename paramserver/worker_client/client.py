@@ -14,7 +14,8 @@ request id, so the server applies it at most once.
 Pushes and pulls travel over one persistent ``Session`` stream per client (opened on first use,
 reopened after a broken link): small tensors inline, larger ones through shared memory when the
 server is on the same host (negotiated automatically), otherwise over the chunked Push/Pull
-streams (see :mod:`paramserver.worker_client.transport.session_stream`).
+streams: each request takes one :class:`~paramserver.worker_client.transport.base.Transport`
+(see :mod:`paramserver.worker_client.transport`).
 :meth:`WorkerClient.push_pull` pushes and
 pulls in one round trip. Retries use exponential backoff with full
 jitter up to a deadline. A background task renews the lease every quarter lease. No channel is
@@ -29,32 +30,35 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Unpack
 
 import grpc
 import numpy as np
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from paramserver.api.v1 import tensor_pb2
 from paramserver.core.optimizers import UpdateRule
 from paramserver.errors import (
-    REFUSAL_METADATA_KEY,
     AlreadyExists,
     InvalidArgument,
-    MalformedStream,
     ParamServerError,
     WaitTimeout,
     WorkerNotFound,
 )
 from paramserver.protocol import shm, tensor, wire
 from paramserver.security.tls import ClientSecurity
-from paramserver.worker_client.compression import Compression, GradientCompressor, WirePart
+from paramserver.worker_client.compression import Compression, GradientCompressor
 from paramserver.worker_client.embedding import TableClientMixin
 from paramserver.worker_client.lifecycle import ServiceSession
+from paramserver.worker_client.options import ClientOptions
 from paramserver.worker_client.pull_buffers import DEFAULT_MAX_BYTES, PullBuffers
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
-from paramserver.worker_client.transport.session_stream import Fallback, FastPath
+from paramserver.worker_client.transport.base import PullResult, PullSpec, PushPayload, Transports
+from paramserver.worker_client.transport.session_stream import SessionTransport
+from paramserver.worker_client.transport.streams import SEND_CHUNK_BYTES, StreamTransport
+
+if TYPE_CHECKING:
+    from paramserver.worker_client.cluster import ClusterWorkerClient
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +68,6 @@ T = TypeVar("T")
 SERVER_DEFAULT_WAIT_CAP_S = 600.0
 
 _PUSH_RETRYABLE = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
-
-#: Payload bytes per frame sent to the server: 16 KiB under 1 MiB, so a whole message (frame
-#: header, key, shape, proto framing) stays within a server receive limit as low as 1 MiB.
-_SEND_CHUNK_BYTES = tensor.DEFAULT_CHUNK_BYTES - (16 << 10)
 
 #: Reconnect soon after a server restart: gRPC's own first reconnect backoff is 1 s (growing
 #: 1.6x per failed attempt up to 120 s), which would dominate the time to ride through a
@@ -223,8 +223,8 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             enabled=recycle_pull_buffers, max_bytes=pull_buffer_max_bytes
         )
         #: The Session stream (None: ``session=False``).
-        self.fastpath: FastPath | None = (
-            FastPath(
+        self.fastpath: SessionTransport | None = (
+            SessionTransport(
                 lambda: self.stub,
                 shared_memory=shared_memory,
                 shm_dir=Path(shared_memory_dir) if shared_memory_dir is not None else None,
@@ -233,6 +233,15 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             )
             if session
             else None
+        )
+        #: How data-plane requests travel: the Session while it carries them, else the streams.
+        self.transports = Transports(
+            StreamTransport(
+                lambda: self.stub,
+                self.pull_buffers,
+                self.fastpath.known_nbytes if self.fastpath is not None else None,
+            ),
+            self.fastpath,
         )
 
     # ------------------------------------------------------------------ session hooks
@@ -380,27 +389,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             WaitTimeout: fewer than ``n`` workers registered within ``timeout_s``, naming how
                 many did (DEADLINE_EXCEEDED).
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InvalidArgument(f"wait_for_workers: n must be an int >= 1, got {n!r}")
-        if not isinstance(timeout_s, int | float) or not timeout_s > 0:
-            raise InvalidArgument(
-                f"wait_for_workers: timeout_s must be a number > 0, got {timeout_s!r}"
-            )
-        deadline = time.monotonic() + timeout_s
-        delay = 0.01
-        while True:
-            view = (await self.heartbeat()).view
-            if view.live_workers >= n:
-                return int(view.live_workers)
-            if (await self.status()).applied_updates > 0:
-                return 0  # the others passed it and trained (and may have left)
-            if time.monotonic() >= deadline:
-                raise WaitTimeout(
-                    f"start barrier: {view.live_workers} of {n} workers registered after "
-                    f"{timeout_s} s"
-                )
-            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.2)
+        return await await_workers(self, n, timeout_s)
 
     # ------------------------------------------------------------------ data plane
     async def init(
@@ -420,18 +409,29 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         Raises:
             InvalidArgument: unsupported dtype or bad rule (INVALID_ARGUMENT).
         """
-        rule = rule or UpdateRule()
         arrays = normalized_tensors(tensors)
+        await self.declare(arrays, rule or UpdateRule())
+        return await self.pull(list(arrays), observer=True)
+
+    async def declare(self, arrays: Mapping[str, np.ndarray], rule: UpdateRule) -> dict[str, bool]:
+        """One Init of ``arrays`` (normalized: see :func:`normalized_tensors`) under ``rule``,
+        without reading the values back.
+
+        Returns:
+            Stored name -> whether this call created it.
+        """
 
         def messages() -> Iterator[pb.InitRequest]:
             yield pb.InitRequest(
                 header=pb.InitHeader(worker_id=self.worker_id, rule=rule.to_proto())
             )
             for key, value in arrays.items():
-                yield from tensor.encode_messages(pb.InitRequest, key, value, _SEND_CHUNK_BYTES)
+                yield from tensor.encode_messages(pb.InitRequest, key, value, SEND_CHUNK_BYTES)
 
-        await self._call(lambda: self.stub.Init(messages(), timeout=self.rpc_timeout_s), "init")
-        return await self.pull(list(arrays), observer=True)
+        resp = await self._call(
+            lambda: self.stub.Init(messages(), timeout=self.rpc_timeout_s), "init"
+        )
+        return {k.key: k.created for k in resp.keys}
 
     async def push(
         self,
@@ -460,21 +460,13 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             (FAILED_PRECONDITION), WaitTimeout, Unavailable.
         """
         grads = await self._cast(grads, cast)
-        request_id, parts, header = self._prepare_push(grads, num_samples, base_version)
-        deadline_s = timeout_s or self.rpc_timeout_s
-        dense = _dense_parts(parts)
+        payload = self._prepare_push(grads, num_samples, base_version, timeout_s)
 
         async def attempt() -> pb.PushResponse:
-            fp = self.fastpath
-            if dense is not None and fp is not None and fp.usable:
-                try:
-                    return await fp.push(header(), dense, deadline_s)
-                except Fallback:
-                    pass
-            return await self._push_stream_attempt(header, parts, deadline_s)()
+            return await self.transports.send(lambda t: t.push(payload))
 
         resp = await self._member_call(attempt, "push", _PUSH_RETRYABLE)
-        return self._ack(request_id, resp)
+        return self._ack(payload, resp)
 
     async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[Any]]:
         """Stored dtypes of ``keys`` (those that exist), asking the server once for keys not
@@ -485,37 +477,19 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         return {k: self._key_dtypes[k] for k in keys if k in self._key_dtypes}
 
     async def _cast(self, grads: Mapping[str, Any], cast: bool | None) -> Mapping[str, Any]:
-        """``grads`` with each gradient cast to its key's stored dtype when casting is on
-        (``cast``, else ``cast_gradients``); keys the server lacks are left to its refusal.
-
-        Raises:
-            InvalidArgument: a cast numpy's ``same_kind`` rule forbids (INVALID_ARGUMENT).
-        """
-        if not (self.cast_gradients if cast is None else cast) or not grads:
-            return grads
-        arrays = normalized_tensors(grads)
-        dtypes = await self._key_dtypes_of(list(arrays))
-        out: dict[str, np.ndarray] = {}
-        for key, value in arrays.items():
-            want = dtypes.get(key)
-            if want is None or value.dtype == want:
-                out[key] = value
-                continue
-            if not np.can_cast(value.dtype, want, casting="same_kind"):
-                raise InvalidArgument(
-                    f"gradient for key {key!r}: cannot cast dtype {value.dtype} to the key's "
-                    f"dtype {want} (only same-kind casts, e.g. float64 -> float32); nothing "
-                    "was pushed"
-                )
-            out[key] = value.astype(want)
-        return out
+        return await cast_gradients(self, grads, cast)
 
     def _prepare_push(
-        self, grads: Mapping[str, np.ndarray], num_samples: int, base_version: int | None
-    ) -> tuple[int, dict[str, list[WirePart]], Callable[[], pb.PushHeader]]:
-        """What every push path needs once per push (not per attempt): a fresh request id,
-        the gradients normalised and encoded (error-feedback residuals advance once), and a
-        factory of the push header (the clock and version are read at each attempt).
+        self,
+        grads: Mapping[str, np.ndarray],
+        num_samples: int,
+        base_version: int | None,
+        timeout_s: float | None,
+    ) -> PushPayload:
+        """What every transport needs once per push (not per attempt): a fresh request id,
+        the gradients normalised and encoded (error-feedback residuals advance once), a
+        factory of the push header (the clock and version are read at each attempt) and the
+        deadline of the push's call (``timeout_s``, default ``rpc_timeout_s``).
 
         Raises:
             InvalidArgument: no gradients, an empty key or an unsupported dtype
@@ -537,55 +511,17 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
                 base_version=self.last_version if base_version is None else base_version,
             )
 
-        return request_id, parts, header
+        return PushPayload.of(request_id, header, parts, timeout_s or self.rpc_timeout_s)
 
-    def _ack(self, request_id: int, resp: pb.PushResponse) -> PushAck:
+    def _ack(self, push: PushPayload, resp: pb.PushResponse) -> PushAck:
         self.view = resp.view
         return PushAck(
-            request_id=request_id,
+            request_id=push.request_id,
             duplicate=resp.duplicate,
             applied_updates=resp.applied_updates,
             dropped_stale=resp.dropped_stale,
             live_workers=resp.view.live_workers,
         )
-
-    def _push_stream_attempt(
-        self,
-        header: Callable[[], pb.PushHeader],
-        parts: Mapping[str, list[WirePart]],
-        deadline_s: float,
-    ) -> Callable[[], Awaitable[pb.PushResponse]]:
-        """One attempt of a push over its own Push stream (chunked frames, any size,
-        compressed gradients too)."""
-
-        async def attempt() -> pb.PushResponse:
-            refused = asyncio.Event()
-
-            def messages() -> Iterator[pb.PushRequest | bytes]:
-                yield pb.PushRequest(header=header())
-                for key, key_parts in parts.items():
-                    for part in key_parts:
-                        # Wire bytes of the frames (paramserver.protocol.wire: the payload copied
-                        # once).
-                        for frame in tensor.encode_frame_bytes(
-                            key,
-                            part.array,
-                            _SEND_CHUNK_BYTES,
-                            role=part.role,
-                            dense_shape=part.dense_shape,
-                        ):
-                            if refused.is_set():
-                                return  # half-close: the refusal's status follows at once
-                            yield frame
-
-            call = self.stub.Push(messages(), timeout=deadline_s)
-            watch = asyncio.ensure_future(_watch_refusal(call, refused))
-            try:
-                return await call
-            finally:
-                watch.cancel()
-
-        return attempt
 
     async def pull(
         self,
@@ -622,19 +558,11 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             )
 
         async def attempt() -> dict[str, np.ndarray]:
-            fp = self.fastpath
-            if fp is not None and fp.usable:
-                try:
-                    info, values = await fp.pull(request(), call_deadline_s, copy=copy)
-                except Fallback:
-                    pass
-                else:
-                    self._note_pull(info, observer)
-                    return values
-            out = await self._pull_stream_attempt(request, observer, call_deadline_s)()
-            if fp is not None:  # sized: the next pull of these keys skips the session
-                fp.known_nbytes.update((k, v.nbytes) for k, v in out.items())
-            return out
+            info, values = await self.transports.send(
+                lambda t: t.pull(PullSpec(request(), call_deadline_s, copy))
+            )
+            self._note_pull(info, observer)
+            return values
 
         if observer:
             return await self._call(attempt, "pull")
@@ -654,34 +582,6 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             self.rpc_timeout_s
         )
         return timeout_ms, call_deadline_s
-
-    def _pull_stream_attempt(
-        self, request: Callable[[], pb.PullRequest], observer: bool, call_deadline_s: float
-    ) -> Callable[[], Awaitable[dict[str, np.ndarray]]]:
-        """One attempt of a pull over its own Pull stream (chunked frames, any size)."""
-
-        async def attempt() -> dict[str, np.ndarray]:
-            call = self.stub.Pull(request(), timeout=call_deadline_s)
-            out: dict[str, np.ndarray] = {}
-            buffers = self.pull_buffers
-            assembler = tensor.TensorAssembler(allocate=buffers.empty)
-            info_seen = False
-            async for resp in call:
-                if resp.WhichOneof("body") == "info":
-                    info_seen = True
-                    self._note_pull(resp.info, observer)
-                    continue
-                done = assembler.feed(resp.frame)
-                if done is not None:
-                    out[done[0]] = done[1]
-            assembler.finish()
-            if not info_seen:
-                raise MalformedStream("pull stream ended without its info message")
-            for key, value in out.items():
-                buffers.keep(key, value)
-            return out
-
-        return attempt
 
     async def push_pull(
         self,
@@ -721,47 +621,31 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             The errors of :meth:`push` and :meth:`pull`, with the same classes and status codes.
         """
         grads = await self._cast(grads, cast)
-        request_id, parts, header = self._prepare_push(grads, num_samples, base_version)
-        key_list = list(parts) if keys is None else list(keys)
+        # (the push's own call, over the streams, has the RPC deadline)
+        payload = self._prepare_push(grads, num_samples, base_version, None)
+        key_list = list(payload.parts) if keys is None else list(keys)
         timeout_ms, call_deadline_s = self._pull_deadlines(timeout_s)
-        push_deadline_s = self.rpc_timeout_s
 
         def request() -> pb.PullRequest:
             return pb.PullRequest(worker_id=self.worker_id, keys=key_list, timeout_ms=timeout_ms)
 
-        dense = _dense_parts(parts)
-
-        def pull_stream() -> Awaitable[dict[str, np.ndarray]]:
-            return self._pull_stream_attempt(request, False, call_deadline_s)()
-
         async def attempt() -> dict[str, np.ndarray]:
-            fp = self.fastpath
-            if dense is not None and fp is not None and fp.usable:
-                try:
-                    pushed, pulled = await fp.push_pull(
-                        header(), dense, request(), call_deadline_s, copy=copy
-                    )
-                except Fallback:
-                    pass
-                else:
-                    self._ack(request_id, pushed)
-                    if pulled is None:
-                        return await pull_stream()
-                    info, values = pulled
-                    self._note_pull(info, False)
-                    return values
-
-            def checked_header() -> pb.PushHeader:
-                # The server refuses the push, unapplied, if a pull key does not exist.
-                h = header()
-                h.require_keys.extend(key_list)
-                return h
-
-            push = self._push_stream_attempt(checked_header, parts, push_deadline_s)
-            self._ack(request_id, await push())
-            return await pull_stream()
+            pushed, pulled = await self.transports.send(
+                lambda t: t.push_pull(payload, PullSpec(request(), call_deadline_s, copy))
+            )
+            self._ack(payload, pushed)
+            if pulled is None:  # the values come by a Pull stream of their own
+                pulled = await self._pull_separately(PullSpec(request(), call_deadline_s))
+            info, values = pulled
+            self._note_pull(info, False)
+            return values
 
         return await self._member_call(attempt, "push_pull")
+
+    async def _pull_separately(self, pull: PullSpec) -> PullResult:
+        streams = self.transports.streams
+        assert isinstance(streams, StreamTransport)
+        return await streams.pull(pull, record_sizes=False)
 
     async def clock(self) -> int:
         """End the current iteration; returns the new clock (idempotent when retried).
@@ -790,17 +674,6 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         )
 
 
-def _dense_parts(parts: Mapping[str, list[WirePart]]) -> dict[str, np.ndarray] | None:
-    """The arrays of an uncompressed push (one dense part per key), or None when some key is
-    compressed (compressed pushes take the Push stream)."""
-    out = {}
-    for key, key_parts in parts.items():
-        if len(key_parts) != 1 or key_parts[0].role != tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
-            return None
-        out[key] = key_parts[0].array
-    return out
-
-
 def normalized_tensors(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Check keys and normalise arrays before a stream starts (a stream cannot report an
     error raised while its request messages are produced).
@@ -820,25 +693,83 @@ def normalized_tensors(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return out
 
 
-async def _watch_refusal(call: Any, refused: asyncio.Event) -> None:
-    """Set ``refused`` when the server announces a refusal of the stream being written
-    (:data:`~paramserver.errors.REFUSAL_METADATA_KEY` in the initial metadata)."""
-    try:
-        metadata = await call.initial_metadata()
-    except Exception:  # the call failed: its own await reports that
-        return
-    if any(key == REFUSAL_METADATA_KEY for key, _ in metadata or ()):
-        refused.set()
+class _Polled(Protocol):
+    async def heartbeat(self) -> pb.HeartbeatResponse: ...
+
+    async def status(self) -> pb.StatusResponse: ...
 
 
-def connect(address: str, worker_name: str, **kwargs: Any) -> WorkerClient:
+async def await_workers(client: _Polled, n: int, timeout_s: float) -> int:
+    """The start barrier of :meth:`WorkerClient.wait_for_workers`, polling ``client``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidArgument(f"wait_for_workers: n must be an int >= 1, got {n!r}")
+    if not isinstance(timeout_s, int | float) or not timeout_s > 0:
+        raise InvalidArgument(
+            f"wait_for_workers: timeout_s must be a number > 0, got {timeout_s!r}"
+        )
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        view = (await client.heartbeat()).view
+        if view.live_workers >= n:
+            return int(view.live_workers)
+        if (await client.status()).applied_updates > 0:
+            return 0  # the others passed it and trained (and may have left)
+        if time.monotonic() >= deadline:
+            raise WaitTimeout(
+                f"start barrier: {view.live_workers} of {n} workers registered after {timeout_s} s"
+            )
+        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.2)
+
+
+class _Casting(Protocol):
+    cast_gradients: bool
+
+    async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[Any]]: ...
+
+
+async def cast_gradients(
+    client: _Casting, grads: Mapping[str, Any], cast: bool | None
+) -> Mapping[str, Any]:
+    """``grads`` with each gradient cast to its key's stored dtype (as ``client`` knows it)
+    when casting is on (``cast``, else the client's ``cast_gradients``); keys the server lacks
+    are left to its refusal.
+
+    Raises:
+        InvalidArgument: a cast numpy's ``same_kind`` rule forbids (INVALID_ARGUMENT).
+    """
+    if not (client.cast_gradients if cast is None else cast) or not grads:
+        return grads
+    arrays = normalized_tensors(grads)
+    dtypes = await client._key_dtypes_of(list(arrays))
+    out: dict[str, np.ndarray] = {}
+    for key, value in arrays.items():
+        want = dtypes.get(key)
+        if want is None or value.dtype == want:
+            out[key] = value
+            continue
+        if not np.can_cast(value.dtype, want, casting="same_kind"):
+            raise InvalidArgument(
+                f"gradient for key {key!r}: cannot cast dtype {value.dtype} to the key's "
+                f"dtype {want} (only same-kind casts, e.g. float64 -> float32); nothing "
+                "was pushed"
+            )
+        out[key] = value.astype(want)
+    return out
+
+
+def connect(
+    address: str, worker_name: str, *, discover: bool = True, **options: Unpack[ClientOptions]
+) -> ClusterWorkerClient:
     """Open a worker session: ``async with connect(addr, worker_name="w0") as ps: ...``.
 
     ``address`` may be any shard of a sharded cluster: the session asks it for the shard map
     on open and routes every call over the shards (see
     :class:`paramserver.worker_client.cluster.ClusterWorkerClient`; ``discover=False`` talks
-    to ``address`` alone). Other keyword arguments are those of :class:`WorkerClient`.
+    to ``address`` alone). The other keyword arguments are those of :class:`WorkerClient`
+    (:class:`~paramserver.worker_client.options.ClientOptions`).
     """
     from paramserver.worker_client.cluster import ClusterWorkerClient
 
-    return ClusterWorkerClient(address, worker_name, **kwargs)
+    return ClusterWorkerClient(address, worker_name, discover=discover, **options)

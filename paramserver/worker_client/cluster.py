@@ -1,10 +1,12 @@
-"""The routing worker client of a sharded cluster (what :func:`connect` returns).
+"""The worker client of a cluster of one or many shards (what :func:`connect` returns).
 
-:class:`ClusterWorkerClient` is a :class:`~paramserver.worker_client.client.WorkerClient` that
-asks the server it is given for the cluster's shard map (``GetShardMap``) when it opens. With one
-shard it is exactly a ``WorkerClient``. With S > 1 shards it opens one ``WorkerClient`` per shard
-(same worker name on every shard, each with its own heartbeats, retries and request ids) and
-routes every call by :mod:`paramserver.core.sharding`:
+:class:`ClusterWorkerClient` is a composite over per-shard
+:class:`~paramserver.worker_client.client.WorkerClient` objects: it asks the server it is given
+for the cluster's shard map (``GetShardMap``) when it opens. A single-shard cluster is one
+``WorkerClient`` (every call is that client's). Over S > 1 shards,
+:class:`ShardedWorkerClient` opens one ``WorkerClient`` per shard (same worker name on every
+shard, each with its own heartbeats, retries and request ids) and routes every call by
+:mod:`paramserver.core.sharding`:
 
 * ``init``: keys stored whole go to their home shard; a large tensor's layout tensor is declared
   first on its home shard (first writer wins, as for one key), then its slices on their shards.
@@ -27,8 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import grpc
 import numpy as np
@@ -60,15 +63,39 @@ from paramserver.errors import (
 )
 from paramserver.protocol import tensor
 from paramserver.security.tls import ClientSecurity, open_channel
-from paramserver.worker_client.client import PushAck, WorkerClient
+from paramserver.worker_client.client import (
+    PushAck,
+    WorkerClient,
+    await_workers,
+    cast_gradients,
+    connect,
+)
+from paramserver.worker_client.compression import GradientCompressor
 from paramserver.worker_client.embedding import RowPushAck, ShardedTables
+from paramserver.worker_client.forwarding import Forwarded
+from paramserver.worker_client.lifecycle import AsyncSession
+from paramserver.worker_client.options import (
+    ClientOptions,
+    PullOptions,
+    PushOptions,
+    PushPullOptions,
+)
+from paramserver.worker_client.pull_buffers import PullBuffers
 from paramserver.worker_client.retry import RetryPolicy, call_with_retry
+from paramserver.worker_client.transport.session_stream import SessionTransport
+
+__all__ = [
+    "ClusterWorkerClient",
+    "ShardedWorkerClient",
+    "connect",
+    "connect_cluster",
+    "fetch_shard_map",
+    "merge_views",
+]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_SEND_CHUNK_BYTES = tensor.DEFAULT_CHUNK_BYTES - (16 << 10)
 
 
 async def fetch_shard_map(
@@ -116,57 +143,46 @@ def merge_views(views: Iterable[pb.ClusterView]) -> pb.ClusterView:
     return out
 
 
-class ClusterWorkerClient(WorkerClient):
-    """A worker session with a parameter server of one or many shards.
+class ShardedWorkerClient:
+    """One worker's calls over a cluster of S > 1 shards (see the module docstring).
 
     Args:
-        address: ``host:port`` of any shard of the cluster.
-        worker_name: Stable name; registered on every shard.
-        discover: Ask for the shard map (False: talk to ``address`` alone, as one shard).
-        **kwargs: Those of :class:`WorkerClient`; every per-shard client gets them.
+        shard_map: The cluster's map.
+        shards: One unopened client per shard, in shard-map order.
 
     Attributes:
-        shard_map: The map in use once open (None: a single-shard server).
-        shards: One client per shard (empty for a single-shard server).
+        worker_id, clock_value, lease_ms, evicted, last_version, reregistrations, view: The
+            worker's state over the shards (the first shard's id, the one cluster-wide clock,
+            the shortest lease, the merged view, ...), as of the last call.
     """
 
-    def __init__(
-        self, address: str, worker_name: str, *, discover: bool = True, **kwargs: Any
-    ) -> None:
-        super().__init__(address, worker_name, **kwargs)
-        self.discover = discover
-        self._kwargs = kwargs
-        self.shard_map: ShardMap | None = None
-        self.shards: list[WorkerClient] = []
+    def __init__(self, shard_map: ShardMap, shards: list[WorkerClient]) -> None:
+        self.shard_map = shard_map
+        self.shards = shards
+        first = shards[0]
+        self.worker_name = first.worker_name
+        self.rpc_timeout_s = first.rpc_timeout_s
+        self.cast_gradients = first.cast_gradients
+        self.worker_id = ""
+        self.clock_value = 0
+        self.lease_ms = 0
+        self.evicted = False
+        self.last_version = 0
+        self.reregistrations = 0
+        self.view: pb.ClusterView | None = None
+        self._next_request_id = secrets.randbits(62)  # row pushes: one id on every shard
         self._layouts: dict[str, TensorLayout] = {}
         self._allow_non_finite = False  # the shards' policy, learned from their Status
 
-    @property
-    def sharded(self) -> bool:
-        """True when talking to a cluster of more than one shard."""
-        return bool(self.shards)
-
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
-        """Fetch the shard map, then open one session per shard (or a plain one)."""
-        if self.discover:
-            shard_map = await fetch_shard_map(
-                self.address,
-                retry=self.retry,
-                timeout_s=self.rpc_timeout_s,
-                channel_options=self.channel_options,
-                security=self.security,
-            )
-            if shard_map is not None and shard_map.num_shards > 1:
-                await self._open_sharded(shard_map)
-                return
-        await super().open()
+        """Open one session per shard, then align their clocks.
 
-    async def _open_sharded(self, shard_map: ShardMap) -> None:
-        self.shard_map = shard_map
-        clients = [
-            WorkerClient(addr, self.worker_name, **self._kwargs) for addr in shard_map.addresses
-        ]
+        Raises:
+            ParamServerError: naming every shard that could not be opened (those that were
+                are closed again).
+        """
+        clients = self.shards
         results = await asyncio.gather(*(c.open() for c in clients), return_exceptions=True)
         failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if failed:
@@ -175,30 +191,25 @@ class ClusterWorkerClient(WorkerClient):
                 return_exceptions=True,
             )
             raise self._combine(dict(failed))
-        self.shards = clients
         await self._align_clocks()
         logger.debug(
             "worker %s joined a cluster of %d shards (epoch %d) at clock %d",
             self.worker_name,
-            shard_map.num_shards,
-            shard_map.epoch,
+            self.shard_map.num_shards,
+            self.shard_map.epoch,
             self.clock_value,
         )
 
     async def close(self) -> None:
         """Leave every shard and close every channel."""
-        if not self.sharded:
-            await super().close()
-            return
-        shards, self.shards = self.shards, []
-        await asyncio.gather(*(c.close() for c in shards), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self.shards), return_exceptions=True)
 
     # ------------------------------------------------------------------ fan-out
     def _combine(self, errors: Mapping[int, BaseException]) -> BaseException:
         for exc in errors.values():
             if not isinstance(exc, Exception):
                 return exc  # cancellation and friends pass through untouched
-        addresses = self.shard_map.addresses if self.shard_map else ()
+        addresses = self.shard_map.addresses
         first = next(iter(errors.values()))
         if len(errors) == 1 and isinstance(first, ParamServerError):
             (index,) = errors
@@ -263,8 +274,7 @@ class ClusterWorkerClient(WorkerClient):
 
     # ------------------------------------------------------------------ membership
     async def register(self, *, replace: bool | None = None, resume_worker_id: str = "") -> int:
-        if not self.sharded:
-            return await super().register(replace=replace, resume_worker_id=resume_worker_id)
+        """Register on every shard (see :meth:`WorkerClient.register`); the cluster's clock."""
         # Each shard continues its own registration (ids differ per shard).
         await self._fan_out(
             {
@@ -278,8 +288,7 @@ class ClusterWorkerClient(WorkerClient):
         return self.clock_value
 
     async def heartbeat(self) -> pb.HeartbeatResponse:
-        if not self.sharded:
-            return await super().heartbeat()
+        """Renew the lease on every shard: the shortest lease and the merged view."""
         resps = await self._fan_out({i: c.heartbeat() for i, c in enumerate(self.shards)})
         self._sync_state()
         return pb.HeartbeatResponse(
@@ -288,15 +297,11 @@ class ClusterWorkerClient(WorkerClient):
         )
 
     async def leave(self) -> None:
-        if not self.sharded:
-            await super().leave()
-            return
+        """Leave every shard."""
         await self._fan_out({i: c.leave() for i, c in enumerate(self.shards)})
 
     def require_member(self) -> None:
-        if not self.sharded:
-            super().require_member()
-            return
+        """Raise WorkerNotFound (FAILED_PRECONDITION) if some shard evicted the worker."""
         for i, c in enumerate(self.shards):
             if c.evicted:
                 raise WorkerNotFound(f"worker {c.worker_id!r} was evicted by shard {i}")
@@ -310,7 +315,6 @@ class ClusterWorkerClient(WorkerClient):
         Raises:
             KeyNotFound: a key that no shard holds (NOT_FOUND), unless ``missing_ok``.
         """
-        assert self.shard_map is not None
         unknown = [k for k in dict.fromkeys(keys) if k not in self._layouts]
         if unknown:
             by_home: dict[int, list[str]] = {}
@@ -368,31 +372,10 @@ class ClusterWorkerClient(WorkerClient):
         return {k: self._layouts[k] for k in dict.fromkeys(keys) if k in self._layouts}
 
     async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[Any]]:
-        if not self.sharded:
-            return await super()._key_dtypes_of(keys)
         layouts = await self._resolve(keys, missing_ok=True)
         return {k: np.dtype(lay.dtype) for k, lay in layouts.items()}
 
     # ------------------------------------------------------------------ data plane
-    async def _init_on(
-        self, shard: int, arrays: Mapping[str, np.ndarray], rule: UpdateRule
-    ) -> dict[str, bool]:
-        """One raw Init on one shard; returns stored name -> created (no read-back)."""
-        client = self.shards[shard]
-
-        def messages() -> Iterable[pb.InitRequest]:
-            yield pb.InitRequest(
-                header=pb.InitHeader(worker_id=client.worker_id, rule=rule.to_proto())
-            )
-            for name, value in arrays.items():
-                for frame in tensor.encode_frames(name, value, _SEND_CHUNK_BYTES):
-                    yield pb.InitRequest(frame=frame)
-
-        resp = await client._call(
-            lambda: client.stub.Init(messages(), timeout=client.rpc_timeout_s), "init"
-        )
-        return {k.key: k.created for k in resp.keys}
-
     async def init(
         self, tensors: Mapping[str, np.ndarray], rule: UpdateRule | None = None
     ) -> dict[str, np.ndarray]:
@@ -401,9 +384,6 @@ class ClusterWorkerClient(WorkerClient):
         Returns:
             key -> the stored value (yours if you created the key, else the first writer's).
         """
-        if not self.sharded:
-            return await super().init(tensors, rule)
-        assert self.shard_map is not None
         rule = rule or UpdateRule()
         arrays = {k: tensor.normalize(v, k) for k, v in tensors.items()}
         for k in arrays:
@@ -427,9 +407,10 @@ class ClusterWorkerClient(WorkerClient):
         async def declare(shard: int) -> dict[str, bool]:
             created: dict[str, bool] = {}
             if whole[shard]:
-                created.update(await self._init_on(shard, whole[shard], rule))
+                created.update(await self.shards[shard].declare(whole[shard], rule))
             if layouts[shard]:
-                created.update(await self._init_on(shard, layouts[shard], UpdateRule("assign")))
+                assign = UpdateRule("assign")
+                created.update(await self.shards[shard].declare(layouts[shard], assign))
             return created
 
         shards = {i for i in range(num) if whole[i] or layouts[i]}
@@ -446,7 +427,7 @@ class ClusterWorkerClient(WorkerClient):
         if mine:
             parts = self.shard_map.route(mine, {k: arrays[k] for k in mine})
             await self._fan_out(
-                {i: self._init_on(i, part, rule) for i, part in enumerate(parts) if part}
+                {i: self.shards[i].declare(part, rule) for i, part in enumerate(parts) if part}
             )
             self._layouts.update(mine)
         return await self._read_back(list(arrays))
@@ -466,30 +447,16 @@ class ClusterWorkerClient(WorkerClient):
                 delay = min(delay * 2, 0.5)
 
     async def push(
-        self,
-        grads: Mapping[str, np.ndarray],
-        *,
-        num_samples: int = 1,
-        base_version: int | None = None,
-        timeout_s: float | None = None,
-        cast: bool | None = None,
+        self, grads: Mapping[str, np.ndarray], **options: Unpack[PushOptions]
     ) -> PushAck:
-        """Split the gradients like their keys and push to every shard holding a part.
+        """Split the gradients like their keys and push to every shard holding a part
+        (the keyword arguments of :meth:`WorkerClient.push`).
 
         With ``base_version`` None each shard uses its own version of the last pull (ASP
         ``max_staleness`` is judged per shard). ``cast`` as in :meth:`WorkerClient.push`
         (gradients are cast to their keys' dtypes before they are split).
         """
-        if not self.sharded:
-            return await super().push(
-                grads,
-                num_samples=num_samples,
-                base_version=base_version,
-                timeout_s=timeout_s,
-                cast=cast,
-            )
-        assert self.shard_map is not None
-        grads = await self._cast(grads, cast)
+        grads = await cast_gradients(self, grads, options.get("cast"))
         arrays = {k: tensor.normalize(v, k) for k, v in grads.items()}
         layouts = await self._resolve(list(arrays))
         if not self._allow_non_finite:
@@ -503,17 +470,8 @@ class ClusterWorkerClient(WorkerClient):
                         f"out of {array.size}; nothing was pushed to any shard"
                     )
         parts = self.shard_map.route(layouts, arrays)
-        calls = {
-            i: self.shards[i].push(
-                part,
-                num_samples=num_samples,
-                base_version=base_version,
-                timeout_s=timeout_s,
-                cast=False,
-            )
-            for i, part in enumerate(parts)
-            if part
-        }
+        per_shard: PushOptions = {**options, "cast": False}  # (cast above)
+        calls = {i: self.shards[i].push(part, **per_shard) for i, part in enumerate(parts) if part}
         if not calls:
             raise InvalidArgument("a push needs at least one gradient; got none")
         acks = await self._fan_out(calls)
@@ -528,19 +486,12 @@ class ClusterWorkerClient(WorkerClient):
         )
 
     async def pull(
-        self,
-        keys: Iterable[str] | None = None,
-        *,
-        timeout_s: float | None = None,
-        observer: bool = False,
-        copy: bool = True,
+        self, keys: Iterable[str] | None = None, **options: Unpack[PullOptions]
     ) -> dict[str, np.ndarray]:
         """Pull from every shard holding a part of ``keys`` (all keys when empty), concurrently,
-        and reassemble; each shard waits as its consistency model requires. ``copy`` as in
-        :meth:`WorkerClient.pull` (sliced keys are always reassembled into fresh arrays)."""
-        if not self.sharded:
-            return await super().pull(keys, timeout_s=timeout_s, observer=observer, copy=copy)
-        assert self.shard_map is not None
+        and reassemble; each shard waits as its consistency model requires. The keyword
+        arguments of :meth:`WorkerClient.pull` (sliced keys are always reassembled into fresh
+        arrays)."""
         key_list = list(keys or [])
         layouts = await self._resolve(key_list) if key_list else await self._resolve_all()
         names: list[list[str]] = [[] for _ in self.shards]
@@ -549,11 +500,7 @@ class ClusterWorkerClient(WorkerClient):
                 if not lay.sliced or name != layout_key(lay.key):
                     names[shard].append(name)
         pulled = await self._fan_out(
-            {
-                i: self.shards[i].pull(ns, timeout_s=timeout_s, observer=observer, copy=copy)
-                for i, ns in enumerate(names)
-                if ns
-            }
+            {i: self.shards[i].pull(ns, **options) for i, ns in enumerate(names) if ns}
         )
         parts: dict[str, np.ndarray] = {}
         for got in pulled.values():
@@ -565,34 +512,24 @@ class ClusterWorkerClient(WorkerClient):
         self,
         grads: Mapping[str, np.ndarray],
         keys: Iterable[str] | None = None,
-        *,
-        num_samples: int = 1,
-        base_version: int | None = None,
-        timeout_s: float | None = None,
-        copy: bool = True,
-        cast: bool | None = None,
+        **options: Unpack[PushPullOptions],
     ) -> dict[str, np.ndarray]:
         """:meth:`WorkerClient.push_pull`; over several shards a push to every shard holding a
-        part, then a pull from them (two fan-outs)."""
-        if not self.sharded:
-            return await super().push_pull(
-                grads,
-                keys,
-                num_samples=num_samples,
-                base_version=base_version,
-                timeout_s=timeout_s,
-                copy=copy,
-                cast=cast,
-            )
+        part, then a pull from them (two fan-outs; ``timeout_s`` is the pull's)."""
         key_list = list(grads) if keys is None else list(keys)
         await self._resolve(key_list)  # an unknown pull key is refused before the push
-        await self.push(grads, num_samples=num_samples, base_version=base_version, cast=cast)
-        return await self.pull(key_list, timeout_s=timeout_s, copy=copy)
+        await self.push(
+            grads,
+            num_samples=options.get("num_samples", 1),
+            base_version=options.get("base_version"),
+            cast=options.get("cast"),
+        )
+        return await self.pull(
+            key_list, timeout_s=options.get("timeout_s"), copy=options.get("copy", True)
+        )
 
     async def clock(self) -> int:
         """End the current iteration on every shard; returns the new (cluster-wide) clock."""
-        if not self.sharded:
-            return await super().clock()
         await self._fan_out({i: c.clock() for i, c in enumerate(self.shards)})
         await self._align_clocks()
         return self.clock_value
@@ -600,8 +537,6 @@ class ClusterWorkerClient(WorkerClient):
     async def status(self) -> pb.StatusResponse:
         """The cluster's status: counters summed over shards, sliced keys shown whole, each
         embedding table once (rows and counters summed, staleness the worst shard's)."""
-        if not self.sharded:
-            return await super().status()
         statuses = await self.shard_statuses()
         out = pb.StatusResponse()
         out.CopyFrom(statuses[0])
@@ -644,8 +579,6 @@ class ClusterWorkerClient(WorkerClient):
     # ------------------------------------------------------------------ embedding tables
     async def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]:
         """Declare the table on every shard (see :meth:`WorkerClient.init_table`)."""
-        if not self.sharded:
-            return await super().init_table(spec)
         return await ShardedTables(self.shards, self._fan_out).init_table(spec)
 
     async def pull_rows(
@@ -653,8 +586,6 @@ class ClusterWorkerClient(WorkerClient):
     ) -> np.ndarray:
         """Rows of ``ids`` in the caller's order, from their shards concurrently (see
         :meth:`WorkerClient.pull_rows`)."""
-        if not self.sharded:
-            return await super().pull_rows(table, ids, timeout_s=timeout_s, observer=observer)
         return await ShardedTables(self.shards, self._fan_out).pull_rows(
             table, ids, timeout_s=timeout_s, observer=observer
         )
@@ -664,8 +595,6 @@ class ClusterWorkerClient(WorkerClient):
     ) -> RowPushAck:
         """Gradient rows split by shard and pushed concurrently, one request id for all
         shards (see :meth:`WorkerClient.push_rows`)."""
-        if not self.sharded:
-            return await super().push_rows(table, ids, grads, timeout_s=timeout_s)
         request_id = self._next_request_id
         self._next_request_id += 1
         return await ShardedTables(self.shards, self._fan_out).push_rows(
@@ -674,15 +603,192 @@ class ClusterWorkerClient(WorkerClient):
 
     async def shard_statuses(self) -> list[pb.StatusResponse]:
         """Every shard's own status, in shard order."""
-        if not self.sharded:
-            return [await super().status()]
         got = await self._fan_out({i: c.status() for i, c in enumerate(self.shards)})
         return [got[i] for i in range(len(self.shards))]
 
+    async def wait_for_workers(self, n: int, *, timeout_s: float = 60.0) -> int:
+        """The start barrier over the cluster (see :meth:`WorkerClient.wait_for_workers`)."""
+        return await await_workers(self, n, timeout_s)
 
-def connect_cluster(address: str, worker_name: str, **kwargs: Any) -> ClusterWorkerClient:
-    """Open a session with the cluster that serves ``address`` (any shard): ``async with``."""
-    return ClusterWorkerClient(address, worker_name, **kwargs)
+
+class ClusterWorkerClient(AsyncSession):
+    """A worker session with a parameter server of one or many shards (what
+    :func:`~paramserver.worker_client.connect` returns).
+
+    On open it asks ``address`` for the shard map: a single-shard server is served by one
+    :class:`WorkerClient`, a cluster of S > 1 shards by a :class:`ShardedWorkerClient` over one
+    ``WorkerClient`` per shard; every call is that client's.
+
+    Args:
+        address: ``host:port`` of any shard of the cluster.
+        worker_name: Stable name; registered on every shard.
+        discover: Ask for the shard map (False: talk to ``address`` alone, as one shard).
+        **options: Those of :class:`WorkerClient`
+            (:class:`~paramserver.worker_client.options.ClientOptions`); every per-shard
+            client gets them. Checked here (e.g. InvalidArgument, INVALID_ARGUMENT, for a bad
+            ``pull_buffer_max_bytes``).
+
+    Attributes:
+        shard_map: The map in use once open (None: a single-shard server).
+        shards: The per-shard clients once open (one for a single-shard server).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        worker_name: str,
+        *,
+        discover: bool = True,
+        **options: Unpack[ClientOptions],
+    ) -> None:
+        self.address = address
+        self.worker_name = worker_name
+        self.discover = discover
+        self._options = options
+        #: The client of ``address`` itself: the whole session when the server has one shard.
+        self.client = WorkerClient(address, worker_name, **options)
+        self._api: WorkerClient | ShardedWorkerClient = self.client
+        self.shard_map: ShardMap | None = None
+        self.shards: list[WorkerClient] = []
+
+    @property
+    def sharded(self) -> bool:
+        """True when talking to a cluster of more than one shard (while open)."""
+        return len(self.shards) > 1
+
+    # ------------------------------------------------------------------ lifecycle
+    async def open(self) -> None:
+        """Fetch the shard map, then open one session per shard (or the one client's)."""
+        single = self.client
+        if self.discover:
+            shard_map = await fetch_shard_map(
+                self.address,
+                retry=single.retry,
+                timeout_s=single.rpc_timeout_s,
+                channel_options=single.channel_options,
+                security=single.security,
+            )
+            if shard_map is not None and shard_map.num_shards > 1:
+                clients = [
+                    WorkerClient(addr, self.worker_name, **self._options)
+                    for addr in shard_map.addresses
+                ]
+                sharded = ShardedWorkerClient(shard_map, clients)
+                await sharded.open()
+                self.shard_map, self.shards, self._api = shard_map, clients, sharded
+                return
+        await single.open()
+        self.shards = [single]
+
+    async def close(self) -> None:
+        """Leave every shard and close every channel (the worker's state stays readable)."""
+        self.shards = []
+        await self._api.close()
+
+    # ------------------------------------------------------------------ state
+    worker_id = Forwarded[str]("_api", "The worker's id (a sharded cluster: the first shard's).")
+    clock_value = Forwarded[int]("_api", "The worker's clock (one number cluster-wide).")
+    view = Forwarded[pb.ClusterView | None](
+        "_api", "The cluster as last seen (merged over shards: fewest live, lowest clock)."
+    )
+    last_version = Forwarded[int]("_api", "Parameter version of the last pull (shards: summed).")
+    lease_ms = Forwarded[int]("_api", "The lease in milliseconds (shards: the shortest).")
+    evicted = Forwarded[bool]("_api", "The server (some shard) evicted the worker.")
+    reregistrations = Forwarded[int](
+        "_api", "Re-registrations after a server forgot the worker (shards: summed)."
+    )
+    stub = Forwarded[Any]("client", "The single shard's stub (the client must be open).")
+    fastpath = Forwarded[SessionTransport | None](
+        "client", "The single shard's Session transport (None: ``session=False``)."
+    )
+    pull_buffers = Forwarded[PullBuffers]("client", "The single shard's recycled pull memory.")
+    compressor = Forwarded[GradientCompressor]("client", "The single shard's compressor.")
+
+    # ------------------------------------------------------------------ calls
+    async def register(self, *, replace: bool | None = None, resume_worker_id: str = "") -> int:
+        """:meth:`WorkerClient.register` (on every shard)."""
+        return await self._api.register(replace=replace, resume_worker_id=resume_worker_id)
+
+    async def heartbeat(self) -> pb.HeartbeatResponse:
+        """:meth:`WorkerClient.heartbeat` (on every shard)."""
+        return await self._api.heartbeat()
+
+    async def leave(self) -> None:
+        """:meth:`WorkerClient.leave` (on every shard)."""
+        await self._api.leave()
+
+    def require_member(self) -> None:
+        """:meth:`WorkerClient.require_member` (over every shard)."""
+        self._api.require_member()
+
+    async def wait_for_workers(self, n: int, *, timeout_s: float = 60.0) -> int:
+        """:meth:`WorkerClient.wait_for_workers` (the start barrier)."""
+        return await self._api.wait_for_workers(n, timeout_s=timeout_s)
+
+    async def init(
+        self, tensors: Mapping[str, np.ndarray], rule: UpdateRule | None = None
+    ) -> dict[str, np.ndarray]:
+        """:meth:`WorkerClient.init` (declared over the shards: first writer wins per key)."""
+        return await self._api.init(tensors, rule)
+
+    async def push(
+        self, grads: Mapping[str, np.ndarray], **options: Unpack[PushOptions]
+    ) -> PushAck:
+        """:meth:`WorkerClient.push` (split like the keys over the shards)."""
+        return await self._api.push(grads, **options)
+
+    async def pull(
+        self, keys: Iterable[str] | None = None, **options: Unpack[PullOptions]
+    ) -> dict[str, np.ndarray]:
+        """:meth:`WorkerClient.pull` (reassembled from every shard holding a part)."""
+        return await self._api.pull(keys, **options)
+
+    async def push_pull(
+        self,
+        grads: Mapping[str, np.ndarray],
+        keys: Iterable[str] | None = None,
+        **options: Unpack[PushPullOptions],
+    ) -> dict[str, np.ndarray]:
+        """:meth:`WorkerClient.push_pull` (over several shards: a push, then a pull)."""
+        return await self._api.push_pull(grads, keys, **options)
+
+    async def clock(self) -> int:
+        """:meth:`WorkerClient.clock` (on every shard)."""
+        return await self._api.clock()
+
+    async def status(self) -> pb.StatusResponse:
+        """:meth:`WorkerClient.status` (over several shards: counters summed, keys whole)."""
+        return await self._api.status()
+
+    async def shard_statuses(self) -> list[pb.StatusResponse]:
+        """Every shard's own status, in shard order."""
+        if isinstance(self._api, ShardedWorkerClient):
+            return await self._api.shard_statuses()
+        return [await self._api.status()]
+
+    async def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]:
+        """:meth:`WorkerClient.init_table` (on every shard)."""
+        return await self._api.init_table(spec)
+
+    async def pull_rows(
+        self, table: str, ids: Any, *, timeout_s: float | None = None, observer: bool = False
+    ) -> np.ndarray:
+        """:meth:`WorkerClient.pull_rows` (from the rows' shards concurrently)."""
+        return await self._api.pull_rows(table, ids, timeout_s=timeout_s, observer=observer)
+
+    async def push_rows(
+        self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
+    ) -> RowPushAck:
+        """:meth:`WorkerClient.push_rows` (split by shard, one request id)."""
+        return await self._api.push_rows(table, ids, grads, timeout_s=timeout_s)
+
+
+def connect_cluster(
+    address: str, worker_name: str, *, discover: bool = True, **options: Unpack[ClientOptions]
+) -> ClusterWorkerClient:
+    """Open a session with the cluster that serves ``address`` (any shard): ``async with``
+    (the same as :func:`~paramserver.worker_client.connect`)."""
+    return connect(address, worker_name, discover=discover, **options)
 
 
 def _merge_tables(out: pb.StatusResponse, statuses: Sequence[pb.StatusResponse]) -> None:

@@ -4,7 +4,8 @@
 calls on one shard: over the client's persistent Session when it is free (ids, gradients and
 rows inline when small, else through the same-host shared-memory segment; on the local link when
 the session moved there), otherwise over the ``PullRows`` / ``PushRows`` streams (chunked as
-``tables.proto`` describes). :class:`ShardedTables` splits a batch by shard
+``tables.proto`` describes): whichever transport carries them. :class:`ShardedTables` splits a
+batch by shard
 ``hash64(table, id) mod S`` (vectorized), calls every shard concurrently and reassembles the
 rows in the caller's order; the cluster client uses it. See ``docs/embedding-tables.md``.
 
@@ -18,7 +19,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from paramserver.core.tables import TableSpec, shard_of_ids
 from paramserver.errors import InvalidArgument, MalformedStream
 from paramserver.protocol import rows_wire, tensor
 from paramserver.worker_client.retry import RETRYABLE
-from paramserver.worker_client.transport.session_stream import Fallback
+from paramserver.worker_client.transport.base import RowPush, Transports
 
 __all__ = ["RowPushAck", "ShardedTables", "TableClientMixin", "check_ids", "check_rows"]
 
@@ -90,19 +91,12 @@ class TableClientMixin:
     """Table calls on one shard (mixed into ``WorkerClient``; uses its retry funnel)."""
 
     stub: Any
+    transports: Transports
     worker_id: str
     clock_value: int
     rpc_timeout_s: float
     wait_timeout_s: float | None
     _next_request_id: int
-
-    @property
-    def _row_bytes(self) -> dict[str, int]:
-        """Bytes of one row per table seen (sizes the shared-memory pull region up front)."""
-        cache: dict[str, int] | None = self.__dict__.get("_table_row_bytes")
-        if cache is None:
-            cache = self.__dict__["_table_row_bytes"] = {}
-        return cache
 
     async def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]:
         """Declare a table (first writer wins; the same declaration again is a no-op).
@@ -152,38 +146,14 @@ class TableClientMixin:
         arr = check_ids(ids)
         wait_ms, deadline_s = self._pull_deadline(timeout_s)
 
-        def requests() -> Iterator[Any]:
-            yield tpb.PullRowsRequest(
-                header=tpb.RowsHeader(
-                    table=table,
-                    worker_id="" if observer else self.worker_id,
-                    num_ids=int(arr.shape[0]),
-                    timeout_ms=wait_ms,
-                )
-            )
-            for chunk in rows_wire.chunk_rows(arr, None):
-                yield tpb.PullRowsRequest(chunk=chunk)
-
         async def attempt() -> np.ndarray:
-            fp = getattr(self, "fastpath", None)
-            if fp is not None and fp.usable:
-                header = tpb.RowsHeader(
-                    table=table,
-                    worker_id="" if observer else self.worker_id,
-                    num_ids=int(arr.shape[0]),
-                    timeout_ms=wait_ms,
-                )
-                try:
-                    done, rows = await fp.rows(
-                        header, arr, None, deadline_s, row_bytes=self._row_bytes.get(table)
-                    )
-                except Fallback:
-                    pass
-                else:
-                    self._row_bytes[table] = int(done.info.dim) * rows.dtype.itemsize
-                    return np.asarray(rows)
-            stream = self.stub.PullRows(requests(), timeout=deadline_s)
-            return await _read_rows(stream, table)
+            header = tpb.RowsHeader(
+                table=table,
+                worker_id="" if observer else self.worker_id,
+                num_ids=int(arr.shape[0]),
+                timeout_ms=wait_ms,
+            )
+            return await self.transports.send(lambda t: t.pull_rows(header, arr, deadline_s))
 
         me: Any = self  # a WorkerClient: its retry funnel
         if observer:
@@ -224,44 +194,20 @@ class TableClientMixin:
         request_id: int,
         timeout_s: float | None,
     ) -> RowPushAck:
-        chunks = list(rows_wire.chunk_rows(arr, rows))  # encoded once, re-sent on retry
-        dtype = tensor.dtype_to_wire(rows.dtype)
-
-        def requests() -> Iterator[Any]:
-            yield tpb.PushRowsRequest(
-                header=tpb.RowsHeader(
-                    table=table,
-                    worker_id=self.worker_id,
-                    request_id=request_id,
-                    clock=self.clock_value,
-                    num_ids=int(arr.shape[0]),
-                    dtype=dtype,
-                    dim=int(rows.shape[1]),
-                )
-            )
-            for chunk in chunks:
-                yield tpb.PushRowsRequest(chunk=chunk)
-
+        batch = RowPush(arr, rows)  # the stream's chunks encoded once, re-sent on retry
         deadline_s = timeout_s or self.rpc_timeout_s
 
-        async def attempt() -> Any:
-            fp = getattr(self, "fastpath", None)
-            if fp is not None and fp.usable:
-                header = tpb.RowsHeader(
-                    table=table,
-                    worker_id=self.worker_id,
-                    request_id=request_id,
-                    clock=self.clock_value,
-                )
-                try:
-                    return await fp.rows(header, arr, rows, deadline_s)
-                except Fallback:
-                    pass
-            return await self.stub.PushRows(requests(), timeout=deadline_s)
+        async def attempt() -> tpb.PushRowsResponse:
+            header = tpb.RowsHeader(
+                table=table,
+                worker_id=self.worker_id,
+                request_id=request_id,
+                clock=self.clock_value,
+            )
+            return await self.transports.send(lambda t: t.push_rows(header, batch, deadline_s))
 
         me: Any = self  # a WorkerClient: its retry funnel
-        done = await me._member_call(attempt, "push_rows", _PUSH_RETRYABLE)
-        resp = done.pushed if hasattr(done, "pushed") else done
+        resp = await me._member_call(attempt, "push_rows", _PUSH_RETRYABLE)
         return RowPushAck(
             duplicate=resp.duplicate,
             queued=resp.queued,
@@ -269,26 +215,6 @@ class TableClientMixin:
             applied=int(resp.applied),
             filtered=int(resp.filtered),
         )
-
-
-async def _read_rows(stream: AsyncIterator[Any], table: str) -> np.ndarray:
-    receiver: rows_wire.RowsReceiver | None = None
-    async for msg in stream:
-        which = msg.WhichOneof("body")
-        if which == "info":
-            if receiver is not None:
-                raise MalformedStream(f"table {table!r}: a second PullRowsInfo")
-            dtype = tensor.dtype_from_wire(msg.info.dtype, table)
-            receiver = rows_wire.RowsReceiver(
-                f"table {table!r}", int(msg.info.num_ids), int(msg.info.dim), dtype, with_ids=False
-            )
-        elif receiver is None:
-            raise MalformedStream(f"table {table!r}: rows before the PullRowsInfo")
-        else:
-            receiver.feed(msg.chunk)
-    if receiver is None:
-        raise MalformedStream(f"table {table!r}: empty PullRows reply")
-    return receiver.finish()[1]
 
 
 class ShardedTables:

@@ -31,7 +31,31 @@ T = TypeVar("T")
 StubT = TypeVar("StubT")
 
 
-class ServiceSession(ABC, Generic[StubT]):
+class AsyncSession(ABC):
+    """``async with``: :meth:`open` on entry, :meth:`close` on exit."""
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Open the session."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close the session."""
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class ServiceSession(AsyncSession, Generic[StubT]):
     """One worker's session with a service: channel, registration and lease.
 
     Args:
@@ -118,18 +142,6 @@ class ServiceSession(ABC, Generic[StubT]):
         return False
 
     # ------------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     async def open(self) -> None:
         """Open the channel, register, and start heartbeats."""
         self._channel = open_channel(self.address, self.security, self._open_options())

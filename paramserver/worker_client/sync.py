@@ -1,4 +1,5 @@
-"""Blocking wrapper over :class:`~paramserver.worker_client.client.WorkerClient` for scripts.
+"""Blocking wrapper over :class:`~paramserver.worker_client.cluster.ClusterWorkerClient` (what
+:func:`~paramserver.worker_client.connect` returns) for scripts.
 
 The wrapper runs a private event loop in a daemon thread; each method submits the async call
 to it and waits for the result with a deadline. Usage::
@@ -16,7 +17,7 @@ import asyncio
 import threading
 from collections.abc import Coroutine, Iterable, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import numpy as np
 
@@ -24,30 +25,50 @@ from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.tables import TableSpec
 from paramserver.errors import WaitTimeout
-from paramserver.worker_client.client import PushAck, WorkerClient, connect
+from paramserver.worker_client.client import PushAck, connect
+from paramserver.worker_client.cluster import ClusterWorkerClient
 from paramserver.worker_client.embedding import RowPushAck
+from paramserver.worker_client.forwarding import Forwarded
+from paramserver.worker_client.options import (
+    ClientOptions,
+    PullOptions,
+    PushOptions,
+    PushPullOptions,
+)
 
 T = TypeVar("T")
 
 
 class SyncWorkerClient:
-    """Blocking worker session; the same arguments as :class:`WorkerClient`.
+    """Blocking worker session; the same arguments as :func:`~paramserver.worker_client.connect`.
 
     Args:
+        address: ``host:port`` of any shard of the cluster.
+        worker_name: Stable name; one live registration per name.
         call_timeout_s: Extra deadline (seconds) for each blocking call on top of the client's
             own RPC and wait deadlines; a call past it raises WaitTimeout (DEADLINE_EXCEEDED).
+        discover: As for :func:`~paramserver.worker_client.connect`.
+        **options: Those of :class:`~paramserver.worker_client.client.WorkerClient`
+            (:class:`~paramserver.worker_client.options.ClientOptions`).
     """
 
     def __init__(
-        self, address: str, worker_name: str, *, call_timeout_s: float = 600.0, **kwargs: Any
+        self,
+        address: str,
+        worker_name: str,
+        *,
+        call_timeout_s: float = 600.0,
+        discover: bool = True,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        self._kwargs = kwargs
+        self._options = options
+        self._discover = discover
         self._address = address
         self._name = worker_name
         self._call_timeout_s = call_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._client: WorkerClient | None = None
+        self._client: ClusterWorkerClient | None = None
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop is None:
@@ -61,7 +82,7 @@ class SyncWorkerClient:
             raise WaitTimeout(f"call did not finish within {self._call_timeout_s} s") from None
 
     @property
-    def client(self) -> WorkerClient:
+    def client(self) -> ClusterWorkerClient:
         if self._client is None:
             raise RuntimeError("SyncWorkerClient is not open")
         return self._client
@@ -73,8 +94,8 @@ class SyncWorkerClient:
         )
         self._thread.start()
 
-        async def make() -> WorkerClient:
-            client = connect(self._address, self._name, **self._kwargs)
+        async def make() -> ClusterWorkerClient:
+            client = connect(self._address, self._name, discover=self._discover, **self._options)
             await client.open()
             return client
 
@@ -114,73 +135,32 @@ class SyncWorkerClient:
         self.close()
 
     # The blocking API mirrors WorkerClient's async one.
-    @property
-    def worker_id(self) -> str:
-        return self.client.worker_id
-
-    @property
-    def clock_value(self) -> int:
-        return self.client.clock_value
+    worker_id = Forwarded[str]("client", "The worker's id (see :class:`ClusterWorkerClient`).")
+    clock_value = Forwarded[int]("client", "The worker's clock.")
 
     def init(
         self, tensors: Mapping[str, np.ndarray], rule: UpdateRule | None = None
     ) -> dict[str, np.ndarray]:
         return self._run(self.client.init(tensors, rule))
 
-    def push(
-        self,
-        grads: Mapping[str, np.ndarray],
-        *,
-        num_samples: int = 1,
-        base_version: int | None = None,
-        timeout_s: float | None = None,
-        cast: bool | None = None,
-    ) -> PushAck:
-        """:meth:`WorkerClient.push`, blocking."""
-        return self._run(
-            self.client.push(
-                grads,
-                num_samples=num_samples,
-                base_version=base_version,
-                timeout_s=timeout_s,
-                cast=cast,
-            )
-        )
+    def push(self, grads: Mapping[str, np.ndarray], **options: Unpack[PushOptions]) -> PushAck:
+        """:meth:`WorkerClient.push`, blocking (the same keyword arguments)."""
+        return self._run(self.client.push(grads, **options))
 
     def pull(
-        self,
-        keys: Iterable[str] | None = None,
-        *,
-        timeout_s: float | None = None,
-        observer: bool = False,
-        copy: bool = True,
+        self, keys: Iterable[str] | None = None, **options: Unpack[PullOptions]
     ) -> dict[str, np.ndarray]:
         """:meth:`WorkerClient.pull`, blocking (``copy=False`` views live until the next call)."""
-        return self._run(self.client.pull(keys, timeout_s=timeout_s, observer=observer, copy=copy))
+        return self._run(self.client.pull(keys, **options))
 
     def push_pull(
         self,
         grads: Mapping[str, np.ndarray],
         keys: Iterable[str] | None = None,
-        *,
-        num_samples: int = 1,
-        base_version: int | None = None,
-        timeout_s: float | None = None,
-        copy: bool = True,
-        cast: bool | None = None,
+        **options: Unpack[PushPullOptions],
     ) -> dict[str, np.ndarray]:
         """Push, then pull, in one round trip (see :meth:`WorkerClient.push_pull`)."""
-        return self._run(
-            self.client.push_pull(
-                grads,
-                keys,
-                num_samples=num_samples,
-                base_version=base_version,
-                timeout_s=timeout_s,
-                copy=copy,
-                cast=cast,
-            )
-        )
+        return self._run(self.client.push_pull(grads, keys, **options))
 
     def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]:
         """:meth:`WorkerClient.init_table`, blocking."""
@@ -212,6 +192,16 @@ class SyncWorkerClient:
         return self._run(self.client.status())
 
 
-def connect_sync(address: str, worker_name: str, **kwargs: Any) -> SyncWorkerClient:
-    """Blocking counterpart of :func:`paramserver.worker_client.connect`."""
-    return SyncWorkerClient(address, worker_name, **kwargs)
+def connect_sync(
+    address: str,
+    worker_name: str,
+    *,
+    call_timeout_s: float = 600.0,
+    discover: bool = True,
+    **options: Unpack[ClientOptions],
+) -> SyncWorkerClient:
+    """Blocking counterpart of :func:`paramserver.worker_client.connect` (the same arguments;
+    ``call_timeout_s`` as for :class:`SyncWorkerClient`)."""
+    return SyncWorkerClient(
+        address, worker_name, call_timeout_s=call_timeout_s, discover=discover, **options
+    )

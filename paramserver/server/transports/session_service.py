@@ -30,15 +30,21 @@ from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
 from paramserver.protocol import shm, tensor
-from paramserver.protocol.session_frames import MAX_INLINE_BYTES, SMALL_INLINE_BYTES
+from paramserver.protocol.session_frames import (
+    MAX_INLINE_BYTES,
+    SMALL_INLINE_BYTES,
+    place_slot_batch,
+    place_slot_tensors,
+    slot_batch_entries,
+)
 from paramserver.security.tokens import check_worker_identity
 from paramserver.server.engine import InflightTicket
 from paramserver.server.slicing import SLICE_KEYS
 
 if TYPE_CHECKING:
     from paramserver.server.shard_service import ShardService
-    from paramserver.server.transports.link_service import LocalLinkServer
     from paramserver.server.transports.table_service import TableRpcs
+    from paramserver.server.transports.link_service import LocalLinkServer
 
 logger = logging.getLogger(__name__)
 
@@ -285,35 +291,19 @@ class SessionService:
     ) -> None:
         """Gradients of a push's :class:`SlotBatch`, added to ``out``: views of the push
         region (copies when BSP queues them), each checked as :meth:`_decode` checks a slot."""
-        keys = list(batch.keys)
-        dtypes = list(batch.dtypes)
-        ndims = list(batch.ndims)
-        dims = list(batch.dims)
-        offsets = list(batch.offsets)
-        n = len(keys)
-        if not (len(dtypes) == len(ndims) == len(offsets) == n) or sum(ndims) != len(dims):
-            raise MalformedStream(
-                f"SlotBatch arrays disagree: {n} keys, {len(dtypes)} dtypes, {len(ndims)} ndims, "
-                f"{len(offsets)} offsets, {len(dims)} dims for ranks summing to {sum(ndims)}"
-            )
-        if n and session.mapping is None:
+        entries = slot_batch_entries(batch)
+        if entries and session.mapping is None:
             raise InvalidArgument(
-                f"tensor {keys[0]!r}: shared-memory slot but no segment is mapped"
+                f"tensor {entries[0][0]!r}: shared-memory slot but no segment is mapped"
             )
         limit = self.shard.engine.config.max_tensor_bytes
         keep_copies = self.shard.core.aggregator is not None
         region = session.mapping.push if session.mapping is not None else None
-        from_wire = tensor.dtype_from_wire
-        pos = 0
-        for key, wire_dtype, nd, offset in zip(keys, dtypes, ndims, offsets, strict=True):
+        for key, dtype, shape, offset, nbytes in entries:
             if not key:
                 raise MalformedStream("Session tensor with an empty key")
             if key in out:
                 raise MalformedStream(f"key {key!r} appears twice in one push")
-            dtype = from_wire(wire_dtype, key)
-            shape = tuple(dims[pos : pos + nd])
-            pos += nd
-            nbytes = tensor.tensor_nbytes(shape, dtype)
             if limit is not None and nbytes > limit:
                 raise InvalidArgument(
                     f"tensor {key!r}: size_bytes {nbytes} exceeds max_tensor_bytes {limit}"
@@ -365,42 +355,10 @@ class SessionService:
         # One pass for the whole request: the destinations, then one consistent copy of every
         # key (inline when all are small and idle, else one reservation and one worker-thread
         # hop for the big ones), then the response's slots (no per-key message objects).
-        offset = 0
-        dsts = []
-        view = mapping.pull.view
-        to_wire = tensor.dtype_to_wire
         if session.slot_batches:
-            dtypes: list[int] = []
-            ndims: list[int] = []
-            dims: list[int] = []
-            offsets: list[int] = []
-            for value in values:
-                size = value.nbytes
-                shape = value.shape
-                dsts.append(view(offset, size, value.dtype, shape))
-                dtypes.append(to_wire(value.dtype))
-                ndims.append(len(shape))
-                dims.extend(shape)
-                offsets.append(offset)
-                offset = shm.align_up(offset + size)
-            batch = out.slots
-            batch.keys.extend(keys)
-            batch.dtypes.extend(dtypes)
-            batch.ndims.extend(ndims)
-            batch.dims.extend(dims)
-            batch.offsets.extend(offsets)
+            dsts = place_slot_batch(out.slots, mapping.pull.view, keys, values)
         else:
-            add = out.tensors.add
-            for key, value in zip(keys, values, strict=True):
-                size = value.nbytes
-                dsts.append(view(offset, size, value.dtype, value.shape))
-                add(
-                    key=key,
-                    dtype=to_wire(value.dtype),
-                    shape=value.shape,
-                    slot={"offset_bytes": offset, "size_bytes": size},
-                )
-                offset = shm.align_up(offset + size)
+            dsts = place_slot_tensors(out.tensors, mapping.pull.view, keys, values)
         await shard.pull_snapshots_into(keys, dsts)
 
     async def _rows(self, session: _Session, req: pb.SessionRows, out: pb.SessionRowsDone) -> None:

@@ -1,2 +1,5 @@
-"""How the worker client reaches a shard besides plain gRPC calls: the ``Session`` stream
-(:mod:`.session_stream`) and the same-host local link (:mod:`.link_client`)."""
+"""How the worker client reaches a shard: every way behind one
+:class:`~paramserver.worker_client.transport.base.Transport` interface (:mod:`.base`, with the
+choice between them), the chunked gRPC streams (:mod:`.streams`), the ``Session`` stream with
+shared-memory slots (:mod:`.session_stream`) and the same-host local link it can move onto
+(:mod:`.link_client`)."""

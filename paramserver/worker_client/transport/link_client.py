@@ -1,10 +1,10 @@
 """Client end of the same-host local link (:mod:`paramserver.server.transports.link_service`).
 
 :class:`LocalLinkCall` stands in for the gRPC ``Session`` call inside
-:class:`~paramserver.worker_client.transport.session_stream.FastPath`: the same ``write`` /
-``read`` /
-``cancel``, the same ``SessionRequest`` / ``SessionResponse`` messages, framed by a 4-byte
-little-endian length on a Unix-domain stream socket.
+:class:`~paramserver.worker_client.transport.session_stream.SessionTransport` once the session
+moved onto the link: the same ``write`` / ``read`` / ``cancel``, the same ``SessionRequest`` /
+``SessionResponse`` messages, framed by a 4-byte little-endian length on a Unix-domain stream
+socket.
 """
 
 from __future__ import annotations

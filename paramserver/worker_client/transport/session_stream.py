@@ -1,7 +1,8 @@
 """Client side of the ``Session`` RPC: one persistent stream per worker client.
 
-:class:`FastPath` opens the stream lazily (first push or pull), sends one request at a time and
-reads its response; a broken stream is dropped (with its shared-memory segment) and the next
+:class:`SessionTransport` (a :class:`~paramserver.worker_client.transport.base.Transport`)
+opens the stream lazily (first push or pull), sends one request at a time and reads its
+response; a broken stream is dropped (with its shared-memory segment) and the next
 attempt opens a new one, so the retry funnel of :mod:`paramserver.worker_client.retry` reopens
 it and retries with the same request id (dedup makes a push exactly-once). A refusal arrives as
 a ``SessionError`` and is raised as the :class:`grpc.aio.AioRpcError` the ordinary path would
@@ -14,11 +15,14 @@ Where tensor bytes go:
 - larger ones, same host: the segment's push region (offered on first need, grown on the same
   stream when a tensor does not fit);
 - larger ones, no shared memory (another host, declined, or switched off): inline up to the
-  server's ``max_inline_bytes`` (~1 MiB), else :class:`Fallback` — the caller uses the chunked
-  Push/Pull streams.
+  server's ``max_inline_bytes`` (~1 MiB), else the request is declined
+  (:class:`~paramserver.worker_client.transport.base.Declined`, nothing sent) and the client
+  sends it by the chunked Push/Pull streams.
 
 Pulls are answered inline, in the pull region, or with ``needed_bytes`` (the client grows the
-segment and asks again, or falls back to the Pull stream).
+segment and asks again, or declines: the Pull stream carries it). A server without the Session
+RPC declines every request for good. The stream itself runs on gRPC or, moved there after its
+open, on the server's same-host local link (:class:`LocalLinkCall`, the same messages).
 """
 
 from __future__ import annotations
@@ -32,17 +36,34 @@ from typing import Any
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import ERROR_CLASS_METADATA_KEY, MalformedStream
 from paramserver.protocol import link, shm, tensor
-from paramserver.protocol.session_frames import MAX_INLINE_BYTES, SMALL_INLINE_BYTES
+from paramserver.protocol.session_frames import (
+    MAX_INLINE_BYTES,
+    SMALL_INLINE_BYTES,
+    SlotEntry,
+    inline_array,
+    place_slot_batch,
+    place_slot_tensors,
+    slot_batch_entries,
+)
 from paramserver.worker_client.pull_buffers import PullBuffers
+from paramserver.worker_client.transport.base import (
+    Declined,
+    PullResult,
+    PullSpec,
+    PushPayload,
+    RowPush,
+)
 from paramserver.worker_client.transport.link_client import LocalLinkCall
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SMALL_INLINE_BYTES", "Fallback", "FastPath"]
+__all__ = ["SMALL_INLINE_BYTES", "SessionTransport"]
 
 _STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 #: Regions grow in steps of this many bytes (fewer renegotiations for slowly growing sizes).
@@ -54,11 +75,6 @@ _LINK_CONNECT_TIMEOUT_S = 2.0
 #: The pull-buffer slot of many-key pulls' shared buffer (not a valid key: keys are non-empty
 #: and this one holds a NUL, which no caller's key reaches through this client).
 _ARENA_KEY = "\x00many-key pull"
-
-
-class Fallback(Exception):
-    """This request cannot go over the Session stream (too large without shared memory, or the
-    server has no Session RPC); the caller uses the Push/Pull streams instead."""
 
 
 def _rpc_error(code: grpc.StatusCode, details: str, error_class: str = "") -> grpc.aio.AioRpcError:
@@ -77,13 +93,32 @@ def _need(sizes: Mapping[str, int] | list[int]) -> int:
     return sum(shm.align_up(n) for n in values)
 
 
-class FastPath:
-    """One worker client's Session stream and shared-memory segment.
+#: Compressed gradients travel as several parts per key: only the Push stream carries them.
+_COMPRESSED = Declined("compressed gradients take the Push stream")
+
+
+def _set_tensor(t: pb.SessionTensor, key: str, arr: np.ndarray, offset: int | None) -> None:
+    """Describe ``arr`` in ``t``: in the push-region slot at ``offset``, or inline (None)."""
+    t.key = key
+    t.dtype = tensor.dtype_to_wire(arr.dtype)
+    t.shape.extend(arr.shape)
+    if offset is None:
+        t.data = arr.tobytes()
+    else:
+        t.slot.SetInParent()
+        t.slot.offset_bytes = offset
+        t.slot.size_bytes = arr.nbytes
+
+
+class SessionTransport:
+    """One worker client's Session stream and shared-memory segment (a ``Transport``).
 
     Args:
         stub: Returns the client's ``ParameterServerStub`` (the channel may be reopened).
         shared_memory: Offer shared memory when a request is large enough.
         shm_dir: Directory of segments (``/dev/shm``; the server must see the same one).
+        local_link: Move the stream onto the server's local link when it offers one.
+        pull_buffers: Where values pulled out of shared memory are copied to.
     """
 
     def __init__(
@@ -122,6 +157,8 @@ class FastPath:
         self._segment: shm.ClientSegment | None = None
         #: Payload bytes of every key seen (pushed or pulled), to place pulls up front.
         self.known_nbytes: dict[str, int] = {}
+        #: Bytes of one row per embedding table seen (sizes the pull region up front).
+        self.row_bytes: dict[str, int] = {}
         # Request deadlines (see _Deadline): one lazily re-armed timer, not one per request.
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
@@ -136,7 +173,7 @@ class FastPath:
         return self._lock.locked()
 
     @property
-    def usable(self) -> bool:
+    def ready(self) -> bool:
         """The next request can take the session now."""
         return not self.disabled and not self._lock.locked()
 
@@ -201,9 +238,11 @@ class FastPath:
         """The session runs on the server's local-link socket now (not on gRPC)."""
         return isinstance(self._call, LocalLinkCall)
 
-    async def _ensure_open(self, worker_id: str) -> None:
+    async def _ensure_open(self, worker_id: str) -> Declined | None:
+        """Open the stream if it is not; declined for good when the server has no Session
+        RPC."""
         if self._call is not None:
-            return
+            return None
         self._call = self._stub().Session()
         want_link = self.local_declined is None
         try:
@@ -218,7 +257,7 @@ class FastPath:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 logger.debug("server has no Session RPC: using the Push/Pull streams")
                 self.disabled = True
-                raise Fallback("server has no Session RPC") from err
+                return Declined("server has no Session RPC", permanent=True)
             raise
         if resp.WhichOneof("body") != "opened":
             self._drop()
@@ -228,6 +267,7 @@ class FastPath:
         self.sessions_opened += 1
         if want_link and resp.opened.HasField("local_link"):
             await self._move_to_local_link(resp.opened.local_link, worker_id)
+        return None
 
     async def _move_to_local_link(self, offer: pb.LocalLink, worker_id: str) -> None:
         """Continue the session on the server's local-link socket; anything short of an
@@ -319,50 +359,22 @@ class FastPath:
         header: pb.PushHeader,
         arrays: Mapping[str, np.ndarray],
         pull_bytes: int,
-    ) -> None:
-        """Write the push into ``msg`` (the request's own field: no nested-message copies)."""
+    ) -> Declined | None:
+        """Write the push into ``msg`` (the request's own field: no nested-message copies);
+        declined when it is too large to go inline and shared memory is off."""
         sizes = {k: a.nbytes for k, a in arrays.items()}
         total = sum(sizes.values())
         msg.header.CopyFrom(header)
         if total > SMALL_INLINE_BYTES and await self._ensure_segment(_need(sizes), pull_bytes):
             seg = self._segment
             assert seg is not None
-            offset = 0
-            view = seg.push.view
+            values = list(arrays.values())
             if self.slot_batches:  # one header for every key: packed arrays
-                dtypes: list[int] = []
-                ndims: list[int] = []
-                dims: list[int] = []
-                offsets: list[int] = []
-                to_wire = tensor.dtype_to_wire
-                for arr in arrays.values():
-                    size = arr.nbytes
-                    shape = arr.shape
-                    np.copyto(view(offset, size, arr.dtype, shape), arr)
-                    dtypes.append(to_wire(arr.dtype))
-                    ndims.append(len(shape))
-                    dims.extend(shape)
-                    offsets.append(offset)
-                    offset = shm.align_up(offset + size)
-                batch = msg.slots
-                batch.keys.extend(arrays)
-                batch.dtypes.extend(dtypes)
-                batch.ndims.extend(ndims)
-                batch.dims.extend(dims)
-                batch.offsets.extend(offsets)
-                self.known_nbytes.update(sizes)
-                return
-            add = msg.tensors.add  # (fields set in place: no per-key message objects)
-            for key, arr in arrays.items():
-                size = arr.nbytes
-                np.copyto(view(offset, size, arr.dtype, arr.shape), arr)
-                add(
-                    key=key,
-                    dtype=tensor.dtype_to_wire(arr.dtype),
-                    shape=arr.shape,
-                    slot={"offset_bytes": offset, "size_bytes": size},
-                )
-                offset = shm.align_up(offset + size)
+                dsts = place_slot_batch(msg.slots, seg.push.view, arrays, values)
+            else:
+                dsts = place_slot_tensors(msg.tensors, seg.push.view, arrays, values)
+            for dst, arr in zip(dsts, values, strict=True):
+                np.copyto(dst, arr)
         elif total <= self.max_inline_bytes:
             add = msg.tensors.add
             for key, arr in arrays.items():
@@ -373,8 +385,9 @@ class FastPath:
                     data=arr.tobytes(),
                 )
         else:
-            raise Fallback(f"push of {total} bytes without shared memory")
+            return Declined(f"push of {total} bytes without shared memory")
         self.known_nbytes.update(sizes)
+        return None
 
     def _decode(self, pulled: pb.SessionPulled, copy: bool) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
@@ -382,53 +395,43 @@ class FastPath:
             self._decode_slots(pulled.slots, copy, out)
         for t in pulled.tensors:
             key = t.key
-            dtype = tensor.dtype_from_wire(t.dtype, key)
-            shape = tuple(t.shape)  # (int64 field: already Python ints)
             if t.WhichOneof("payload") == "slot":
-                if self._segment is None:
-                    raise MalformedStream(f"tensor {key!r} in shared memory, but none is mapped")
-                view = self._segment.pull.view(t.slot.offset_bytes, t.slot.size_bytes, dtype, shape)
-                if copy:
-                    arr = self.pull_buffers.empty(key, dtype, shape)
-                    np.copyto(arr, view, casting="no")
-                    self.pull_buffers.keep(key, arr)
-                else:
-                    arr = view
+                arr = self._from_pull_region(t, copy)
             else:
-                nbytes = tensor.tensor_nbytes(shape, dtype)
-                if len(t.data) != nbytes:
-                    raise MalformedStream(
-                        f"tensor {key!r}: {len(t.data)} inline bytes, expected {nbytes}"
-                    )
-                arr = np.frombuffer(t.data, dtype=dtype).reshape(shape).copy()
+                arr = inline_array(t)
             out[key] = arr
             self.known_nbytes[key] = arr.nbytes
         return out
 
+    def _from_pull_region(self, t: pb.SessionTensor, copy: bool) -> np.ndarray:
+        """The value of a tensor in a pull-region slot: a copy (into the key's recycled
+        buffer) or, ``copy`` False, the region's view."""
+        key = t.key
+        dtype = tensor.dtype_from_wire(t.dtype, key)
+        shape = tuple(t.shape)  # (int64 field: already Python ints)
+        if self._segment is None:
+            raise MalformedStream(f"tensor {key!r} in shared memory, but none is mapped")
+        view = self._segment.pull.view(t.slot.offset_bytes, t.slot.size_bytes, dtype, shape)
+        if not copy:
+            return view
+        arr = self.pull_buffers.empty(key, dtype, shape)
+        np.copyto(arr, view, casting="no")
+        self.pull_buffers.keep(key, arr)
+        return arr
+
     def _decode_slots(self, batch: pb.SlotBatch, copy: bool, out: dict[str, np.ndarray]) -> None:
         """The values of a pulled :class:`SlotBatch` (pull-region slots), into ``out``."""
-        keys = list(batch.keys)
-        dtypes = list(batch.dtypes)
-        ndims = list(batch.ndims)
-        dims = list(batch.dims)
-        offsets = list(batch.offsets)
-        if not (len(dtypes) == len(ndims) == len(offsets) == len(keys)) or sum(ndims) != len(dims):
-            raise MalformedStream("pulled SlotBatch arrays disagree in length")
-        if keys and self._segment is None:
-            raise MalformedStream(f"tensor {keys[0]!r} in shared memory, but none is mapped")
+        entries = slot_batch_entries(batch)
+        if entries and self._segment is None:
+            raise MalformedStream(f"tensor {entries[0][0]!r} in shared memory, but none is mapped")
         region = self._segment.pull if self._segment is not None else None
         buffers = self.pull_buffers
         known = self.known_nbytes
-        if copy and len(keys) > 1:
+        if copy and len(entries) > 1:
             assert region is not None
-            if self._decode_arena(region, keys, dtypes, ndims, dims, offsets, out):
+            if self._decode_arena(region, entries, out):
                 return
-        pos = 0
-        for key, wire_dtype, nd, offset in zip(keys, dtypes, ndims, offsets, strict=True):
-            dtype = tensor.dtype_from_wire(wire_dtype, key)
-            shape = tuple(dims[pos : pos + nd])
-            pos += nd
-            nbytes = tensor.tensor_nbytes(shape, dtype)
+        for key, dtype, shape, offset, nbytes in entries:
             assert region is not None
             view = region.view(offset, nbytes, dtype, shape)
             if copy:
@@ -441,14 +444,7 @@ class FastPath:
             known[key] = nbytes
 
     def _decode_arena(
-        self,
-        region: shm.Region,
-        keys: list[str],
-        dtypes: list[int],
-        ndims: list[int],
-        dims: list[int],
-        offsets: list[int],
-        out: dict[str, np.ndarray],
+        self, region: shm.Region, entries: list[SlotEntry], out: dict[str, np.ndarray]
     ) -> bool:
         """Copy the values of many keys out of the pull region in one pass into one private
         buffer (reused once nothing refers to any of its values) and return views of it.
@@ -458,29 +454,22 @@ class FastPath:
         small ones fresh pages each pull. Any value the caller keeps keeps the whole buffer.
         False (nothing done) when the slots are not laid out in order without overlap.
         """
-        metas = []
-        pos = 0
-        prev_end = offsets[0]
-        start = offsets[0]
+        start = prev_end = entries[0][3]
         payload = 0
-        for key, wire_dtype, nd, offset in zip(keys, dtypes, ndims, offsets, strict=True):
-            dtype = tensor.dtype_from_wire(wire_dtype, key)
-            shape = tuple(dims[pos : pos + nd])
-            pos += nd
-            nbytes = tensor.tensor_nbytes(shape, dtype)
+        for _key, _dtype, _shape, offset, nbytes in entries:
             if offset < prev_end:
                 return False
             prev_end = offset + nbytes
             payload += nbytes
-            metas.append((key, dtype, shape, offset - start, nbytes))
         span = prev_end - start
-        if span > 2 * payload + (len(keys) << 16):  # (padding only: else per key)
+        if span > 2 * payload + (len(entries) << 16):  # (padding only: else per key)
             return False
         arena = self.pull_buffers.empty(_ARENA_KEY, np.dtype(np.uint8), (span,))
         np.copyto(arena, region.view(start, span, np.dtype(np.uint8), (span,)), casting="no")
         self.pull_buffers.keep(_ARENA_KEY, arena)
         known = self.known_nbytes
-        for key, dtype, shape, rel, nbytes in metas:
+        for key, dtype, shape, offset, nbytes in entries:
+            rel = offset - start
             out[key] = arena[rel : rel + nbytes].view(dtype).reshape(shape)
             known[key] = nbytes
         return True
@@ -498,85 +487,103 @@ class FastPath:
             total += shm.align_up(nbytes)
         return total
 
-    async def _prepare_pull(self, keys: list[str]) -> int:
-        """Grow the pull region up front when the sizes are known; :class:`Fallback` when the
-        values cannot come over the session. Returns the known pull bytes (0: unknown)."""
+    async def _prepare_pull(self, keys: list[str]) -> Declined | None:
+        """Grow the pull region up front when the sizes are known; declined when the values
+        cannot come over the session."""
         need = self._pull_bytes(keys)
         if need is None:
-            return 0
+            return None
         if need > SMALL_INLINE_BYTES and not await self._ensure_segment(0, need):
             if need > self.max_inline_bytes:
-                raise Fallback(f"pull of {need} bytes without shared memory")
-        return need
+                return Declined(f"pull of {need} bytes without shared memory")
+        return None
 
     async def _finish_pull(
         self, req: pb.PullRequest, pulled: pb.SessionPulled, copy: bool
-    ) -> tuple[pb.PullInfo, dict[str, np.ndarray]]:
+    ) -> PullResult | Declined:
         if pulled.needed_bytes:
             if not await self._ensure_segment(0, pulled.needed_bytes):
-                raise Fallback(f"pull of {pulled.needed_bytes} bytes without shared memory")
+                return Declined(f"pull of {pulled.needed_bytes} bytes without shared memory")
             pulled = (await self._roundtrip(pb.SessionRequest(pull=req))).pull
             if pulled.needed_bytes:
-                raise Fallback(f"pull of {pulled.needed_bytes} bytes still does not fit")
+                return Declined(f"pull of {pulled.needed_bytes} bytes still does not fit")
         return pulled.info, self._decode(pulled, copy)
 
     # ------------------------------------------------------------------ requests
-    async def push(
-        self, header: pb.PushHeader, arrays: Mapping[str, np.ndarray], deadline_s: float
-    ) -> pb.PushResponse:
-        """One push over the session.
+    async def push(self, push: PushPayload) -> pb.PushResponse | Declined:
+        """One push over the session (declined, nothing sent: compressed gradients, too large
+        without shared memory, or no Session RPC).
 
         Raises:
-            Fallback: not sendable over the session (nothing was sent).
             grpc.aio.AioRpcError: a refusal (its status code) or a broken stream.
         """
-        async with self._lock, self._deadline(deadline_s):
-            await self._ensure_open(header.worker_id)
+        arrays = push.dense
+        if arrays is None:
+            return _COMPRESSED
+        async with self._lock, self._deadline(push.deadline_s):
+            header = push.header()
+            declined = await self._ensure_open(header.worker_id)
+            if declined is not None:
+                return declined
             request = pb.SessionRequest()
-            await self._fill_push(request.push, header, arrays, 0)
+            declined = await self._fill_push(request.push, header, arrays, 0)
+            if declined is not None:
+                return declined
             return (await self._roundtrip(request)).push
 
-    async def pull(
-        self, req: pb.PullRequest, deadline_s: float, *, copy: bool = True
-    ) -> tuple[pb.PullInfo, dict[str, np.ndarray]]:
-        """One pull over the session; values are fresh arrays unless ``copy`` is False (then
-        shared-memory values are views of the pull region, valid until the next request).
+    async def pull(self, pull: PullSpec) -> PullResult | Declined:
+        """One pull over the session; values are fresh arrays unless ``pull.copy`` is False
+        (then shared-memory values are views of the pull region, valid until the next request).
 
         Raises:
-            Fallback, grpc.aio.AioRpcError: as :meth:`push`.
+            grpc.aio.AioRpcError: as :meth:`push`.
         """
-        async with self._lock, self._deadline(deadline_s):
-            await self._ensure_open(req.worker_id)
-            await self._prepare_pull(list(req.keys))
-            pulled = (await self._roundtrip(pb.SessionRequest(pull=req))).pull
-            return await self._finish_pull(req, pulled, copy)
+        request = pull.request
+        async with self._lock, self._deadline(pull.deadline_s):
+            declined = await self._ensure_open(request.worker_id)
+            if declined is None:
+                declined = await self._prepare_pull(list(request.keys))
+            if declined is not None:
+                return declined
+            pulled = (await self._roundtrip(pb.SessionRequest(pull=request))).pull
+            return await self._finish_pull(request, pulled, pull.copy)
 
-    async def rows(
+    async def pull_rows(
+        self, header: tpb.RowsHeader, ids: npt.NDArray[np.int64], deadline_s: float
+    ) -> np.ndarray | Declined:
+        """One embedding-table row pull: a fresh (n, dim) array (the pull region is sized up
+        front once a row's size is known)."""
+        got = await self._rows(header, ids, None, deadline_s)
+        if isinstance(got, Declined):
+            return got
+        done, rows = got
+        self.row_bytes[header.table] = int(done.info.dim) * rows.dtype.itemsize
+        return rows
+
+    async def push_rows(
+        self, header: tpb.RowsHeader, rows: RowPush, deadline_s: float
+    ) -> tpb.PushRowsResponse | Declined:
+        """One embedding-table row push: the server's response."""
+        got = await self._rows(header, rows.ids, rows.grads, deadline_s)
+        if isinstance(got, Declined):
+            return got
+        return got[0].pushed
+
+    async def _rows(
         self,
-        header: Any,
+        header: tpb.RowsHeader,
         ids: np.ndarray,
         grads: np.ndarray | None,
         deadline_s: float,
-        *,
-        row_bytes: int | None = None,
-    ) -> Any:
-        """One embedding-table row pull (``grads`` None) or push over the session.
-
-        Args:
-            header: The ``RowsHeader`` (table, worker id, request id, clock, timeout).
-            ids: int64 (n,).
-            grads: Push: (n, dim) gradient rows.
-            row_bytes: Pull: bytes of one row when known (sizes the pull region up front).
-
-        Returns:
-            The ``SessionRowsDone``; for a pull its ``rows`` decoded into a fresh array is
-            returned as ``(done, rows)``.
-
-        Raises:
-            Fallback, grpc.aio.AioRpcError: as :meth:`push`.
-        """
+    ) -> tuple[pb.SessionRowsDone, np.ndarray] | Declined:
+        """One row pull (``grads`` None) or push: ``header`` is the ``RowsHeader`` (table,
+        worker id, request id, clock, timeout), ``ids`` int64 (n,), ``grads`` (n, dim).
+        Returns the ``SessionRowsDone`` and, for a pull, its rows decoded into a fresh
+        array (for a push, ``ids``)."""
         async with self._lock, self._deadline(deadline_s):
-            await self._ensure_open(header.worker_id)
+            declined = await self._ensure_open(header.worker_id)
+            if declined is not None:
+                return declined
             request = pb.SessionRequest()
             msg = request.rows
             msg.header.CopyFrom(header)
@@ -584,6 +591,7 @@ class FastPath:
             arrays = {"ids": ids} if grads is None else {"ids": ids, "grads": grads}
             sizes = {k: a.nbytes for k, a in arrays.items()}
             total = sum(sizes.values())
+            row_bytes = self.row_bytes.get(header.table)
             pull_bytes = 0 if grads is not None or row_bytes is None else ids.shape[0] * row_bytes
             big = total > SMALL_INLINE_BYTES or pull_bytes > SMALL_INLINE_BYTES
             if big and await self._ensure_segment(_need(sizes), pull_bytes):
@@ -592,87 +600,63 @@ class FastPath:
                 offset = 0
                 for key, arr in arrays.items():
                     np.copyto(seg.push.view(offset, arr.nbytes, arr.dtype, arr.shape), arr)
-                    getattr(msg, key).CopyFrom(
-                        pb.SessionTensor(
-                            key=key,
-                            dtype=tensor.dtype_to_wire(arr.dtype),
-                            shape=arr.shape,
-                            slot=pb.ShmSlot(offset_bytes=offset, size_bytes=arr.nbytes),
-                        )
-                    )
+                    _set_tensor(getattr(msg, key), key, arr, offset)
                     offset = shm.align_up(offset + arr.nbytes)
             elif total <= self.max_inline_bytes:
                 for key, arr in arrays.items():
-                    getattr(msg, key).CopyFrom(
-                        pb.SessionTensor(
-                            key=key,
-                            dtype=tensor.dtype_to_wire(arr.dtype),
-                            shape=arr.shape,
-                            data=arr.tobytes(),
-                        )
-                    )
+                    _set_tensor(getattr(msg, key), key, arr, None)
             else:
-                raise Fallback(f"row request of {total} bytes without shared memory")
+                return Declined(f"row request of {total} bytes without shared memory")
             done = (await self._roundtrip(request)).rows
             if grads is not None:
-                return done
+                return done, ids
             if done.needed_bytes:  # a pull changes nothing: ask again with a bigger region
                 if not await self._ensure_segment(_need(sizes), done.needed_bytes):
-                    raise Fallback(f"row pull of {done.needed_bytes} bytes without shared memory")
+                    return Declined(f"row pull of {done.needed_bytes} bytes without shared memory")
                 done = (await self._roundtrip(request)).rows
                 if done.needed_bytes:
-                    raise Fallback(f"row pull of {done.needed_bytes} bytes still does not fit")
+                    return Declined(f"row pull of {done.needed_bytes} bytes still does not fit")
             t = done.rows
-            dtype = tensor.dtype_from_wire(t.dtype, "rows")
-            shape = tuple(t.shape)
             if t.WhichOneof("payload") == "slot":
-                if self._segment is None:
-                    raise MalformedStream("rows in shared memory, but none is mapped")
-                rows = self._segment.pull.view(
-                    t.slot.offset_bytes, t.slot.size_bytes, dtype, shape
-                ).copy()
-            else:
-                nbytes = tensor.tensor_nbytes(shape, dtype)
-                if len(t.data) != nbytes:
-                    raise MalformedStream(f"rows: {len(t.data)} inline bytes, expected {nbytes}")
-                rows = np.frombuffer(t.data, dtype=dtype).reshape(shape).copy()
-            return done, rows
+                return done, self._from_pull_region(t, copy=False).copy()
+            return done, inline_array(t)
 
     async def push_pull(
-        self,
-        header: pb.PushHeader,
-        arrays: Mapping[str, np.ndarray],
-        req: pb.PullRequest,
-        deadline_s: float,
-        *,
-        copy: bool = True,
-    ) -> tuple[pb.PushResponse, tuple[pb.PullInfo, dict[str, np.ndarray]] | None]:
-        """Push, then pull, in one round trip.
+        self, push: PushPayload, pull: PullSpec
+    ) -> tuple[pb.PushResponse, PullResult | None] | Declined:
+        """Push, then pull, in one round trip (both within ``pull.deadline_s``).
 
         Returns:
             The push's response, and the pull's info and values — None when the values could
-            not come over the session (the push was applied; pull them over the stream).
+            not come over the session (the push was applied; pull them over the stream);
+            declined (nothing sent) when the push cannot go over the session.
 
         Raises:
-            Fallback: the push cannot go over the session (nothing was sent).
             grpc.aio.AioRpcError: as :meth:`push`.
         """
-        async with self._lock, self._deadline(deadline_s):
-            await self._ensure_open(header.worker_id)
-            keys = list(req.keys)
+        arrays = push.dense
+        if arrays is None:
+            return _COMPRESSED
+        request = pull.request
+        async with self._lock, self._deadline(pull.deadline_s):
+            header = push.header()
+            declined = await self._ensure_open(header.worker_id)
+            if declined is not None:
+                return declined
+            keys = list(request.keys)
             pull_bytes = self._pull_bytes(keys)
             if pull_bytes is None:
                 pull_bytes = _need({k: a.nbytes for k, a in arrays.items() if k in keys})
-            request = pb.SessionRequest()
-            both = request.push_pull
-            await self._fill_push(both.push, header, arrays, pull_bytes)
-            both.pull.CopyFrom(req)
-            resp = await self._roundtrip(request)
+            req = pb.SessionRequest()
+            both = req.push_pull
+            declined = await self._fill_push(both.push, header, arrays, pull_bytes)
+            if declined is not None:
+                return declined
+            both.pull.CopyFrom(request)
+            resp = await self._roundtrip(req)
             pushed = resp.push_pull.push
-            try:
-                return pushed, await self._finish_pull(req, resp.push_pull.pull, copy)
-            except Fallback:
-                return pushed, None
+            pulled = await self._finish_pull(request, resp.push_pull.pull, pull.copy)
+            return pushed, None if isinstance(pulled, Declined) else pulled
 
     def _deadline(self, deadline_s: float) -> _Deadline:
         return _Deadline(self, deadline_s)
@@ -711,16 +695,16 @@ class _Deadline:
     raised as the ordinary path's call would raise it.
 
     Same semantics as :func:`asyncio.timeout` (the request's task is cancelled at the deadline
-    and the cancellation turned into the error), but with one timer per :class:`FastPath`,
+    and the cancellation turned into the error), but with one timer per :class:`SessionTransport`,
     re-armed lazily: a request only moves it earlier, and when it fires for a request that has
     finished it re-arms for the one in flight. Small requests take microseconds and deadlines
     are seconds, so the timer rarely moves (a timer per request cost a tenth of the client's
-    Python time per round). Requests of one FastPath never overlap (its lock).
+    Python time per round). Requests of one SessionTransport never overlap (its lock).
     """
 
     __slots__ = ("_cancelling", "_fp", "_s", "_task")
 
-    def __init__(self, fp: FastPath, deadline_s: float) -> None:
+    def __init__(self, fp: SessionTransport, deadline_s: float) -> None:
         self._fp = fp
         self._s = deadline_s
         self._task: asyncio.Task[Any] | None = None

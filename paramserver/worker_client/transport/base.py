@@ -1,0 +1,207 @@
+"""The one interface every way of reaching a shard implements, and the choice between them.
+
+A worker client's data-plane requests (push, pull, push_pull, row pull, row push) travel by a
+:class:`Transport`:
+
+- :class:`~paramserver.worker_client.transport.streams.StreamTransport`: one chunked gRPC
+  ``Push`` / ``Pull`` / ``PushRows`` / ``PullRows`` stream per request; carries every request
+  of any size, compressed gradients too.
+- :class:`~paramserver.worker_client.transport.session_stream.SessionTransport`: one persistent
+  ``Session`` stream, on gRPC or moved onto the server's same-host local link
+  (:mod:`paramserver.worker_client.transport.link_client`), with tensor bytes inline or in
+  shared-memory slots. It declines what it cannot carry (too large without shared memory,
+  compressed gradients, a server without the Session RPC).
+
+A transport that cannot carry a request says so by returning :class:`Declined` (nothing was
+sent), never by raising; :class:`Transports` then sends the request by the streams. The
+preferred transport is chosen once, when the client is built, and replaced explicitly (by the
+streams, for good) when it declines permanently.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import tables_pb2 as tpb
+from paramserver.api.v1 import tensor_pb2
+from paramserver.errors import ParamServerError
+from paramserver.protocol import rows_wire
+from paramserver.worker_client.compression import WirePart
+
+__all__ = [
+    "Declined",
+    "PullResult",
+    "PullSpec",
+    "PushPayload",
+    "RowPush",
+    "Transport",
+    "Transports",
+]
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+#: A pull's outcome: the server's info and key -> value.
+PullResult = tuple[pb.PullInfo, dict[str, np.ndarray]]
+
+
+@dataclass(frozen=True, slots=True)
+class Declined:
+    """A transport's answer to a request it cannot carry; nothing was sent (for push_pull:
+    nothing of the push).
+
+    Attributes:
+        reason: Why, for the debug log.
+        permanent: Every later request would be declined too (the server has no such RPC).
+    """
+
+    reason: str
+    permanent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PushPayload:
+    """One push as every transport takes it (built once per push, sent per attempt).
+
+    Attributes:
+        request_id: The push's request id (the same at every attempt: applied once).
+        header: Builds the push header at each attempt (clock and version read then).
+        parts: key -> the parts the Push stream sends (compressed gradients: several).
+        dense: key -> the array when every key is one uncompressed part, else None.
+        deadline_s: Deadline of the push's own call, seconds.
+    """
+
+    request_id: int
+    header: Callable[[], pb.PushHeader]
+    parts: Mapping[str, list[WirePart]]
+    dense: Mapping[str, np.ndarray] | None
+    deadline_s: float
+
+    @classmethod
+    def of(
+        cls,
+        request_id: int,
+        header: Callable[[], pb.PushHeader],
+        parts: Mapping[str, list[WirePart]],
+        deadline_s: float,
+    ) -> PushPayload:
+        """The payload of ``parts`` (``dense`` worked out from them)."""
+        dense: dict[str, np.ndarray] = {}
+        for key, key_parts in parts.items():
+            if len(key_parts) != 1 or key_parts[0].role != tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
+                return cls(request_id, header, parts, None, deadline_s)
+            dense[key] = key_parts[0].array
+        return cls(request_id, header, parts, dense, deadline_s)
+
+
+@dataclass(frozen=True, slots=True)
+class PullSpec:
+    """One attempt of a pull as every transport takes it.
+
+    Attributes:
+        request: The ``PullRequest`` (worker id, keys, the server's wait in ms).
+        deadline_s: Deadline of the whole call (wait and transfer), seconds.
+        copy: False: shared-memory values may be views of the pull region, valid until the
+            next request (the streams always return fresh arrays).
+    """
+
+    request: pb.PullRequest
+    deadline_s: float
+    copy: bool = True
+
+
+@dataclass(slots=True)
+class RowPush:
+    """One row push: int64 (n,) ids and (n, dim) gradient rows; the stream's chunks are encoded
+    once, on first need, and re-sent on retry."""
+
+    ids: npt.NDArray[np.int64]
+    grads: np.ndarray
+    _chunks: list[Any] | None = field(default=None, repr=False)
+
+    @property
+    def chunks(self) -> list[Any]:
+        """The ``RowsChunk`` messages of the PushRows stream."""
+        if self._chunks is None:
+            self._chunks = list(rows_wire.chunk_rows(self.ids, self.grads))
+        return self._chunks
+
+
+class Transport(Protocol):
+    """A way of carrying a worker client's data-plane requests to one shard.
+
+    Each method either carries the request (returning the server's answer, or raising the
+    :class:`grpc.aio.AioRpcError` a refusal or a broken link is, for the retry funnel of
+    :mod:`paramserver.worker_client.retry`) or returns :class:`Declined` having sent nothing.
+    """
+
+    @property
+    def ready(self) -> bool:
+        """The transport can take a request now (False: busy, or off for good)."""
+
+    def close(self) -> None:
+        """Release the transport's streams and memory (no I/O)."""
+
+    async def push(self, push: PushPayload) -> pb.PushResponse | Declined:
+        """Push gradients; the server's response."""
+
+    async def pull(self, pull: PullSpec) -> PullResult | Declined:
+        """Pull values: the server's info and key -> value."""
+
+    async def push_pull(
+        self, push: PushPayload, pull: PullSpec
+    ) -> tuple[pb.PushResponse, PullResult | None] | Declined:
+        """Push, then pull the values after it; the pull's result None: pull them separately
+        (the push was applied)."""
+
+    async def pull_rows(
+        self, header: tpb.RowsHeader, ids: npt.NDArray[np.int64], deadline_s: float
+    ) -> np.ndarray | Declined:
+        """Rows of ``ids`` (int64 (n,)) of ``header.table``: a (n, dim) array."""
+
+    async def push_rows(
+        self, header: tpb.RowsHeader, rows: RowPush, deadline_s: float
+    ) -> tpb.PushRowsResponse | Declined:
+        """Push gradient rows; the server's response."""
+
+
+class Transports:
+    """The transports of one worker client: the preferred one (chosen when the client is
+    built: the Session, unless switched off), and the streams, which carry every request.
+
+    Args:
+        streams: The transport of last resort (never declines).
+        preferred: Tried first while it is ready; None: the streams only.
+    """
+
+    def __init__(self, streams: Transport, preferred: Transport | None = None) -> None:
+        self.streams = streams
+        self.preferred = preferred
+
+    async def send(self, request: Callable[[Transport], Awaitable[R | Declined]]) -> R:
+        """Send ``request`` by the preferred transport when it is ready and carries it, else by
+        the streams. A permanent decline replaces the preferred transport by the streams.
+
+        Raises:
+            The errors of the transport that carried the request.
+        """
+        preferred = self.preferred
+        if preferred is not None and preferred.ready:
+            got = await request(preferred)
+            if not isinstance(got, Declined):
+                return got
+            if got.permanent:
+                logger.debug("%s off for good: %s", type(preferred).__name__, got.reason)
+                self.preferred = None
+        got = await request(self.streams)
+        if isinstance(got, Declined):  # pragma: no cover - the streams carry every request
+            raise ParamServerError(f"no transport carries this request: {got.reason}")
+        return got
