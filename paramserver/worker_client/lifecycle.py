@@ -14,13 +14,13 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from types import TracebackType
-from typing import Any, ClassVar, Generic, Self, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import grpc
 
+from paramserver.closing import AsyncClosing
 from paramserver.errors import ParamServerError, WorkerNotFound
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy, call_with_retry
@@ -31,28 +31,8 @@ T = TypeVar("T")
 StubT = TypeVar("StubT")
 
 
-class AsyncSession(ABC):
-    """``async with``: :meth:`open` on entry, :meth:`close` on exit."""
-
-    @abstractmethod
-    async def open(self) -> None:
-        """Open the session."""
-
-    @abstractmethod
-    async def close(self) -> None:
-        """Close the session."""
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
+#: ``async with``: :meth:`open` on entry, :meth:`close` on exit (the one mixin of the package).
+AsyncSession = AsyncClosing
 
 
 class ServiceSession(AsyncSession, Generic[StubT]):

@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterable, Mapping
-from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 import numpy as np
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.closing import Closing
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.tables import TableSpec
 from paramserver.errors import WaitTimeout
@@ -39,7 +39,7 @@ from paramserver.worker_client.options import (
 T = TypeVar("T")
 
 
-class SyncWorkerClient:
+class SyncWorkerClient(Closing):
     """Blocking worker session; the same arguments as :func:`~paramserver.worker_client.connect`.
 
     Args:
@@ -122,17 +122,6 @@ class SyncWorkerClient:
             self._loop.close()
             self._loop = None
             self._thread = None
-
-    def __enter__(self) -> SyncWorkerClient:
-        return self.open()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # The blocking API mirrors WorkerClient's async one.
     worker_id = Forwarded[str]("client", "The worker's id (see :class:`ClusterWorkerClient`).")

@@ -43,8 +43,8 @@ from paramserver.server.slicing import SLICE_KEYS
 
 if TYPE_CHECKING:
     from paramserver.server.shard_service import ShardService
-    from paramserver.server.transports.table_service import TableRpcs
     from paramserver.server.transports.link_service import LocalLinkServer
+    from paramserver.server.transports.table_service import TableRpcs
 
 logger = logging.getLogger(__name__)
 
