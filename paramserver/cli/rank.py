@@ -2,7 +2,7 @@
 
 Configuration precedence for ``rank-server``: CLI flag, then the ``PARAMSERVER_SPMD_*``
 environment variable, then the default of
-:class:`~paramserver.spmd.rank_server.rank_service.RankServerConfig`.
+:class:`~paramserver.spmd.rank_server.rank_config.RankServerConfig`.
 
 ==============================  =========================================
 flag                            environment variable
@@ -65,7 +65,7 @@ from paramserver.security.tls import (
 )
 from paramserver.spmd.faults import Faults
 from paramserver.spmd.layout import parse_layout_spec
-from paramserver.spmd.rank_server.rank_service import RankServerConfig, serve
+from paramserver.spmd.rank_server import RankServerConfig, serve
 
 __all__ = [
     "DemoTargets",

@@ -24,7 +24,7 @@ from paramserver.errors import FailedPrecondition, MalformedStream, ParamServerE
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.spmd.layout import Tier
 from paramserver.spmd.planning import MAX_CHUNK_BYTES
-from paramserver.spmd.rank_server.rank_service import CHANNEL_OPTIONS
+from paramserver.spmd.rank_server.rank_config import CHANNEL_OPTIONS
 
 __all__ = ["RankClient", "rank_error"]
 

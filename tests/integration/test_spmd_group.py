@@ -514,7 +514,7 @@ def test_import_creates_no_asyncio_objects_and_uvloop_after_import_works(
 ) -> None:
     code = f"""
 import asyncio, sys
-import paramserver.spmd, paramserver.spmd.rank_server.rank_service, paramserver.spmd.group
+import paramserver.spmd, paramserver.spmd.rank_server, paramserver.spmd.group
 import paramserver.cli.rank, paramserver.cli.demos.spmd_demo
 policy = asyncio.get_event_loop_policy()
 assert policy._local._loop is None, "a loop was created at import"

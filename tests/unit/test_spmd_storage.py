@@ -198,7 +198,7 @@ def test_g1_is_not_registered_without_a_gpu() -> None:
 
 
 def test_rank_server_refuses_g1_blocks_without_a_gpu(tmp_path: Path) -> None:
-    from paramserver.spmd.rank_server.rank_service import RankServerConfig, RankServicer
+    from paramserver.spmd.rank_server import RankServerConfig, RankServicer
 
     try:
         import torch
