@@ -26,6 +26,7 @@ import grpc
 
 from paramserver.api.v1 import spmd_pb2
 from paramserver.errors import InvalidArgument, MalformedStream
+from paramserver.spmd.layout import Tier
 from paramserver.spmd.rank_server.object_tier import (
     get_object,
     has_objects,
@@ -50,6 +51,14 @@ __all__ = ["RankServicer"]
 
 def _ids(values: Any) -> list[int]:
     return [int(v) for v in values]
+
+
+def _blocks(request: Any, end: str) -> tuple[Tier, list[int]]:
+    """The ``{end}_tier`` and ``{end}_block_ids`` of a request (``end``: src or dst)."""
+    what = "source" if end == "src" else "destination"
+    return parse_tier(getattr(request, f"{end}_tier"), what), _ids(
+        getattr(request, f"{end}_block_ids")
+    )
 
 
 async def _header_then_chunks(
@@ -123,8 +132,9 @@ class RankServicer:
     async def ForgetRemote(
         self, request: spmd_pb2.ForgetRemoteRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.ForgetRemoteResponse:
-        removed = await self.state.forget_remote(request.instance_id)
-        return spmd_pb2.ForgetRemoteResponse(removed=removed)
+        return spmd_pb2.ForgetRemoteResponse(
+            removed=await self.state.forget_remote(request.instance_id)
+        )
 
     # ------------------------------------------------------------------ transfers
 
@@ -136,70 +146,52 @@ class RankServicer:
             self.state,
             request.options,
             context,
-            (parse_tier(request.src_tier, "source"), _ids(request.src_block_ids)),
-            (parse_tier(request.dst_tier, "destination"), _ids(request.dst_block_ids)),
+            _blocks(request, "src"),
+            _blocks(request, "dst"),
         )
 
     @rank_rpc_errors
     async def RemoteOnboard(
         self, request: spmd_pb2.RemoteOnboardRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.TransferResponse:
-        local = (parse_tier(request.dst_tier, "destination"), _ids(request.dst_block_ids))
-        return await self._remote(
-            Direction.ONBOARD,
-            request.WhichOneof("source"),
-            request,
-            local,
-            context,
-            allow_shared_memory=request.allow_shared_memory,
-        )
+        return await self._remote(Direction.ONBOARD, request, context)
 
     @rank_rpc_errors
     async def RemoteOffload(
         self, request: spmd_pb2.RemoteOffloadRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.TransferResponse:
-        local = (parse_tier(request.src_tier, "source"), _ids(request.src_block_ids))
-        return await self._remote(
-            Direction.OFFLOAD, request.WhichOneof("destination"), request, local, context
-        )
+        return await self._remote(Direction.OFFLOAD, request, context)
 
     async def _remote(
         self,
         direction: Direction,
-        which: str | None,
         request: spmd_pb2.RemoteOnboardRequest | spmd_pb2.RemoteOffloadRequest,
-        local: tuple[Any, list[int]],
         context: grpc.aio.ServicerContext,
-        *,
-        allow_shared_memory: bool = False,
     ) -> spmd_pb2.TransferResponse:
-        """The other end of a remote transfer: objects or a connected peer's layout."""
+        """Both remote RPCs: the local blocks (the destination onboard, the source offload) and
+        the other end, objects or a connected peer's layout."""
+        onboard = direction is Direction.ONBOARD
+        local = _blocks(request, "dst" if onboard else "src")
+        end = "source" if onboard else "destination"
+        which = request.WhichOneof(end)
         name = f"remote_{direction.value}"
         if which == "object":
             hashes = _ids(request.object.sequence_hashes)
             response, _ = await object_command(
-                self.state,
-                direction,
-                name,
-                request.options,
-                context,
-                local,
-                hashes,
-                per_key=False,
+                self.state, direction, name, request.options, context, local, hashes, per_key=False
             )
             return response
         if which != "layout":
-            end = "source" if direction is Direction.ONBOARD else "destination"
             raise InvalidArgument(f"{self.state.prefix}: {direction.value} without a {end}")
-        end = "remote source" if direction is Direction.ONBOARD else "remote destination"
         return await remote_transfer(
             self.state,
             direction,
             request.options,
             context,
             local,
-            RemoteBlocks(request.layout, end),
-            allow_shared_memory=allow_shared_memory,
+            RemoteBlocks(request.layout, f"remote {end}"),
+            allow_shared_memory=isinstance(request, spmd_pb2.RemoteOnboardRequest)
+            and request.allow_shared_memory,
         )
 
     # ------------------------------------------------------------------ object tier
@@ -214,24 +206,22 @@ class RankServicer:
     async def PutBlocks(
         self, request: spmd_pb2.PutBlocksRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.ObjectBlocksResponse:
-        blocks = (parse_tier(request.src_tier, "source"), _ids(request.src_block_ids))
-        return await self._per_key(Direction.OFFLOAD, "put_blocks", request, blocks, context)
+        return await self._per_key(Direction.OFFLOAD, "put_blocks", request, context)
 
     @rank_rpc_errors
     async def GetBlocks(
         self, request: spmd_pb2.GetBlocksRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.ObjectBlocksResponse:
-        blocks = (parse_tier(request.dst_tier, "destination"), _ids(request.dst_block_ids))
-        return await self._per_key(Direction.ONBOARD, "get_blocks", request, blocks, context)
+        return await self._per_key(Direction.ONBOARD, "get_blocks", request, context)
 
     async def _per_key(
         self,
         direction: Direction,
         name: str,
         request: spmd_pb2.PutBlocksRequest | spmd_pb2.GetBlocksRequest,
-        blocks: tuple[Any, list[int]],
         context: grpc.aio.ServicerContext,
     ) -> spmd_pb2.ObjectBlocksResponse:
+        blocks = _blocks(request, "dst" if direction is Direction.ONBOARD else "src")
         hashes = _ids(request.sequence_hashes)
         response, results = await object_command(
             self.state, direction, name, request.options, context, blocks, hashes, per_key=True

@@ -179,10 +179,7 @@ async def remote_transfer(
         if seg is not None:
             moved = await _onboard_shared_memory(state, remote, peer, seg, pool, local_ids, cancel)
             return moved, "shared-memory", done
-        if onboard:
-            moved = await _onboard_stream(state, remote, peer, pool, local_ids, cancel)
-        else:
-            moved = await _offload_stream(state, remote, peer, pool, local_ids, cancel)
+        moved = await _peer_stream(state, direction, remote, peer, pool, local_ids, cancel)
         return moved, "grpc", done
 
     held = {local_tier: local_ids}
@@ -227,52 +224,41 @@ async def _onboard_shared_memory(
     )
 
 
-async def _onboard_stream(
+async def _peer_stream(
     state: RankState,
+    direction: Direction,
     remote: Remote,
     peer: RemoteBlocks,
-    dst: BlockPool,
-    dst_ids: list[int],
+    pool: BlockPool,
+    ids: list[int],
     cancel: threading.Event,
 ) -> int:
-    request = spmd_pb2.ReadBlocksRequest(
-        tier=int(peer.tier),
-        block_ids=peer.block_ids,
-        incarnation_id=remote.metadata.incarnation_id,
-    )
-    call = state.peer_stub(remote).ReadBlocks(request)
+    """Stream blocks over gRPC: onboard reads the peer's ``ReadBlocks`` into ``pool``, offload
+    writes ``pool``'s blocks into the peer's ``WriteBlocks``. Returns the bytes moved."""
+    where = {
+        "tier": int(peer.tier),
+        "block_ids": peer.block_ids,
+        "incarnation_id": remote.metadata.incarnation_id,
+    }
+    stub = state.peer_stub(remote)
     try:
-        return await _receive_chunks(state, call, dst, dst_ids, cancel)
+        if direction is Direction.ONBOARD:
+            call = stub.ReadBlocks(spmd_pb2.ReadBlocksRequest(**where))
+            try:
+                return await _receive_chunks(state, call, pool, ids, cancel)
+            finally:
+                call.cancel()
+
+        async def requests() -> AsyncIterator[spmd_pb2.WriteBlocksRequest]:
+            yield spmd_pb2.WriteBlocksRequest(header=spmd_pb2.WriteBlocksHeader(**where))
+            async for chunk in stream_blocks(state, pool, ids, cancel):
+                yield spmd_pb2.WriteBlocksRequest(chunk=chunk)
+
+        response = await stub.WriteBlocks(requests())
+        return int(response.bytes_written)
     except grpc.aio.AioRpcError as exc:
-        raise state.peer_error(remote, "reading from", exc) from exc
-    finally:
-        call.cancel()
-
-
-async def _offload_stream(
-    state: RankState,
-    remote: Remote,
-    peer: RemoteBlocks,
-    src: BlockPool,
-    src_ids: list[int],
-    cancel: threading.Event,
-) -> int:
-    header = spmd_pb2.WriteBlocksHeader(
-        tier=int(peer.tier),
-        block_ids=peer.block_ids,
-        incarnation_id=remote.metadata.incarnation_id,
-    )
-
-    async def requests() -> AsyncIterator[spmd_pb2.WriteBlocksRequest]:
-        yield spmd_pb2.WriteBlocksRequest(header=header)
-        async for chunk in stream_blocks(state, src, src_ids, cancel):
-            yield spmd_pb2.WriteBlocksRequest(chunk=chunk)
-
-    try:
-        response = await state.peer_stub(remote).WriteBlocks(requests())
-    except grpc.aio.AioRpcError as exc:
-        raise state.peer_error(remote, "writing to", exc) from exc
-    return int(response.bytes_written)
+        what = "reading from" if direction is Direction.ONBOARD else "writing to"
+        raise state.peer_error(remote, what, exc) from exc
 
 
 # --------------------------------------------------------------------------- chunk streams
