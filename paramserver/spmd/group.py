@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import spmd_pb2
+from paramserver.closing import AsyncClosing
 from paramserver.errors import InvalidArgument, ParamServerError
 from paramserver.security.tls import ClientSecurity
 from paramserver.spmd.layout import Layout, Tier
@@ -62,7 +63,7 @@ from paramserver.spmd.planning import (
     merge_key_results,
     merge_presence,
 )
-from paramserver.spmd.rank_client import OpenClose, RankClient, rank_error
+from paramserver.spmd.rank_client import RankClient, rank_error
 from paramserver.spmd.transfer_errors import RankFailures, RemoteNotConnected, TierNotRegistered
 
 __all__ = [
@@ -149,7 +150,7 @@ def _rank_result(rank: int, response: spmd_pb2.TransferResponse) -> RankTransfer
     )
 
 
-class SpmdParallelWorkers(OpenClose):
+class SpmdParallelWorkers(AsyncClosing):
     """A group of rank servers driven as one SPMD worker (Dynamo KVBM's SpmdParallelWorkers).
 
     Args:

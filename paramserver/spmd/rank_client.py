@@ -12,21 +12,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import grpc
 import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import spmd_pb2, spmd_pb2_grpc
+from paramserver.closing import AsyncClosing
 from paramserver.errors import FailedPrecondition, MalformedStream, ParamServerError, from_rpc_error
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.spmd.layout import Tier
 from paramserver.spmd.planning import MAX_CHUNK_BYTES
 from paramserver.spmd.rank_server.rank_config import CHANNEL_OPTIONS
 
-__all__ = ["OpenClose", "RankClient", "rank_error"]
+__all__ = ["RankClient", "rank_error"]
 
 
 def rank_error(rank: int, address: str, exc: BaseException) -> ParamServerError:
@@ -65,32 +65,7 @@ async def _client_stream(
         yield request(chunk=chunk(offset_bytes=pos, data=bytes(payload[pos : pos + chunk_bytes])))
 
 
-class OpenClose:
-    """``async with`` for objects with ``open()`` and ``close()`` coroutines (a client, a
-    group): open on entry, close on exit."""
-
-    async def open(self) -> Any:
-        """Open (subclasses)."""
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        """Close (subclasses; idempotent)."""
-        raise NotImplementedError
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
-
-class RankClient(OpenClose):
+class RankClient(AsyncClosing):
     """Client of the rank server for ``rank`` at ``address``.
 
     Args:

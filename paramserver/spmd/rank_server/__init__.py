@@ -2,9 +2,9 @@
 
 Modules: :mod:`.rank_config` (config, constants), :mod:`.rank_state` (pools, peers, the command
 funnel), :mod:`.transfer` (local and remote transfers, one path for onboard and offload),
-:mod:`.object_tier` (blocks <-> objects), :mod:`.rank_service` (the gRPC servicer),
-:mod:`.rank_serving` (error decorator, gRPC server construction), :mod:`.rank_daemon`
-(start / serve).
+:mod:`.object_tier` (blocks <-> objects), :mod:`.rank_service` (the gRPC servicer and its
+error decorator over :func:`paramserver.server.serving.grpc_errors`), :mod:`.rank_daemon`
+(start through :func:`paramserver.server.serving.start_grpc_server`, serve).
 """
 
 from paramserver.spmd.rank_server.rank_config import SERVICE_NAME, RankServerConfig

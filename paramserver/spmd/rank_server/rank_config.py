@@ -19,15 +19,20 @@ from paramserver.spmd.layout import Layout
 __all__ = [
     "CHANNEL_OPTIONS",
     "DEFAULT_MAX_OBJECT_BYTES",
+    "MAX_MESSAGE_BYTES",
     "SERVICE_NAME",
     "RankServerConfig",
 ]
 
+MAX_MESSAGE_BYTES = 8 << 20
+"""Largest gRPC message a rank server or its clients take: chunks are <= 1 MiB, so 8 MiB leaves
+ample headroom."""
+
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_send_message_length", 8 << 20),
-    ("grpc.max_receive_message_length", 8 << 20),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-"""Channel/server options: chunks are <= 1 MiB, so 8 MiB leaves ample headroom."""
+"""Options of every channel to a rank server."""
 
 SERVICE_NAME = "paramserver.api.v1.RankServer"
 """Full gRPC service name of the rank server (also its health-check service name)."""

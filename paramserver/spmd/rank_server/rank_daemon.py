@@ -23,19 +23,23 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2
 
+from paramserver.api.v1 import spmd_pb2_grpc
 from paramserver.server.observability.dashboard import Dashboard
 from paramserver.server.observability.prometheus import (
     MetricsServer,
     auth_refusal_counter,
     metrics_security,
 )
+from paramserver.server.serving import GrpcEndpoint, start_grpc_server
 from paramserver.spmd.objects import FilesystemObjectStore
 from paramserver.spmd.rank_metrics import RankMetrics
-from paramserver.spmd.rank_server.rank_config import SERVICE_NAME, RankServerConfig
+from paramserver.spmd.rank_server.rank_config import (
+    MAX_MESSAGE_BYTES,
+    SERVICE_NAME,
+    RankServerConfig,
+)
 from paramserver.spmd.rank_server.rank_service import RankServicer
-from paramserver.spmd.rank_server.rank_serving import start_rank_grpc_server
 from paramserver.spmd.rank_server.rank_state import RankState
 
 __all__ = ["RankServerHandle", "serve", "start_rank_server"]
@@ -47,11 +51,19 @@ logger = logging.getLogger(__name__)
 class RankServerHandle:
     """A running rank server inside the current event loop (tests, embedding)."""
 
-    server: grpc.aio.Server
+    endpoint: GrpcEndpoint
     servicer: RankServicer
-    port: int
-    health: health.aio.HealthServicer
     metrics: MetricsServer | None = None
+
+    @property
+    def server(self) -> grpc.aio.Server:
+        """The running ``grpc.aio`` server."""
+        return self.endpoint.server
+
+    @property
+    def port(self) -> int:
+        """The bound port (the ephemeral one when ``config.port == 0``)."""
+        return self.endpoint.port
 
     @property
     def address(self) -> str:
@@ -63,8 +75,9 @@ class RankServerHandle:
 
         Health turns NOT_SERVING first (watchers are told), then the server stops.
         """
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        if self.endpoint.health is not None:
+            await self.endpoint.health.enter_graceful_shutdown()
+        await self.endpoint.server.stop(grace_s)
         await self.servicer.close()
         if self.metrics is not None:
             await self.metrics.stop()
@@ -115,23 +128,30 @@ async def start_rank_server(config: RankServerConfig) -> RankServerHandle:
             on_refusal = auth_refusal_counter(state.metrics.registry)
             # Before the gRPC port: grpc.aio keeps a port bound by a server that never started.
             await metrics.start()
-        server, health_servicer, port = await start_rank_grpc_server(servicer, config, on_refusal)
+        sec = config.security
+        endpoint = await start_grpc_server(
+            f"{config.host}:{config.port}",
+            lambda server: spmd_pb2_grpc.add_RankServerServicer_to_server(servicer, server),
+            service_names=(SERVICE_NAME,),
+            security=sec,
+            interceptors=sec.interceptors(on_refusal) if sec is not None else (),
+            max_receive_message_bytes=MAX_MESSAGE_BYTES,
+        )
     except BaseException:
         if metrics is not None:
             await metrics.stop()
         await servicer.close()
         raise
     host = config.host if config.host not in ("0.0.0.0", "::", "") else socket.gethostname()
-    state.address = f"{host}:{port}"
+    state.address = f"{host}:{endpoint.port}"
     if metrics is not None:
         metrics.dashboard.info["address"] = state.address
     if isinstance(state.store, FilesystemObjectStore):
         removed = await asyncio.to_thread(state.store.sweep_temp, 3600.0)
         if removed:
             logger.info("removed %d stale object temp files", removed)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RankServerHandle(server, servicer, port, health_servicer, metrics)
+    await endpoint.set_serving(True)
+    return RankServerHandle(endpoint, servicer, metrics)
 
 
 def _write_port_file(path: Path, port: int) -> None:

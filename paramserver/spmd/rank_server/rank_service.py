@@ -13,19 +13,24 @@ Each handler only decodes its request, calls the rank's logic and encodes the an
 * :mod:`~paramserver.spmd.rank_server.transfer`: local transfers and the one remote transfer
   path (onboard | offload; shared memory or gRPC streams);
 * :mod:`~paramserver.spmd.rank_server.object_tier`: blocks <-> objects and object streams;
-* :mod:`~paramserver.spmd.rank_server.rank_serving`: the error decorator every handler wears
-  and the ``grpc.aio`` server construction.
+* :mod:`paramserver.server.serving`: the error mapping every handler wears (:func:`rank_rpc`
+  wraps its :func:`~paramserver.server.serving.grpc_errors`) and, in
+  :mod:`~paramserver.spmd.rank_server.rank_daemon`, the ``grpc.aio`` bootstrap.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+import asyncio
+import functools
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar, cast
 
 import grpc
 
 from paramserver.api.v1 import spmd_pb2
 from paramserver.errors import InvalidArgument, MalformedStream
+from paramserver.server.serving import grpc_errors
 from paramserver.spmd.layout import Tier
 from paramserver.spmd.rank_server.object_tier import (
     get_object,
@@ -35,7 +40,6 @@ from paramserver.spmd.rank_server.object_tier import (
     put_object,
 )
 from paramserver.spmd.rank_server.rank_config import RankServerConfig
-from paramserver.spmd.rank_server.rank_serving import rank_rpc_errors
 from paramserver.spmd.rank_server.rank_state import RankState, parse_tier
 from paramserver.spmd.rank_server.transfer import (
     Direction,
@@ -46,7 +50,77 @@ from paramserver.spmd.rank_server.transfer import (
     send_stream,
 )
 
-__all__ = ["RankServicer"]
+__all__ = ["RankServicer", "rank_rpc"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _cancel_when_rpc_ends(context: grpc.aio.ServicerContext) -> Callable[[], None]:
+    """Cancel the handler task if the RPC ends (client gone, deadline) while it still runs.
+
+    A belt-and-braces guard: whatever the handler awaits (a peer rank, a worker thread, the
+    request stream), it unwinds once its RPC is over, so reservations and temp objects are
+    released. (With a client SIGKILLed mid-stream, grpc.aio 1.85 sometimes closes the handler
+    coroutine instead of cancelling it; cleanup in ``finally`` blocks is therefore synchronous.)
+    Returns the "handler finished" marker to call when the handler returns.
+    """
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    finished = False
+
+    def cancel_if_running() -> None:
+        if not finished and task is not None and not task.done():
+            task.cancel()
+
+    context.add_done_callback(lambda _: loop.call_soon_threadsafe(cancel_if_running))
+
+    def mark_finished() -> None:
+        nonlocal finished
+        finished = True
+
+    return mark_finished
+
+
+def rank_rpc(fn: F) -> F:
+    """The decorator of every rank-server handler (unary or server-streaming).
+
+    :func:`paramserver.server.serving.grpc_errors` maps the errors (a
+    :class:`~paramserver.errors.ParamServerError` becomes its status, anything else a logged
+    INTERNAL); inside it each failure is counted (``Status.commands_failed``) and the handler is
+    cancelled when its RPC ends first (:func:`_cancel_when_rpc_ends`).
+    """
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            mark_finished = _cancel_when_rpc_ends(context)
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                self.count_failure()
+                raise
+            finally:
+                mark_finished()
+
+        return cast(F, grpc_errors(streaming))
+
+    @functools.wraps(fn)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        mark_finished = _cancel_when_rpc_ends(context)
+        try:
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            self.count_failure()
+            raise
+        finally:
+            mark_finished()
+
+    return cast(F, grpc_errors(unary))
 
 
 def _ids(values: Any) -> list[int]:
@@ -106,7 +180,7 @@ class RankServicer:
         return cls(RankState.create(config))
 
     def count_failure(self) -> None:
-        """Count one failed RPC (called by :func:`rank_rpc_errors`)."""
+        """Count one failed RPC (called by :func:`rank_rpc`)."""
         self.state.failed += 1
 
     async def close(self) -> None:
@@ -115,20 +189,20 @@ class RankServicer:
 
     # ------------------------------------------------------------------ metadata
 
-    @rank_rpc_errors
+    @rank_rpc
     async def ExportMetadata(
         self, request: spmd_pb2.ExportMetadataRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.RankMetadata:
         return self.state.metadata()
 
-    @rank_rpc_errors
+    @rank_rpc
     async def ImportMetadata(
         self, request: spmd_pb2.ImportMetadataRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.ImportMetadataResponse:
         replaced = await self.state.import_remote(request.remote)
         return spmd_pb2.ImportMetadataResponse(replaced=replaced)
 
-    @rank_rpc_errors
+    @rank_rpc
     async def ForgetRemote(
         self, request: spmd_pb2.ForgetRemoteRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.ForgetRemoteResponse:
@@ -138,7 +212,7 @@ class RankServicer:
 
     # ------------------------------------------------------------------ transfers
 
-    @rank_rpc_errors
+    @rank_rpc
     async def LocalTransfer(
         self, request: spmd_pb2.LocalTransferRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.TransferResponse:
@@ -150,13 +224,13 @@ class RankServicer:
             _blocks(request, "dst"),
         )
 
-    @rank_rpc_errors
+    @rank_rpc
     async def RemoteOnboard(
         self, request: spmd_pb2.RemoteOnboardRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.TransferResponse:
         return await self._remote(Direction.ONBOARD, request, context)
 
-    @rank_rpc_errors
+    @rank_rpc
     async def RemoteOffload(
         self, request: spmd_pb2.RemoteOffloadRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.TransferResponse:
@@ -196,19 +270,19 @@ class RankServicer:
 
     # ------------------------------------------------------------------ object tier
 
-    @rank_rpc_errors
+    @rank_rpc
     async def HasObjects(
         self, request: spmd_pb2.HasObjectsRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.HasObjectsResponse:
         return await has_objects(self.state, _ids(request.sequence_hashes))
 
-    @rank_rpc_errors
+    @rank_rpc
     async def PutBlocks(
         self, request: spmd_pb2.PutBlocksRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.ObjectBlocksResponse:
         return await self._per_key(Direction.OFFLOAD, "put_blocks", request, context)
 
-    @rank_rpc_errors
+    @rank_rpc
     async def GetBlocks(
         self, request: spmd_pb2.GetBlocksRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.ObjectBlocksResponse:
@@ -228,7 +302,7 @@ class RankServicer:
         )
         return key_response(self.state, results, response.bytes_moved)
 
-    @rank_rpc_errors
+    @rank_rpc
     async def PutObject(
         self,
         request_iterator: AsyncIterator[spmd_pb2.PutObjectRequest],
@@ -238,7 +312,7 @@ class RankServicer:
         header, chunks = await _header_then_chunks(request_iterator, "PutObject", self.state.prefix)
         return await put_object(self.state, header, chunks, context)
 
-    @rank_rpc_errors
+    @rank_rpc
     async def GetObject(
         self, request: spmd_pb2.GetObjectRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spmd_pb2.GetObjectResponse]:
@@ -247,14 +321,14 @@ class RankServicer:
 
     # ------------------------------------------------------------------ block streams
 
-    @rank_rpc_errors
+    @rank_rpc
     async def ReadBlocks(
         self, request: spmd_pb2.ReadBlocksRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[spmd_pb2.BlockChunk]:
         async for chunk in send_stream(self.state, request):
             yield chunk
 
-    @rank_rpc_errors
+    @rank_rpc
     async def WriteBlocks(
         self,
         request_iterator: AsyncIterator[spmd_pb2.WriteBlocksRequest],
@@ -266,7 +340,7 @@ class RankServicer:
         written = await receive_stream(self.state, header, chunks, context)
         return spmd_pb2.WriteBlocksResponse(bytes_written=written)
 
-    @rank_rpc_errors
+    @rank_rpc
     async def CheckBlocks(
         self, request: spmd_pb2.CheckBlocksRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.CheckBlocksResponse:
@@ -276,7 +350,7 @@ class RankServicer:
         )
         return spmd_pb2.CheckBlocksResponse(invalid_block_ids=[b for b in ids if not pool.valid[b]])
 
-    @rank_rpc_errors
+    @rank_rpc
     async def Status(
         self, request: spmd_pb2.RankStatusRequest, context: grpc.aio.ServicerContext
     ) -> spmd_pb2.RankStatusResponse:
