@@ -21,9 +21,10 @@ Each handler only decodes its request, calls the rank's logic and encodes the an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -81,6 +82,21 @@ def _cancel_when_rpc_ends(context: grpc.aio.ServicerContext) -> Callable[[], Non
     return mark_finished
 
 
+@contextlib.contextmanager
+def _guarded(servicer: Any, context: grpc.aio.ServicerContext) -> Iterator[None]:
+    """Count a failure of the handler (not an abort) and cancel it if its RPC ends first."""
+    mark_finished = _cancel_when_rpc_ends(context)
+    try:
+        yield
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        servicer.count_failure()
+        raise
+    finally:
+        mark_finished()
+
+
 def rank_rpc(fn: F) -> F:
     """The decorator of every rank-server handler (unary or server-streaming).
 
@@ -93,32 +109,16 @@ def rank_rpc(fn: F) -> F:
 
         @functools.wraps(fn)
         async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            mark_finished = _cancel_when_rpc_ends(context)
-            try:
+            with _guarded(self, context):
                 async for item in fn(self, request, context):
                     yield item
-            except grpc.aio.AbortError:
-                raise
-            except Exception:
-                self.count_failure()
-                raise
-            finally:
-                mark_finished()
 
         return cast(F, grpc_errors(streaming))
 
     @functools.wraps(fn)
     async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        mark_finished = _cancel_when_rpc_ends(context)
-        try:
+        with _guarded(self, context):
             return await fn(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception:
-            self.count_failure()
-            raise
-        finally:
-            mark_finished()
 
     return cast(F, grpc_errors(unary))
 
