@@ -65,7 +65,7 @@ from paramserver.security.tls import (
 )
 from paramserver.spmd.faults import Faults
 from paramserver.spmd.layout import parse_layout_spec
-from paramserver.spmd.rank_server import RankServerConfig, serve
+from paramserver.spmd.rank_server.rank_config import RankServerConfig
 
 __all__ = [
     "DemoTargets",
@@ -354,6 +354,8 @@ def run_event_loop(coro: Any, loop: str) -> Any:
 def _run_rank_server(args: argparse.Namespace) -> int:
     # Bad flags (InvalidArgument, exit 2) and a port that cannot be bound (Unavailable, exit 1)
     # end the command with one line (paramserver.cli.main.run_command).
+    from paramserver.spmd.rank_server.rank_daemon import serve
+
     config = config_from_args(args, os.environ)
     return int(run_event_loop(serve(config), args.loop))
 

@@ -160,6 +160,7 @@ async def object_command(
         BlockNotValid: offload of a block that holds no valid data (FAILED_PRECONDITION).
         ObjectNotFound: not ``per_key``, onboard of a missing key (NOT_FOUND).
     """
+    state.check_incarnation(options.incarnation_id)
     onboard = direction is Direction.ONBOARD
     tier, ids = blocks
     state.refuse(

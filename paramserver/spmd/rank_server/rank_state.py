@@ -5,9 +5,9 @@ block reservations, the imported peer metadata (with a channel per peer address 
 same-host peers' mapped G2 segments) and the counters. :meth:`RankState.run_command` runs a
 command:
 
-1. the incarnation check (validation with the pure rules of :mod:`paramserver.spmd.planning`
-   happens before, in :mod:`~paramserver.spmd.rank_server.transfer` and
-   :mod:`~paramserver.spmd.rank_server.object_tier`);
+1. the incarnation check (the callers in :mod:`~paramserver.spmd.rank_server.transfer` and
+   :mod:`~paramserver.spmd.rank_server.object_tier` make it first, before validating with
+   the pure rules of :mod:`paramserver.spmd.planning` against this rank's state);
 2. a reservation of the blocks it reads and writes (concurrent commands never write the same
    blocks or read blocks being written);
 3. destination blocks are marked *invalid* before the first byte is written;

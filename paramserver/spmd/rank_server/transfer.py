@@ -87,6 +87,7 @@ async def local_transfer(
     dst: tuple[Tier, list[int]],
 ) -> spmd_pb2.TransferResponse:
     """Copy blocks between two local tiers (``LocalTransfer``)."""
+    state.check_incarnation(options.incarnation_id)  # before anything read from this rank
     (src_tier, src_ids), (dst_tier, dst_ids) = src, dst
     state.refuse(
         check_local_transfer(
@@ -146,6 +147,7 @@ async def remote_transfer(
             broken (INVALID_ARGUMENT).
         BlockNotValid: a source block holds no valid data (FAILED_PRECONDITION).
     """
+    state.check_incarnation(options.incarnation_id)
     onboard = direction is Direction.ONBOARD
     local_tier, local_ids = local
     remote = state.remote(peer.instance_id)
