@@ -15,36 +15,24 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from paramserver.spmd.rank_server.rank_config import SERVICE_NAME, RankServerConfig
-    from paramserver.spmd.rank_server.rank_daemon import (
-        RankServerHandle,
-        serve,
-        start_rank_server,
-    )
-    from paramserver.spmd.rank_server.rank_service import RankServicer
+if TYPE_CHECKING:  # the names, for type checkers (re-exported as such)
+    from paramserver.spmd.rank_server.rank_config import SERVICE_NAME as SERVICE_NAME
+    from paramserver.spmd.rank_server.rank_config import RankServerConfig as RankServerConfig
+    from paramserver.spmd.rank_server.rank_daemon import RankServerHandle as RankServerHandle
+    from paramserver.spmd.rank_server.rank_daemon import serve as serve
+    from paramserver.spmd.rank_server.rank_daemon import start_rank_server as start_rank_server
+    from paramserver.spmd.rank_server.rank_service import RankServicer as RankServicer
 
 _HOMES = {
-    "SERVICE_NAME": "rank_config",
-    "RankServerConfig": "rank_config",
-    "RankServerHandle": "rank_daemon",
-    "serve": "rank_daemon",
-    "start_rank_server": "rank_daemon",
-    "RankServicer": "rank_service",
+    "rank_config": ("SERVICE_NAME", "RankServerConfig"),
+    "rank_daemon": ("RankServerHandle", "serve", "start_rank_server"),
+    "rank_service": ("RankServicer",),
 }
-
-__all__ = [
-    "SERVICE_NAME",
-    "RankServerConfig",
-    "RankServerHandle",
-    "RankServicer",
-    "serve",
-    "start_rank_server",
-]
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_HOME_OF)
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
+    if name not in _HOME_OF:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    return getattr(importlib.import_module(f"{__name__}.{_HOME_OF[name]}"), name)
