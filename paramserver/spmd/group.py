@@ -552,14 +552,6 @@ class SpmdParallelWorkers(AsyncClosing):
         }
         return self._dispatch("execute_local_transfer", "LocalTransfer", requests, t)
 
-    def _remote_layouts(self, instance_id: str) -> _Connected:
-        connected = self._remotes.get(instance_id)
-        if connected is None:
-            raise RemoteNotConnected(
-                f"no remote metadata for instance {instance_id!r}; call connect_remote first"
-            )
-        return connected
-
     async def execute_remote_onboard(
         self,
         src: RemoteDescriptor,
@@ -646,7 +638,12 @@ class SpmdParallelWorkers(AsyncClosing):
                 r: {"object": spmd_pb2.ObjectBlocks(sequence_hashes=hashes[r])} for r in range(n)
             }
         else:
-            connected = self._remote_layouts(other.instance_id)
+            if other.instance_id not in self._remotes:
+                raise RemoteNotConnected(
+                    f"no remote metadata for instance {other.instance_id!r}; call "
+                    "connect_remote first"
+                )
+            connected = self._remotes[other.instance_id]
             r_tier = Tier.parse(other.tier)
             remote_ids = expand_per_rank(
                 other.block_ids, n, f"{'src' if onboard else 'dst'} block_ids"

@@ -169,10 +169,10 @@ class RankState:
         Raises:
             TierNotRegistered: this rank has no such tier (FAILED_PRECONDITION).
         """
-        pool = self.pools.get(tier)
-        if pool is None:
-            raise TierNotRegistered(f"{self.prefix}: tier {tier.name} not registered")
-        return pool
+        try:
+            return self.pools[tier]
+        except KeyError:
+            raise TierNotRegistered(f"{self.prefix}: tier {tier.name} not registered") from None
 
     def object_store(self) -> ObjectStore:
         """The object store (G4).
