@@ -2,7 +2,7 @@
 
 Configuration precedence for ``rank-server``: CLI flag, then the ``PARAMSERVER_SPMD_*``
 environment variable, then the default of
-:class:`~paramserver.spmd.rank_server.rank_service.RankServerConfig`.
+:class:`~paramserver.spmd.rank_server.rank_config.RankServerConfig`.
 
 ==============================  =========================================
 flag                            environment variable
@@ -49,7 +49,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,7 @@ from paramserver.security.tls import (
 )
 from paramserver.spmd.faults import Faults
 from paramserver.spmd.layout import parse_layout_spec
-from paramserver.spmd.rank_server.rank_service import RankServerConfig, serve
+from paramserver.spmd.rank_server.rank_config import RankServerConfig
 
 __all__ = [
     "DemoTargets",
@@ -280,6 +280,18 @@ def demo_targets_from_args(
     return targets, wait_s
 
 
+_CONFIG_FLAGS: dict[str, Callable[[str], Any]] = {
+    **dict.fromkeys(["host_blocks", "disk_blocks", "device_blocks", "max_object_bytes"], int),
+    **dict.fromkeys(["disk_dir", "object_dir"], Path),
+    "timeout_s": float,
+    "metrics_port": int,
+    **dict.fromkeys(
+        ["metrics_host", "metrics_token_file", "metrics_tls_cert", "metrics_tls_key"], str
+    ),
+}
+"""``rank-server`` flags read by :func:`config_from_args` (dest -> conversion of the variable)."""
+
+
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankServerConfig:
     """Build the rank-server config: flag, then ``PARAMSERVER_SPMD_*`` in ``env``, then default.
 
@@ -307,23 +319,12 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankSe
     if host is not None:
         kwargs["host"] = host
     kwargs["port"] = port
-    for field, flag, name, convert in (
-        ("host_blocks", args.host_blocks, "HOST_BLOCKS", int),
-        ("disk_blocks", args.disk_blocks, "DISK_BLOCKS", int),
-        ("device_blocks", args.device_blocks, "DEVICE_BLOCKS", int),
-        ("disk_dir", args.disk_dir, "DISK_DIR", Path),
-        ("object_dir", args.object_dir, "OBJECT_DIR", Path),
-        ("default_timeout_s", args.timeout_s, "TIMEOUT_S", float),
-        ("metrics_port", args.metrics_port, "METRICS_PORT", int),
-        ("metrics_host", args.metrics_host, "METRICS_HOST", str),
-        ("metrics_token_file", args.metrics_token_file, "METRICS_TOKEN_FILE", str),
-        ("metrics_tls_cert", args.metrics_tls_cert, "METRICS_TLS_CERT", str),
-        ("metrics_tls_key", args.metrics_tls_key, "METRICS_TLS_KEY", str),
-        ("max_object_bytes", args.max_object_bytes, "MAX_OBJECT_BYTES", int),
-    ):
-        value = pick(flag, name, convert)
+    # Flag dest -> conversion; the variable is PARAMSERVER_SPMD_<DEST>, the config field the
+    # dest (timeout_s: default_timeout_s).
+    for dest, convert in _CONFIG_FLAGS.items():
+        value = pick(getattr(args, dest), dest.upper(), convert)
         if value is not None:
-            kwargs[field] = value
+            kwargs["default_timeout_s" if dest == "timeout_s" else dest] = value
     if args.no_object_tier:
         kwargs["object_dir"] = None
     layout_text = pick(args.layout, "LAYOUT", str)
@@ -353,6 +354,8 @@ def run_event_loop(coro: Any, loop: str) -> Any:
 def _run_rank_server(args: argparse.Namespace) -> int:
     # Bad flags (InvalidArgument, exit 2) and a port that cannot be bound (Unavailable, exit 1)
     # end the command with one line (paramserver.cli.main.run_command).
+    from paramserver.spmd.rank_server.rank_daemon import serve
+
     config = config_from_args(args, os.environ)
     return int(run_event_loop(serve(config), args.loop))
 

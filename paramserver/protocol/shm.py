@@ -13,6 +13,20 @@ After that no file exists: the kernel frees the memory when the last mapping goe
 client or server leaks nothing. A client killed between create and offer leaves a file whose
 name embeds its (now dead) pid; :func:`sweep_dead` (run when a client starts) removes it.
 
+Long-lived segments (:class:`OwnedSegment`, the SPMD rank server's G2 host pool) follow the same
+lifecycle, with the file kept while its owner lives, since same-host peers map it by name
+whenever they copy (:meth:`MappedSegment.attach`; a peer never unlinks)::
+
+    owner:  open(/dev/shm/paramserver-<kind>-<pid>-<hex>, O_CREAT|O_EXCL) -> flock(LOCK_SH)
+            -> fallocate -> mmap ... close(): unlink -> unmap -> close (the lock goes)
+    peer:   open -> fstat (regular file, at least the expected size) -> mmap
+
+An owner that dies without closing (SIGKILL, a crash) leaves its file behind, its lock released
+by the kernel. :func:`sweep_dead`, run by every worker client and every rank server as it
+starts, removes each segment file whose creating pid is gone *and* whose lock nobody holds (the
+lock keeps a live owner in another pid namespace safe); until then the file holds its memory.
+No atexit hook and no resource tracker: the owner unlinks, or the next process to start does.
+
 Layout of a segment::
 
     [0, 4096)                       header: magic (8 bytes), nonce (16 bytes)
@@ -33,6 +47,7 @@ out-of-bounds access.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hmac
 import logging
 import mmap
@@ -66,6 +81,9 @@ NONCE_BYTES = 16
 MAX_SEGMENT_BYTES = 1 << 40
 
 _NAME_RE = re.compile(r"paramserver-(\d+)-([0-9a-f]{16})\Z")
+#: Any segment of this module: a client's (no kind) or an owner's (``kind``, e.g. ``g2``).
+_ANY_NAME_RE = re.compile(r"paramserver-(?:([a-z][a-z0-9]*)-)?(\d+)-([0-9a-f]{16})\Z")
+_KIND_RE = re.compile(r"[a-z][a-z0-9]*\Z")
 
 
 class ShmDeclined(Exception):
@@ -165,6 +183,30 @@ def _close_mapping(buffer: mmap.mmap | None) -> None:
         buffer.close()
 
 
+def _create_file(path: Path, size: int, *, lock: bool) -> tuple[int, mmap.mmap]:
+    """Create ``path`` (never an existing file), reserve ``size`` bytes and map them.
+
+    With ``lock`` the creator takes a shared ``flock`` on the returned descriptor first: held
+    while that descriptor is open, i.e. while the owner lives. The caller closes the descriptor.
+
+    Raises:
+        OSError: no such directory, no space (the memory is reserved up front with
+            ``posix_fallocate``, so a full tmpfs fails here, not with SIGBUS later).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        if lock:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        os.posix_fallocate(fd, 0, size)
+        buffer = mmap.mmap(fd, size)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+        raise
+    return fd, buffer
+
+
 class ClientSegment:
     """A segment created by a worker client (:meth:`create`), offered to one server.
 
@@ -214,17 +256,8 @@ class ClientSegment:
         size = HEADER_BYTES + push_size
         nonce = secrets.token_bytes(NONCE_BYTES)
         name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        path = directory / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-            buffer = mmap.mmap(fd, size)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
+        fd, buffer = _create_file(directory / name, size, lock=False)
+        os.close(fd)
         buffer[: len(MAGIC)] = MAGIC
         buffer[len(MAGIC) : len(MAGIC) + NONCE_BYTES] = nonce
         return cls(directory, name, nonce, buffer, push_size, pull_size)
@@ -317,6 +350,103 @@ class ServerMapping:
         _close_mapping(buffer)
 
 
+class MappedSegment:
+    """A named segment mapped whole by a same-host peer (:meth:`attach`); never unlinked here.
+
+    Attributes:
+        name: File name in the segment directory.
+        size_bytes: Segment size.
+        buf: A writable view of the whole mapping.
+    """
+
+    def __init__(self, name: str, buffer: mmap.mmap) -> None:
+        self.name = name
+        self.size_bytes = len(buffer)
+        self._buffer: mmap.mmap | None = buffer
+        self.buf: memoryview = memoryview(buffer)
+
+    @classmethod
+    def attach(cls, name: str, min_size_bytes: int, directory: Path = SHM_DIR) -> MappedSegment:
+        """Map the existing segment ``name`` of at least ``min_size_bytes`` bytes.
+
+        Raises:
+            ValueError: ``name`` is not an owned segment's name (``paramserver-<kind>-<pid>-
+                <hex16>``), the file is not a regular file, or it is smaller than
+                ``min_size_bytes``.
+            FileNotFoundError: no such segment (its owner is on another host, or gone).
+            OSError: it cannot be opened or mapped.
+        """
+        m = _ANY_NAME_RE.match(name)
+        if m is None or m.group(1) is None:
+            raise ValueError(f"{name!r} is not a segment name paramserver-<kind>-<pid>-<hex16>")
+        path = directory / name
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < max(1, min_size_bytes):
+                raise ValueError(
+                    f"segment {name} has {st.st_size} < {min_size_bytes} bytes (or is not a "
+                    "regular file)"
+                )
+            buffer = mmap.mmap(fd, st.st_size)
+        finally:
+            os.close(fd)
+        return cls(name, buffer)
+
+    def close(self) -> None:
+        """Unmap (deferred until the last exported view is gone; idempotent)."""
+        buffer, self._buffer = self._buffer, None
+        if buffer is None:
+            return
+        with contextlib.suppress(BufferError):  # an array over buf still lives
+            self.buf.release()
+        _close_mapping(buffer)
+
+
+class OwnedSegment(MappedSegment):
+    """A long-lived segment kept by its creating process for same-host peers (:meth:`create`).
+
+    The owner holds a shared ``flock`` on the file for as long as it lives, which tells
+    :func:`sweep_dead` that the segment is in use even where the owner's pid is not visible.
+    :meth:`close` unlinks the file; an owner killed before it closed leaves the file to the
+    next :func:`sweep_dead` (see the module docstring).
+    """
+
+    def __init__(self, directory: Path, name: str, fd: int, buffer: mmap.mmap) -> None:
+        super().__init__(name, buffer)
+        self.directory = directory
+        self._fd = fd
+
+    @classmethod
+    def create(cls, size_bytes: int, kind: str, directory: Path = SHM_DIR) -> OwnedSegment:
+        """Create, size (zero-filled) and map ``paramserver-<kind>-<pid>-<hex16>``.
+
+        Args:
+            size_bytes: Segment size (at least 1).
+            kind: Lower-case word naming the owner's use (``g2``).
+            directory: Where the file goes (``/dev/shm``).
+
+        Raises:
+            ValueError: ``kind`` is not a lower-case word.
+            OSError: no such directory, or no space (reserved up front, never SIGBUS later).
+        """
+        if not _KIND_RE.match(kind):
+            raise ValueError(f"segment kind {kind!r} must be a lower-case word")
+        name = f"{NAME_PREFIX}{kind}-{os.getpid()}-{secrets.token_hex(8)}"
+        fd, buffer = _create_file(directory / name, max(1, size_bytes), lock=True)
+        return cls(directory, name, fd, buffer)
+
+    def close(self) -> None:
+        """Unlink the file, unmap, and drop the owner's lock (idempotent)."""
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.directory / self.name)
+        super().close()
+        os.close(fd)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -327,8 +457,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _locked(path: Path) -> bool:
+    """True when some process holds a lock on ``path`` (a live :class:`OwnedSegment` owner)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return True  # gone already, or not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's lock
+    return False
+
+
 def sweep_dead(directory: Path = SHM_DIR) -> list[str]:
-    """Remove segment files whose creating process is dead (killed between create and offer).
+    """Remove segment files whose creating process is dead: a client killed between create and
+    offer, an :class:`OwnedSegment` owner killed before it closed (its lock is free).
 
     Returns:
         The names removed.
@@ -339,11 +485,11 @@ def sweep_dead(directory: Path = SHM_DIR) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        m = _NAME_RE.match(name)
+        m = _ANY_NAME_RE.match(name)
         if m is None:
             continue
-        pid = int(m.group(1))
-        if pid == os.getpid() or _pid_alive(pid):
+        pid = int(m.group(2))
+        if pid == os.getpid() or _pid_alive(pid) or _locked(directory / name):
             continue
         try:
             os.unlink(directory / name)

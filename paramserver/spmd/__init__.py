@@ -14,7 +14,7 @@ Public API::
 Modules: :mod:`~paramserver.spmd.layout` (layouts, tiers), :mod:`~paramserver.spmd.hashing`
 (sequence hashes), :mod:`~paramserver.spmd.planning` (pure validation/planning/merging),
 :mod:`~paramserver.spmd.pools` (G1/G2/G3 pools), :mod:`~paramserver.spmd.objects` (G4 store),
-:mod:`~paramserver.spmd.rank_server.rank_service` (servicer + daemon),
+:mod:`~paramserver.spmd.rank_server` (servicer, transfers, daemon),
 :mod:`~paramserver.spmd.rank_client`,
 :mod:`~paramserver.spmd.group` (the group), :mod:`~paramserver.spmd.notification`,
 :mod:`~paramserver.cli.demos.rank_launcher`, :mod:`~paramserver.cli.demos.spmd_demo`,

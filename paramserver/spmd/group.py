@@ -38,14 +38,14 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import spmd_pb2
+from paramserver.closing import AsyncClosing
 from paramserver.errors import InvalidArgument, ParamServerError
 from paramserver.security.tls import ClientSecurity
 from paramserver.spmd.layout import Layout, Tier
@@ -150,7 +150,7 @@ def _rank_result(rank: int, response: spmd_pb2.TransferResponse) -> RankTransfer
     )
 
 
-class SpmdParallelWorkers:
+class SpmdParallelWorkers(AsyncClosing):
     """A group of rank servers driven as one SPMD worker (Dynamo KVBM's SpmdParallelWorkers).
 
     Args:
@@ -240,18 +240,6 @@ class SpmdParallelWorkers:
         self._opened = False
         for client in self._clients:
             await client.close()
-
-    async def __aenter__(self) -> SpmdParallelWorkers:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     # ------------------------------------------------------------------ plain accessors
 
@@ -564,14 +552,6 @@ class SpmdParallelWorkers:
         }
         return self._dispatch("execute_local_transfer", "LocalTransfer", requests, t)
 
-    def _remote_layouts(self, instance_id: str) -> _Connected:
-        connected = self._remotes.get(instance_id)
-        if connected is None:
-            raise RemoteNotConnected(
-                f"no remote metadata for instance {instance_id!r}; call connect_remote first"
-            )
-        return connected
-
     async def execute_remote_onboard(
         self,
         src: RemoteDescriptor,
@@ -600,66 +580,9 @@ class SpmdParallelWorkers:
                 (INVALID_ARGUMENT), e.g. three hashes for two destination ids.
             RemoteNotConnected: ``src`` names an instance never connected (NOT_FOUND).
         """
-        self._require_open()
-        d_tier = Tier.parse(dst_tier)
-        n = self.worker_count()
-        dst_ids = expand_per_rank(dst_block_ids, n, "dst_block_ids")
-        t = self._timeout(timeout_s)
-        cid = uuid.uuid4().hex
-        requests: dict[int, spmd_pb2.RemoteOnboardRequest] = {}
-        if isinstance(src, ObjectKeys):
-            hashes = expand_per_rank(src.sequence_hashes, n, "sequence_hashes")
-            self._refuse_if_any(
-                "execute_remote_onboard",
-                {
-                    r: check_object_transfer(
-                        tier=d_tier,
-                        ids=dst_ids[r],
-                        sequence_hashes=hashes[r],
-                        layouts=self._layouts[r],
-                        into_blocks=True,
-                        object_tier=self._metadata[r].object_tier,
-                    )
-                    for r in range(n)
-                },
-            )
-            for r in range(n):
-                requests[r] = spmd_pb2.RemoteOnboardRequest(
-                    options=self._options(r, t, cid),
-                    object=spmd_pb2.ObjectBlocks(sequence_hashes=hashes[r]),
-                    dst_tier=int(d_tier),
-                    dst_block_ids=dst_ids[r],
-                )
-        else:
-            connected = self._remote_layouts(src.instance_id)
-            r_tier = Tier.parse(src.tier)
-            src_ids = expand_per_rank(src.block_ids, n, "src block_ids")
-            self._refuse_if_any(
-                "execute_remote_onboard",
-                {
-                    r: check_remote_transfer(
-                        local_tier=d_tier,
-                        local_ids=dst_ids[r],
-                        local_layouts=self._layouts[r],
-                        remote_tier=r_tier,
-                        remote_ids=src_ids[r],
-                        remote_layouts=connected.layouts[r],
-                        onboard=True,
-                    )
-                    for r in range(n)
-                },
-            )
-            for r in range(n):
-                requests[r] = spmd_pb2.RemoteOnboardRequest(
-                    options=self._options(r, t, cid),
-                    layout=spmd_pb2.RemoteLayoutBlocks(
-                        instance_id=src.instance_id, tier=int(r_tier), block_ids=src_ids[r]
-                    ),
-                    dst_tier=int(d_tier),
-                    dst_block_ids=dst_ids[r],
-                    allow_shared_memory=allow_shared_memory,
-                )
-        return self._dispatch("execute_remote_onboard", "RemoteOnboard", requests, t)
+        return self._remote_command(
+            "onboard", dst_tier, dst_block_ids, src, timeout_s, allow_shared_memory
+        )
 
     async def execute_remote_offload(
         self,
@@ -686,65 +609,109 @@ class SpmdParallelWorkers:
                 (INVALID_ARGUMENT).
             RemoteNotConnected: ``dst`` names an instance never connected (NOT_FOUND).
         """
+        return self._remote_command("offload", src_tier, src_block_ids, dst, timeout_s, False)
+
+    def _remote_command(
+        self,
+        direction: Literal["onboard", "offload"],
+        local_tier: Tier | str,
+        local_block_ids: BlockIds,
+        other: RemoteDescriptor,
+        timeout_s: float | None,
+        allow_shared_memory: bool,
+    ) -> TransferCompleteNotification:
+        """The one remote path: validate on every rank, then send ``RemoteOnboard`` (the local
+        blocks are the destination, ``other`` the source) or ``RemoteOffload`` (the reverse)."""
         self._require_open()
-        s_tier = Tier.parse(src_tier)
+        onboard = direction == "onboard"
+        operation = f"execute_remote_{direction}"
+        tier = Tier.parse(local_tier)
         n = self.worker_count()
-        src_ids = expand_per_rank(src_block_ids, n, "src_block_ids")
+        local_ids = expand_per_rank(local_block_ids, n, f"{'dst' if onboard else 'src'}_block_ids")
         t = self._timeout(timeout_s)
         cid = uuid.uuid4().hex
-        requests: dict[int, spmd_pb2.RemoteOffloadRequest] = {}
-        if isinstance(dst, ObjectKeys):
-            hashes = expand_per_rank(dst.sequence_hashes, n, "sequence_hashes")
-            self._refuse_if_any(
-                "execute_remote_offload",
-                {
-                    r: check_object_transfer(
-                        tier=s_tier,
-                        ids=src_ids[r],
-                        sequence_hashes=hashes[r],
-                        layouts=self._layouts[r],
-                        into_blocks=False,
-                        object_tier=self._metadata[r].object_tier,
-                    )
-                    for r in range(n)
-                },
-            )
-            for r in range(n):
-                requests[r] = spmd_pb2.RemoteOffloadRequest(
-                    options=self._options(r, t, cid),
-                    src_tier=int(s_tier),
-                    src_block_ids=src_ids[r],
-                    object=spmd_pb2.ObjectBlocks(sequence_hashes=hashes[r]),
-                )
+        ends: dict[int, dict[str, Any]]
+        if isinstance(other, ObjectKeys):
+            hashes = expand_per_rank(other.sequence_hashes, n, "sequence_hashes")
+            self._refuse_objects(operation, tier, local_ids, hashes, into_blocks=onboard)
+            ends = {
+                r: {"object": spmd_pb2.ObjectBlocks(sequence_hashes=hashes[r])} for r in range(n)
+            }
         else:
-            connected = self._remote_layouts(dst.instance_id)
-            r_tier = Tier.parse(dst.tier)
-            dst_ids = expand_per_rank(dst.block_ids, n, "dst block_ids")
+            if other.instance_id not in self._remotes:
+                raise RemoteNotConnected(
+                    f"no remote metadata for instance {other.instance_id!r}; call "
+                    "connect_remote first"
+                )
+            connected = self._remotes[other.instance_id]
+            r_tier = Tier.parse(other.tier)
+            remote_ids = expand_per_rank(
+                other.block_ids, n, f"{'src' if onboard else 'dst'} block_ids"
+            )
             self._refuse_if_any(
-                "execute_remote_offload",
+                operation,
                 {
                     r: check_remote_transfer(
-                        local_tier=s_tier,
-                        local_ids=src_ids[r],
+                        local_tier=tier,
+                        local_ids=local_ids[r],
                         local_layouts=self._layouts[r],
                         remote_tier=r_tier,
-                        remote_ids=dst_ids[r],
+                        remote_ids=remote_ids[r],
                         remote_layouts=connected.layouts[r],
-                        onboard=False,
+                        onboard=onboard,
                     )
                     for r in range(n)
                 },
             )
-            for r in range(n):
-                requests[r] = spmd_pb2.RemoteOffloadRequest(
-                    options=self._options(r, t, cid),
-                    src_tier=int(s_tier),
-                    src_block_ids=src_ids[r],
-                    layout=spmd_pb2.RemoteLayoutBlocks(
-                        instance_id=dst.instance_id, tier=int(r_tier), block_ids=dst_ids[r]
-                    ),
+            ends = {
+                r: {
+                    "layout": spmd_pb2.RemoteLayoutBlocks(
+                        instance_id=other.instance_id, tier=int(r_tier), block_ids=remote_ids[r]
+                    )
+                }
+                for r in range(n)
+            }
+            if onboard:
+                for end in ends.values():
+                    end["allow_shared_memory"] = allow_shared_memory
+        requests: dict[int, Any] = {}
+        for r in range(n):
+            options = self._options(r, t, cid)
+            if onboard:
+                requests[r] = spmd_pb2.RemoteOnboardRequest(
+                    options=options, dst_tier=int(tier), dst_block_ids=local_ids[r], **ends[r]
                 )
-        return self._dispatch("execute_remote_offload", "RemoteOffload", requests, t)
+            else:
+                requests[r] = spmd_pb2.RemoteOffloadRequest(
+                    options=options, src_tier=int(tier), src_block_ids=local_ids[r], **ends[r]
+                )
+        method = "RemoteOnboard" if onboard else "RemoteOffload"
+        return self._dispatch(operation, method, requests, t)
+
+    def _refuse_objects(
+        self,
+        operation: str,
+        tier: Tier,
+        ids: Sequence[Sequence[int]],
+        hashes: Sequence[Sequence[int]],
+        *,
+        into_blocks: bool,
+    ) -> None:
+        """Refuse before dispatch unless every rank may move ``ids`` <-> its ``hashes``."""
+        self._refuse_if_any(
+            operation,
+            {
+                r: check_object_transfer(
+                    tier=tier,
+                    ids=ids[r],
+                    sequence_hashes=hashes[r],
+                    layouts=self._layouts[r],
+                    into_blocks=into_blocks,
+                    object_tier=self._metadata[r].object_tier,
+                )
+                for r in range(self.worker_count())
+            },
+        )
 
     async def execute_remote_onboard_for_instance(
         self,
@@ -860,39 +827,20 @@ class SpmdParallelWorkers:
         n = self.worker_count()
         keys = [int(h) for h in sequence_hashes]
         ids = expand_per_rank(block_ids, n, "block_ids")
-        self._refuse_if_any(
-            operation,
-            {
-                r: check_object_transfer(
-                    tier=tier,
-                    ids=ids[r],
-                    sequence_hashes=keys,
-                    layouts=self._layouts[r],
-                    into_blocks=into_blocks,
-                    object_tier=self._metadata[r].object_tier,
-                )
-                for r in range(n)
-            },
-        )
+        self._refuse_objects(operation, tier, ids, [keys] * n, into_blocks=into_blocks)
         t = self._timeout(timeout_s)
         cid = uuid.uuid4().hex
 
+        method, request, end = (
+            ("GetBlocks", spmd_pb2.GetBlocksRequest, "dst")
+            if into_blocks
+            else ("PutBlocks", spmd_pb2.PutBlocksRequest, "src")
+        )
+
         async def call(c: RankClient) -> Any:
-            if into_blocks:
-                req: Any = spmd_pb2.GetBlocksRequest(
-                    options=self._options(c.rank, t, cid),
-                    sequence_hashes=keys,
-                    dst_tier=int(tier),
-                    dst_block_ids=ids[c.rank],
-                )
-                return await c.unary("GetBlocks", req, t)
-            req = spmd_pb2.PutBlocksRequest(
-                options=self._options(c.rank, t, cid),
-                sequence_hashes=keys,
-                src_tier=int(tier),
-                src_block_ids=ids[c.rank],
-            )
-            return await c.unary("PutBlocks", req, t)
+            blocks = {f"{end}_tier": int(tier), f"{end}_block_ids": ids[c.rank]}
+            req = request(options=self._options(c.rank, t, cid), sequence_hashes=keys, **blocks)
+            return await c.unary(method, req, t)
 
         outcomes = await self._fan_out(operation, call, raise_on_failure=False)
         per_rank: dict[int, dict[int, tuple[str, str]]] = {}

@@ -5,9 +5,12 @@ fully contiguous blocks, block ``b`` at byte offset ``b * layout.bytes_per_block
 synchronous and are driven from worker threads by :func:`copy_blocks`; only the rank server's
 event loop thread touches ``valid``.
 
-* :class:`HostPool` (G2) lives in a POSIX shared-memory segment so a same-host peer can map it
-  (:func:`attach_peer_segment`) and copy without the network. The segment is unlinked on
-  :meth:`HostPool.close` and, failing that, at interpreter exit.
+* :class:`HostPool` (G2) lives in a shared-memory segment of :mod:`paramserver.protocol.shm`
+  (:class:`~paramserver.protocol.shm.OwnedSegment`, ``/dev/shm/paramserver-g2-<pid>-<hex>``) so
+  a same-host peer can map it (:func:`attach_peer_segment`) and copy without the network. The
+  segment is unlinked on :meth:`HostPool.close`; a rank server killed before it closed leaves
+  it to the next G2 pool (or worker client) created on the host, which sweeps the segments of
+  dead owners first (:func:`~paramserver.protocol.shm.sweep_dead`).
 * :class:`DiskPool` (G3) is one preallocated file; blocks are moved with ``os.preadv`` /
   ``os.pwrite`` at ``block_id * bytes_per_block``. The file is removed on close.
 * :class:`DevicePool` (G1) exists only where PyTorch sees a CUDA GPU; elsewhere
@@ -17,7 +20,6 @@ event loop thread touches ``valid``.
 from __future__ import annotations
 
 import abc
-import atexit
 import errno
 import importlib
 import logging
@@ -25,13 +27,14 @@ import os
 import threading
 import time
 import uuid
-from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from paramserver.errors import ResourceExhausted
+from paramserver.protocol.shm import SHM_DIR, MappedSegment, OwnedSegment, sweep_dead
 from paramserver.spmd.faults import Faults
 from paramserver.spmd.layout import Layout, Tier
 from paramserver.spmd.planning import Run
@@ -107,43 +110,40 @@ class BlockPool(abc.ABC):
 # --------------------------------------------------------------------------- G2 host
 
 
-_LIVE_SEGMENTS: dict[str, shared_memory.SharedMemory] = {}
-_LIVE_LOCK = threading.Lock()
-
-
-def _unlink_live_segments() -> None:
-    with _LIVE_LOCK:
-        segments = list(_LIVE_SEGMENTS.values())
-        _LIVE_SEGMENTS.clear()
-    for shm in segments:
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
-
-
-atexit.register(_unlink_live_segments)
-
-
 class HostPool(BlockPool):
-    """G2: host memory in a POSIX shared-memory segment of ``layout.total_bytes`` bytes.
+    """G2: host memory in a shared-memory segment of ``layout.total_bytes`` bytes.
 
     ``array`` is a numpy view of shape ``(num_blocks, num_layers, outer_dim, page_size,
     inner_dim)`` and dtype ``layout.dtype`` over the segment.
+
+    Args:
+        layout: the pool layout.
+        directory: where the segment file goes (``/dev/shm``); segments of dead owners there
+            are removed first.
+
+    Raises:
+        ResourceExhausted: not enough shared memory for the pool, checked up front
+            (RESOURCE_EXHAUSTED).
+        OSError: no such directory.
     """
 
-    def __init__(self, layout: Layout, *, name_prefix: str = "psg2") -> None:
+    def __init__(self, layout: Layout, *, directory: Path = SHM_DIR) -> None:
         super().__init__(Tier.G2, layout)
-        name = f"{name_prefix}-{uuid.uuid4().hex[:16]}"
-        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
-            name=name, create=True, size=max(1, layout.total_bytes)
-        )
-        with _LIVE_LOCK:
-            _LIVE_SEGMENTS[name] = self._shm
-        self.name = self._shm.name
-        buf = self._shm.buf
-        assert buf is not None
-        self._buf: memoryview = buf
+        sweep_dead(directory)
+        try:
+            self._segment: OwnedSegment | None = OwnedSegment.create(
+                layout.total_bytes, "g2", directory
+            )
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+                raise
+            raise ResourceExhausted(
+                f"G2 pool of {layout.num_blocks} blocks ({layout.total_bytes} bytes) does not fit "
+                f"in {directory} ({exc.strerror}): lower --host-blocks or enlarge {directory} "
+                "(a container's --shm-size)"
+            ) from None
+        self.name = self._segment.name
+        self._buf: memoryview = self._segment.buf
         # Touch every page now (one byte per 4 KiB) so that the first transfer into the pool
         # does not pay a page fault per page; the segment is zero-filled already.
         np.frombuffer(self._buf, dtype=np.uint8)[::4096] = 0
@@ -167,51 +167,13 @@ class HostPool(BlockPool):
         return {"shm_name": self.name}
 
     def close(self) -> None:
-        shm, self._shm = self._shm, None
-        if shm is None:
-            return
-        with _LIVE_LOCK:
-            _LIVE_SEGMENTS.pop(self.name, None)
-        self._buf.release()
-        try:
-            shm.close()
-        except BufferError:  # a view is still exported; the mapping goes with the process
-            logger.warning("G2 segment %s still has exported views at close", self.name)
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.close()
 
 
-class PeerSegment:
-    """A same-host peer's G2 segment mapped read-only by convention (never unlinked here)."""
-
-    def __init__(self, name: str, size_bytes: int) -> None:
-        self._shm = shared_memory.SharedMemory(name=name, create=False)
-        # Python < 3.13 registers attached segments with the resource tracker, which would
-        # unlink the peer's segment when *this* process exits. The owner unlinks it.
-        try:
-            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:  # pragma: no cover - tracker internals differ across versions
-            logger.debug("could not unregister attached segment %s", name, exc_info=True)
-        if self._shm.size < size_bytes:
-            self.close()
-            raise ValueError(f"peer segment {name} has {self._shm.size} < {size_bytes} bytes")
-        self.name = name
-        buf = self._shm.buf
-        assert buf is not None
-        self.buf: memoryview = buf
-
-    def close(self) -> None:
-        """Unmap the segment (idempotent)."""
-        try:
-            self.buf.release()
-        except AttributeError:
-            pass
-        try:
-            self._shm.close()
-        except BufferError:  # pragma: no cover
-            pass
+PeerSegment = MappedSegment
+"""A same-host peer's G2 segment mapped here (read by convention; never unlinked here)."""
 
 
 def attach_peer_segment(name: str, size_bytes: int) -> PeerSegment:
@@ -219,9 +181,9 @@ def attach_peer_segment(name: str, size_bytes: int) -> PeerSegment:
 
     Raises:
         FileNotFoundError: no such segment (the peer is on another host or gone).
-        ValueError: the segment is smaller than the layout says.
+        ValueError: not a segment name, or the segment is smaller than the layout says.
     """
-    return PeerSegment(name, size_bytes)
+    return MappedSegment.attach(name, size_bytes)
 
 
 # --------------------------------------------------------------------------- G3 disk

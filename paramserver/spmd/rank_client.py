@@ -11,8 +11,7 @@ used from any other loop (no channel is ever cached across event loops; case
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
-from types import TracebackType
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -20,11 +19,12 @@ import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import spmd_pb2, spmd_pb2_grpc
+from paramserver.closing import AsyncClosing
 from paramserver.errors import FailedPrecondition, MalformedStream, ParamServerError, from_rpc_error
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.spmd.layout import Tier
 from paramserver.spmd.planning import MAX_CHUNK_BYTES
-from paramserver.spmd.rank_server.rank_service import CHANNEL_OPTIONS
+from paramserver.spmd.rank_server.rank_config import CHANNEL_OPTIONS
 
 __all__ = ["RankClient", "rank_error"]
 
@@ -51,7 +51,21 @@ def rank_error(rank: int, address: str, exc: BaseException) -> ParamServerError:
     return ParamServerError(f"rank {rank} ({address}): {type(exc).__name__}: {exc}")
 
 
-class RankClient:
+async def _client_stream(
+    request: Callable[..., Any],
+    header: Any,
+    chunk: Callable[..., Any],
+    payload: memoryview,
+    chunk_bytes: int,
+) -> AsyncIterator[Any]:
+    """A client stream of ``oneof body {header, chunk}``: the header, then ``payload`` in
+    chunks of at most ``chunk_bytes`` bytes, each with its offset."""
+    yield request(header=header)
+    for pos in range(0, len(payload), chunk_bytes):
+        yield request(chunk=chunk(offset_bytes=pos, data=bytes(payload[pos : pos + chunk_bytes])))
+
+
+class RankClient(AsyncClosing):
     """Client of the rank server for ``rank`` at ``address``.
 
     Args:
@@ -87,17 +101,6 @@ class RankClient:
         self._stub = None
         if channel is not None:
             await channel.close(grace=None)
-
-    async def __aenter__(self) -> RankClient:
-        return await self.open()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     def _check_loop(self) -> None:
         if self._channel is None:
@@ -204,26 +207,16 @@ class RankClient:
         else:
             payload = memoryview(data).cast("B")
 
-        async def requests() -> AsyncIterator[spmd_pb2.WriteBlocksRequest]:
-            yield spmd_pb2.WriteBlocksRequest(
-                header=spmd_pb2.WriteBlocksHeader(
-                    tier=int(tier),
-                    block_ids=list(block_ids),
-                    incarnation_id=incarnation_id,
-                    timeout_ms=int(timeout_s * 1000),
-                )
-            )
-            for pos in range(0, len(payload), MAX_CHUNK_BYTES):
-                yield spmd_pb2.WriteBlocksRequest(
-                    chunk=spmd_pb2.BlockChunk(
-                        offset_bytes=pos, data=bytes(payload[pos : pos + MAX_CHUNK_BYTES])
-                    )
-                )
-
-        try:
-            response = await self.stub.WriteBlocks(requests(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise rank_error(self.rank, self.address, exc) from exc
+        header = spmd_pb2.WriteBlocksHeader(
+            tier=int(tier),
+            block_ids=list(block_ids),
+            incarnation_id=incarnation_id,
+            timeout_ms=int(timeout_s * 1000),
+        )
+        requests = _client_stream(
+            spmd_pb2.WriteBlocksRequest, header, spmd_pb2.BlockChunk, payload, MAX_CHUNK_BYTES
+        )
+        response = await self.unary("WriteBlocks", requests, timeout_s)
         return int(response.bytes_written)
 
     async def put_object(
@@ -241,25 +234,13 @@ class RankClient:
         """
         payload = memoryview(data).cast("B")
 
-        async def requests() -> AsyncIterator[spmd_pb2.PutObjectRequest]:
-            yield spmd_pb2.PutObjectRequest(
-                header=spmd_pb2.PutObjectHeader(
-                    sequence_hash=sequence_hash,
-                    size_bytes=len(payload),
-                    timeout_ms=int(timeout_s * 1000),
-                )
-            )
-            for pos in range(0, len(payload), chunk_bytes):
-                yield spmd_pb2.PutObjectRequest(
-                    chunk=spmd_pb2.DataChunk(
-                        offset_bytes=pos, data=bytes(payload[pos : pos + chunk_bytes])
-                    )
-                )
-
-        try:
-            response = await self.stub.PutObject(requests(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise rank_error(self.rank, self.address, exc) from exc
+        header = spmd_pb2.PutObjectHeader(
+            sequence_hash=sequence_hash, size_bytes=len(payload), timeout_ms=int(timeout_s * 1000)
+        )
+        requests = _client_stream(
+            spmd_pb2.PutObjectRequest, header, spmd_pb2.DataChunk, payload, chunk_bytes
+        )
+        response = await self.unary("PutObject", requests, timeout_s)
         return bool(response.status == spmd_pb2.KEY_STATUS_STORED)
 
     async def get_object(self, sequence_hash: int, *, timeout_s: float = 60.0) -> bytes:

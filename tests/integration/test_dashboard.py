@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from paramserver.server.observability.prometheus import auth_refusal_counter
 from paramserver.spmd import SpmdParallelWorkers, Tier
 from paramserver.spmd.layout import Layout
-from paramserver.spmd.rank_server.rank_service import RankServerConfig, start_rank_server
+from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
 from paramserver.worker_client import UpdateRule, connect
 
 from .dashboard_helpers import get, get_json

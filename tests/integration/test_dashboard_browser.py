@@ -212,7 +212,7 @@ async def _other_pages(tmp_path: Path) -> None:
     from paramserver.core.sharding import home_shard
     from paramserver.spmd import SpmdParallelWorkers, Tier
     from paramserver.spmd.layout import Layout
-    from paramserver.spmd.rank_server.rank_service import RankServerConfig, start_rank_server
+    from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
     from paramserver.worker_client import UpdateRule, connect
 
     from .shard_helpers import running_cluster

@@ -32,7 +32,7 @@ from paramserver.protocol import link as local_link
 from paramserver.protocol import tensor
 from paramserver.spmd import SpmdParallelWorkers, Tier
 from paramserver.spmd.layout import Layout
-from paramserver.spmd.rank_server.rank_service import RankServerConfig, start_rank_server
+from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
 from paramserver.worker_client import UpdateRule, WorkerClient, connect
 
 from .ps_helpers import ServerProcess, running_server

@@ -83,7 +83,7 @@ async def test_a_rank_servers_metrics_default_to_loopback_and_take_a_token(tmp_p
     """The rank server's endpoint follows the same rules: loopback unless ``--metrics-host``
     says otherwise (also with ``--host 0.0.0.0``), and a bearer token on every path."""
     from paramserver.spmd.layout import Layout
-    from paramserver.spmd.rank_server.rank_service import RankServerConfig, start_rank_server
+    from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
 
     token_file = tmp_path / "metrics-token"
     token_file.write_text(TOKEN + "\n")

@@ -39,7 +39,7 @@ from paramserver.security.tls import ClientSecurity, ServerSecurity, open_channe
 from paramserver.spmd import RankFailures, RemoteLayout, SpmdParallelWorkers, Tier
 from paramserver.spmd.layout import Layout
 from paramserver.spmd.rank_client import RankClient
-from paramserver.spmd.rank_server.rank_service import RankServerConfig, start_rank_server
+from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
 from paramserver.worker_client import UpdateRule, connect
 
 from .ps_helpers import ServerProcess, running_server

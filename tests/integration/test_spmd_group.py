@@ -329,6 +329,8 @@ def test_connect_remote_is_idempotent_and_failed_connects_roll_back(
             assert info.value.failed_ranks == [1]
             assert list(info.value.results) == [0]
             assert b.has_remote_metadata("A")
+            for r in range(a.worker_count()):  # the source block holds data (test order aside)
+                await a.write_blocks(r, Tier.G2, [60], bytes(a.layouts(r)[Tier.G2].bytes_per_block))
             ok = await (await b.execute_remote_onboard_for_instance("A", "G2", [60], "G2", [50]))
             assert sorted(ok.results) == [0, 1]
             # a failed first connect of a new instance leaves nothing behind anywhere
@@ -514,7 +516,7 @@ def test_import_creates_no_asyncio_objects_and_uvloop_after_import_works(
 ) -> None:
     code = f"""
 import asyncio, sys
-import paramserver.spmd, paramserver.spmd.rank_server.rank_service, paramserver.spmd.group
+import paramserver.spmd, paramserver.spmd.rank_server, paramserver.spmd.group
 import paramserver.cli.rank, paramserver.cli.demos.spmd_demo
 policy = asyncio.get_event_loop_policy()
 assert policy._local._loop is None, "a loop was created at import"

@@ -30,7 +30,7 @@ from paramserver.errors import InvalidArgument, ResourceExhausted
 from paramserver.spmd import SpmdParallelWorkers
 from paramserver.spmd.layout import Layout
 from paramserver.spmd.objects import FilesystemObjectStore, _FsWriter
-from paramserver.spmd.rank_server.rank_service import (
+from paramserver.spmd.rank_server import (
     SERVICE_NAME,
     RankServerConfig,
     start_rank_server,

@@ -31,7 +31,7 @@ from paramserver.security.tokens import TokenTable
 from paramserver.server.config import ServerConfig
 from paramserver.server.observability.prometheus import MetricsServer
 from paramserver.server.shard_daemon import ParameterServerDaemon
-from paramserver.spmd.rank_server.rank_service import RankServerConfig, start_rank_server
+from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
 from paramserver.worker_client import UpdateRule, connect, connect_sync
 
 from .ps_helpers import ServerProcess, running_server

@@ -6,6 +6,7 @@ the real one.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -116,3 +117,63 @@ def test_sweep_removes_only_segments_of_dead_processes(tmp_path: Path) -> None:
     removed = shm.sweep_dead(tmp_path)
     assert removed == [f"paramserver-{dead_pid}-0123456789abcdef"]
     assert sorted(os.listdir(tmp_path)) == sorted(n for n, keep in names.items() if keep)
+
+
+def _dead_pid() -> int:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    return int(dead.stdout)
+
+
+def test_owned_segment_is_shared_by_name_and_unlinked_by_its_owner(tmp_path: Path) -> None:
+    owner = shm.OwnedSegment.create(10_000, "g2", tmp_path)
+    assert owner.name.startswith(f"paramserver-g2-{os.getpid()}-")
+    assert owner.size_bytes == 10_000
+    owner.buf[100:104] = b"abcd"
+    peer = shm.MappedSegment.attach(owner.name, 10_000, tmp_path)
+    assert bytes(peer.buf[100:104]) == b"abcd"
+    peer.buf[200:202] = b"xy"  # the same memory
+    assert bytes(owner.buf[200:202]) == b"xy"
+    peer.close()
+    peer.close()
+    assert (tmp_path / owner.name).exists()  # a peer never unlinks
+    assert shm.sweep_dead(tmp_path) == []  # a live owner's segment stays
+    owner.close()
+    owner.close()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(FileNotFoundError):
+        shm.MappedSegment.attach(owner.name, 1, tmp_path)
+
+
+def test_attach_checks_the_name_and_the_size(tmp_path: Path) -> None:
+    owner = shm.OwnedSegment.create(4096, "g2", tmp_path)
+    try:
+        with pytest.raises(ValueError, match="4096 < 4097 bytes"):
+            shm.MappedSegment.attach(owner.name, 4097, tmp_path)
+        for bad in ("../x", f"paramserver-{os.getpid()}-0123456789abcdef", "paramserver-g2-x"):
+            with pytest.raises(ValueError, match="not a segment name"):
+                shm.MappedSegment.attach(bad, 1, tmp_path)
+        with pytest.raises(ValueError, match="lower-case word"):
+            shm.OwnedSegment.create(1, "G2/..", tmp_path)
+    finally:
+        owner.close()
+
+
+def test_sweep_keeps_a_dead_pids_segment_while_its_lock_is_held(tmp_path: Path) -> None:
+    """An owner in another pid namespace looks dead by pid; its lock keeps its segment."""
+    path = tmp_path / f"paramserver-g2-{_dead_pid()}-0123456789abcdef"
+    path.write_bytes(b"\0" * 64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        assert shm.sweep_dead(tmp_path) == []
+        assert path.exists()
+    finally:
+        os.close(fd)
+    assert shm.sweep_dead(tmp_path) == [path.name]
+    assert not path.exists()

@@ -97,7 +97,38 @@ def test_peer_process_maps_the_segment_without_unlinking_it(host: HostPool) -> N
 
 def test_attach_missing_segment_fails() -> None:
     with pytest.raises(FileNotFoundError):
-        attach_peer_segment("psg2-does-not-exist", 10)
+        attach_peer_segment("paramserver-g2-1-0123456789abcdef", 10)
+    with pytest.raises(ValueError, match="not a segment name"):
+        attach_peer_segment("../etc/passwd", 10)
+
+
+def test_peer_refuses_a_segment_smaller_than_the_layout(host: HostPool) -> None:
+    with pytest.raises(ValueError, match=f"< {LAYOUT.total_bytes + 1} bytes"):
+        attach_peer_segment(host.name, LAYOUT.total_bytes + 1)
+
+
+def test_host_pool_segment_is_named_for_its_owner_and_sweeps_dead_owners(tmp_path: Path) -> None:
+    """A G2 pool's file names its pid (the sweep's first test) and a new pool removes the file
+    of a dead owner, but not that of a live one."""
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    stale = tmp_path / f"paramserver-g2-{int(dead.stdout)}-0123456789abcdef"
+    stale.write_bytes(b"\0" * 64)
+    first = HostPool(LAYOUT, directory=tmp_path)
+    try:
+        assert first.name.startswith(f"paramserver-g2-{os.getpid()}-")
+        assert not stale.exists()
+        second = HostPool(LAYOUT, directory=tmp_path)
+        second.close()
+        assert sorted(os.listdir(tmp_path)) == [first.name]
+    finally:
+        first.close()
+    assert os.listdir(tmp_path) == []
 
 
 def test_disk_pool_block_lives_at_id_times_block_bytes(disk: DiskPool) -> None:
@@ -198,7 +229,7 @@ def test_g1_is_not_registered_without_a_gpu() -> None:
 
 
 def test_rank_server_refuses_g1_blocks_without_a_gpu(tmp_path: Path) -> None:
-    from paramserver.spmd.rank_server.rank_service import RankServerConfig, RankServicer
+    from paramserver.spmd.rank_server import RankServerConfig, RankServicer
 
     try:
         import torch
@@ -319,3 +350,22 @@ def test_killed_writer_leaves_nothing_visible(tmp_path: Path) -> None:
     assert not store.has("0/00000000000000ff")
     assert store.sweep_temp(older_than_s=0) == 1
     assert list((tmp_path / ".tmp").iterdir()) == []
+
+
+def test_a_g2_pool_too_large_for_shared_memory_is_refused_up_front(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The segment's memory is reserved at creation (posix_fallocate), so a full /dev/shm is a
+    clear RESOURCE_EXHAUSTED at start, never a SIGBUS on a later copy; nothing is left."""
+    import errno
+
+    from paramserver.errors import ResourceExhausted
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ResourceExhausted, match="--host-blocks") as info:
+        HostPool(LAYOUT, directory=tmp_path)
+    assert str(LAYOUT.total_bytes) in info.value.message
+    assert os.listdir(tmp_path) == []
