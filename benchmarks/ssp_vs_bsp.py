@@ -188,7 +188,11 @@ def _steps_per_epoch() -> int:
     from paramserver.cli.demos.digits import TrainConfig, load_digits_split
 
     n_train = len(load_digits_split(0).y_train)
-    return max(1, (n_train // WORKERS) // TrainConfig("", 0, WORKERS).batch_size)
+    return max(
+        1,
+        (n_train // WORKERS)
+        // TrainConfig(server="", worker_index=0, num_workers=WORKERS).batch_size,
+    )
 
 
 def _x(value: float | None) -> str:

@@ -193,20 +193,37 @@ def digits_model(framework: str, hidden: int, seed: int = 0) -> DigitsModel:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """One worker's training job (digits)."""
+class DigitsJob:
+    """The digits job's hyperparameters, the same on every worker (``paramserver worker``,
+    ``demo``, and the Ray launcher's worker tasks).
 
-    server: str
-    worker_index: int
-    num_workers: int
+    Attributes:
+        epochs: Passes over the worker's slice of the training data.
+        batch_size: Examples per push.
+        lr: Server-side SGD learning rate.
+        momentum: Server-side SGD momentum.
+        hidden: Hidden units of the MLP (0: softmax regression).
+        seed: Seed of the initial parameters, the data split and the batch order.
+        slow_factor: Each step takes this many times longer (a slow worker, for demos).
+    """
+
     epochs: int = 10
     batch_size: int = 32
     lr: float = 0.1
     momentum: float = 0.9
     hidden: int = 32
     seed: int = 0
-    evaluate: bool = True
     slow_factor: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(DigitsJob):
+    """One worker's training job (digits): the job's hyperparameters and where it runs."""
+
+    server: str
+    worker_index: int
+    num_workers: int
+    evaluate: bool = True
     start_timeout_s: float = 60.0
     compression: str = "none"
     topk_ratio: float = 0.1

@@ -57,6 +57,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from paramserver.cli.demos.digits import DigitsJob as DigitsJob  # re-exported
 from paramserver.closing import Closing
 from paramserver.errors import InvalidArgument, Unavailable, WaitTimeout
 
@@ -160,20 +161,6 @@ class RayJobConfig:
                     f"serve_args: {arg.split('=', 1)[0]} is set by the launcher for each "
                     f"shard (managed: {', '.join(sorted(MANAGED_SERVE_FLAGS))})"
                 )
-
-
-@dataclass(frozen=True)
-class DigitsJob:
-    """The digits job of ``paramserver worker`` (see
-    :mod:`paramserver.cli.demos.digits`), run by every worker task."""
-
-    epochs: int = 10
-    batch_size: int = 32
-    lr: float = 0.1
-    momentum: float = 0.9
-    hidden: int = 32
-    seed: int = 0
-    slow_factor: float = 1.0
 
 
 #: A user's training function: ``train(client, worker_index, num_workers) -> result``.
