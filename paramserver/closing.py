@@ -7,8 +7,10 @@ A class mixes in :class:`Closing` (blocking) or :class:`AsyncClosing` (asyncio) 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 
 class Closing:
@@ -55,3 +57,12 @@ class AsyncClosing:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+async def cancelled(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` (when there is one) and wait until it has ended (its CancelledError is
+    absorbed; any other exception it ends with is raised)."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

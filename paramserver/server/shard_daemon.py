@@ -12,7 +12,6 @@ SIGTERM/SIGINT.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import grpc
 from grpc_health.v1 import health
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.closing import cancelled
 from paramserver.core.sharding import ShardMap
 from paramserver.errors import InvalidArgument, StorageError, StorageFull, storage_error
 from paramserver.protocol.link import available as local_link_available
@@ -363,11 +363,8 @@ class ParameterServerDaemon(ServingDaemon):
         """Refuse new calls, end waits with UNAVAILABLE, let in-flight calls finish within the
         grace, write a final checkpoint, close the WAL."""
         grace = self.config.grace_s if grace_s is None else grace_s
-        if self._timer is not None:
-            self._timer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer
-            self._timer = None
+        await cancelled(self._timer)
+        self._timer = None
         if self.engine is not None:
             self.engine.begin_shutdown()
         if self.servicer is not None:  # idle Session streams end now, not after the grace

@@ -8,13 +8,13 @@ waiter, the lease reaper task, and the graceful-shutdown flag.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar
 
+from paramserver.closing import cancelled
 from paramserver.server.config import ServerConfig
 
 
@@ -55,11 +55,8 @@ class LeaseReaperBase(ABC):
 
     async def stop(self) -> None:
         """Stop the reaper and wake every waiter (they re-check and see the shutdown)."""
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-            self._reaper = None
+        await cancelled(self._reaper)
+        self._reaper = None
         self.notify()
 
     def begin_shutdown(self) -> None:

@@ -11,7 +11,6 @@ request, and decides what an eviction seen by the heartbeats means.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from abc import abstractmethod
@@ -20,7 +19,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import grpc
 
-from paramserver.closing import AsyncClosing
+from paramserver.closing import AsyncClosing, cancelled
 from paramserver.errors import ParamServerError, WorkerNotFound
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy, call_with_retry
@@ -139,11 +138,8 @@ class ServiceSession(AsyncSession, Generic[StubT]):
 
     async def close(self) -> None:
         """Leave (if still a member), stop heartbeats and close the channel."""
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
-            self._heartbeat_task = None
+        await cancelled(self._heartbeat_task)
+        self._heartbeat_task = None
         if self._channel is not None:
             if not self._left and not self.evicted and self.worker_id:
                 # A server that is gone must not hold close() for the whole retry deadline:

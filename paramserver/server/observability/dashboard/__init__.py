@@ -26,7 +26,6 @@ Prometheus series show, plus the shards' ``Status``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -39,6 +38,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 import paramserver
+from paramserver.closing import cancelled
 from paramserver.server.observability.hooks import STALENESS_CLOCK_BOUNDS
 
 logger = logging.getLogger(__name__)
@@ -255,11 +255,8 @@ class Dashboard:
 
     async def stop(self) -> None:
         """Stop sampling (the history stays readable)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancelled(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:
