@@ -420,15 +420,20 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
 
 
+#: The handler attribute (and ``grpc.<kind>_rpc_method_handler``) of each call shape, by
+#: (request streaming, response streaming).
+_HANDLER_KINDS = {
+    (False, False): "unary_unary",
+    (False, True): "unary_stream",
+    (True, False): "stream_unary",
+    (True, True): "stream_stream",
+}
+
+
 def _with_identity(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
     """``handler`` with :data:`CALLER_WORKER_NAME` set to ``name`` while it runs."""
-    kind = (handler.request_streaming, handler.response_streaming)
-    behavior = {
-        (False, False): handler.unary_unary,
-        (False, True): handler.unary_stream,
-        (True, False): handler.stream_unary,
-        (True, True): handler.stream_stream,
-    }[kind]
+    kind = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    behavior = getattr(handler, kind)
     if inspect.isasyncgenfunction(behavior):
 
         async def gen(request: Any, context: Any) -> Any:
@@ -449,12 +454,7 @@ def _with_identity(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodH
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[kind]
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
     return make(wrapped, **kwargs)
 
 

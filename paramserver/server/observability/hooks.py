@@ -259,10 +259,12 @@ def _hooks(owner: Any) -> ServingHooks:
 _NOOP = ServingHooks()
 
 
-def observed_push(
+def _timed(
     fn: Callable[Concatenate[Any, P], Awaitable[T]],
+    report: Callable[[ServingHooks, T | None, Mapping[str, Any], float, bool], None],
 ) -> Callable[Concatenate[Any, P], Awaitable[T]]:
-    """Decorate the servicer's ``apply_push`` seam: bytes and latency of every push."""
+    """``fn`` timed: ``report(hooks, result or None, kwargs, seconds, ok)`` after every call
+    (failed ones too) while the owner's hooks are enabled; nothing is timed otherwise."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -270,44 +272,43 @@ def observed_push(
         if not hooks.enabled:
             return await fn(self, *args, **kwargs)
         t0 = time.perf_counter()
+        result: T | None = None
         ok = False
         try:
             result = await fn(self, *args, **kwargs)
             ok = True
             return result
         finally:
-            grads = kwargs.get("grads")
-            hooks.pushed(
-                CURRENT_RPC.get(),
-                grads if isinstance(grads, Mapping) else {},
-                time.perf_counter() - t0,
-                ok,
-            )
+            report(hooks, result, kwargs, time.perf_counter() - t0, ok)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _report_push(
+    hooks: ServingHooks, _result: object, kwargs: Mapping[str, Any], seconds: float, ok: bool
+) -> None:
+    grads = kwargs.get("grads")
+    hooks.pushed(CURRENT_RPC.get(), grads if isinstance(grads, Mapping) else {}, seconds, ok)
+
+
+def _report_admit(
+    hooks: ServingHooks, keys: list[str] | None, _kwargs: object, seconds: float, ok: bool
+) -> None:
+    hooks.pull_admitted(CURRENT_RPC.get(), keys or [], seconds, ok)
+
+
+def observed_push(
+    fn: Callable[Concatenate[Any, P], Awaitable[T]],
+) -> Callable[Concatenate[Any, P], Awaitable[T]]:
+    """Decorate the servicer's ``apply_push`` seam: bytes and latency of every push."""
+    return _timed(fn, _report_push)
 
 
 def observed_admit(
     fn: Callable[Concatenate[Any, P], Awaitable[list[str]]],
 ) -> Callable[Concatenate[Any, P], Awaitable[list[str]]]:
     """Decorate the servicer's ``admit_pull`` seam: one pull, and its consistency wait."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: Any, *args: P.args, **kwargs: P.kwargs) -> list[str]:
-        hooks = _hooks(self)
-        if not hooks.enabled:
-            return await fn(self, *args, **kwargs)
-        t0 = time.perf_counter()
-        keys: list[str] = []
-        ok = False
-        try:
-            keys = await fn(self, *args, **kwargs)
-            ok = True
-            return keys
-        finally:
-            hooks.pull_admitted(CURRENT_RPC.get(), keys, time.perf_counter() - t0, ok)
-
-    return wrapper  # type: ignore[return-value]
+    return _timed(fn, _report_admit)
 
 
 def observed_snapshot(
