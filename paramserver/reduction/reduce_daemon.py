@@ -21,7 +21,7 @@ from paramserver.server.observability.prometheus import (
     metrics_security,
     rpc_metrics_server,
 )
-from paramserver.server.serving import GrpcEndpoint, ServingDaemon, start_grpc_server
+from paramserver.server.serving import ServingDaemon, start_grpc_server
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,6 @@ class ReductionDaemon(ServingDaemon):
         self.metrics: MetricsServer | None = None
         self.security: ServerSecurity | None = ServerSecurity.of_config(config)
         self.port = 0
-        self._endpoint: GrpcEndpoint | None = None
 
     @property
     def address(self) -> str:
@@ -109,7 +108,3 @@ class ReductionDaemon(ServingDaemon):
             await self.reduction.stop()
             self.reduction = None
         await self._stop_metrics()
-
-    async def wait_closed(self) -> None:
-        if self._endpoint is not None:
-            await self._endpoint.server.wait_for_termination()

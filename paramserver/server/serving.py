@@ -175,6 +175,8 @@ class ServingDaemon(AsyncClosing):
     runs). ``async with daemon:`` starts it and stops it with a 0.5 s grace."""
 
     port: int
+    #: The gRPC server once started (:func:`start_grpc_server`); None before and after.
+    _endpoint: GrpcEndpoint | None = None
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -183,7 +185,9 @@ class ServingDaemon(AsyncClosing):
         raise NotImplementedError
 
     async def wait_closed(self) -> None:
-        raise NotImplementedError
+        """Until the gRPC server has terminated (at once when it is not running)."""
+        if self._endpoint is not None:
+            await self._endpoint.server.wait_for_termination()
 
     async def open(self) -> None:
         await self.start()

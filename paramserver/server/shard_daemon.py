@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.closing import cancelled
@@ -44,7 +43,7 @@ from paramserver.server.observability.prometheus import (
 )
 from paramserver.server.observability.status_table import status_to_dict
 from paramserver.server.reshard import prepare_checkpoint_dir
-from paramserver.server.serving import GrpcEndpoint, ServingDaemon, start_grpc_server
+from paramserver.server.serving import ServingDaemon, start_grpc_server
 from paramserver.server.shard_service import ShardService
 from paramserver.server.transports import link_service as local_link
 from paramserver.server.transports.grpc_service import ParameterServerServicer, add_to_server
@@ -67,9 +66,6 @@ class ParameterServerDaemon(ServingDaemon):
         self.config = config
         self.engine: ServerEngine | None = None
         self.checkpoints: CheckpointManager | None = None
-        self._server: grpc.aio.Server | None = None
-        self._health: health.aio.HealthServicer | None = None
-        self._endpoint: GrpcEndpoint | None = None
         self._timer: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Path | None]] = set()
         self._checkpoint_lock = asyncio.Lock()
@@ -124,8 +120,6 @@ class ParameterServerDaemon(ServingDaemon):
             on_failure=self._abandon,
         )
         self._endpoint = endpoint
-        self._server = endpoint.server
-        self._health = endpoint.health
         self.port = endpoint.port
         if self.metrics is not None:
             self.metrics.dashboard.info["address"] = self.address
@@ -369,16 +363,16 @@ class ParameterServerDaemon(ServingDaemon):
             self.engine.begin_shutdown()
         if self.servicer is not None:  # idle Session streams end now, not after the grace
             self.servicer.sessions.begin_shutdown()
-        if self._health is not None:
-            await self._health.enter_graceful_shutdown()
+        endpoint, self._endpoint = self._endpoint, None
+        if endpoint is not None and endpoint.health is not None:
+            await endpoint.health.enter_graceful_shutdown()
         link, self.local_link = self.local_link, None
-        if self._server is not None:
-            stopping: list[Any] = [self._server.stop(grace)]
+        if endpoint is not None:
+            stopping: list[Any] = [endpoint.server.stop(grace)]
             if link is not None:
                 self.servicer.sessions.local_link = None  # type: ignore[union-attr]
                 stopping.append(link.stop(grace))
             await asyncio.gather(*stopping)
-            self._server = None
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
         if self.engine is not None:
@@ -396,7 +390,3 @@ class ParameterServerDaemon(ServingDaemon):
         channels, self._peer_channels = list(self._peer_channels.values()), {}
         for channel in channels:
             await channel.close()
-
-    async def wait_closed(self) -> None:
-        if self._server is not None:
-            await self._server.wait_for_termination()
