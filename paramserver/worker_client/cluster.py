@@ -39,6 +39,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.closing import AsyncClosing
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.sharding import (
     ShardMap,
@@ -73,7 +74,6 @@ from paramserver.worker_client.client import (
 from paramserver.worker_client.compression import GradientCompressor
 from paramserver.worker_client.embedding import RowPushAck, ShardedTables
 from paramserver.worker_client.forwarding import Forwarded
-from paramserver.worker_client.lifecycle import AsyncSession
 from paramserver.worker_client.options import (
     ClientOptions,
     PullOptions,
@@ -611,7 +611,7 @@ class ShardedWorkerClient:
         return await await_workers(self, n, timeout_s)
 
 
-class ClusterWorkerClient(AsyncSession):
+class ClusterWorkerClient(AsyncClosing):
     """A worker session with a parameter server of one or many shards (what
     :func:`~paramserver.worker_client.connect` returns).
 

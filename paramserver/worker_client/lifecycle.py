@@ -30,11 +30,7 @@ T = TypeVar("T")
 StubT = TypeVar("StubT")
 
 
-#: ``async with``: :meth:`open` on entry, :meth:`close` on exit (the one mixin of the package).
-AsyncSession = AsyncClosing
-
-
-class ServiceSession(AsyncSession, Generic[StubT]):
+class ServiceSession(AsyncClosing, Generic[StubT]):
     """One worker's session with a service: channel, registration and lease.
 
     Args:
