@@ -24,7 +24,7 @@ import asyncio
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import numpy.typing as npt
@@ -45,8 +45,6 @@ from paramserver.worker_client.retry import RetryPolicy
 __all__ = ["LayerInfo", "ReduceInfo", "ReductionClient", "connect_reduction"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 #: Payload bytes per frame sent: 16 KiB under 1 MiB, so a whole message stays within a server
@@ -158,6 +156,9 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
     def _heartbeat_request(self) -> pb.ReductionHeartbeatRequest:
         return pb.ReductionHeartbeatRequest(worker_id=self.worker_id)
 
+    def _leave_request(self) -> pb.ReductionLeaveRequest:
+        return pb.ReductionLeaveRequest(worker_id=self.worker_id)
+
     # ------------------------------------------------------------------ membership
     def _seen(self, view: pb.ReductionView) -> None:
         self.view = view
@@ -191,25 +192,9 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
         Raises:
             WorkerNotFound: (FAILED_PRECONDITION) evicted or departed.
         """
-        resp = await self._call(
-            lambda: self.stub.Heartbeat(
-                pb.ReductionHeartbeatRequest(worker_id=self.worker_id), timeout=self.rpc_timeout_s
-            ),
-            "heartbeat",
-        )
-        self.view = resp.view
-        return resp.view
-
-    async def leave(self) -> None:
-        """Leave at once: this worker leaves every quorum (and the gossip directory)."""
-        resp = await self._call(
-            lambda: self.stub.Leave(
-                pb.ReductionLeaveRequest(worker_id=self.worker_id), timeout=self.rpc_timeout_s
-            ),
-            "leave",
-        )
-        self.view = resp.view
-        self._left = True
+        resp = await self._renew_lease()
+        view: pb.ReductionView = resp.view
+        return view
 
     async def wait_for_workers(self, count: int, *, timeout_s: float = 30.0) -> int:
         """Poll (with backoff) until at least ``count`` workers are active.

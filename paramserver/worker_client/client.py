@@ -270,6 +270,9 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
     def _heartbeat_request(self) -> pb.HeartbeatRequest:
         return pb.HeartbeatRequest(worker_id=self.worker_id)
 
+    def _leave_request(self) -> pb.LeaveRequest:
+        return pb.LeaveRequest(worker_id=self.worker_id)
+
     async def _heartbeat_evicted(self) -> bool:
         if not self.auto_reregister:
             return False
@@ -346,25 +349,8 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
 
     async def heartbeat(self) -> pb.HeartbeatResponse:
         """Renew the lease now. Raises WorkerNotFound (FAILED_PRECONDITION) if evicted."""
-        resp = await self._call(
-            lambda: self.stub.Heartbeat(
-                pb.HeartbeatRequest(worker_id=self.worker_id), timeout=self.rpc_timeout_s
-            ),
-            "heartbeat",
-        )
-        self.view = resp.view
+        resp: pb.HeartbeatResponse = await self._renew_lease()
         return resp
-
-    async def leave(self) -> None:
-        """Leave cleanly: BSP steps stop waiting for this worker at once."""
-        resp = await self._call(
-            lambda: self.stub.Leave(
-                pb.LeaveRequest(worker_id=self.worker_id), timeout=self.rpc_timeout_s
-            ),
-            "leave",
-        )
-        self.view = resp.view
-        self._left = True
 
     async def wait_for_workers(self, n: int, *, timeout_s: float = 60.0) -> int:
         """Start barrier: wait until ``n`` workers are registered, so that no worker steps
