@@ -248,10 +248,7 @@ class Asynchronous:
     scale_by_staleness: bool = False
 
     def __post_init__(self) -> None:
-        if self.staleness_threshold < 0:
-            raise InvalidArgument(
-                f"staleness_threshold must be >= 0, got {self.staleness_threshold}"
-            )
+        _check_at_least("staleness_threshold", self.staleness_threshold, 0)
 
 
 @dataclass(frozen=True)
@@ -274,8 +271,7 @@ class FederatedAverage:
     min_updates: int
 
     def __post_init__(self) -> None:
-        if self.min_updates < 1:
-            raise InvalidArgument(f"min_updates must be >= 1, got {self.min_updates}")
+        _check_at_least("min_updates", self.min_updates, 1)
 
 
 @dataclass(frozen=True)
@@ -299,11 +295,17 @@ class GossipAverage:
     fanout: int
 
     def __post_init__(self) -> None:
-        if self.fanout < 1:
-            raise InvalidArgument(f"fanout must be >= 1, got {self.fanout}")
+        _check_at_least("fanout", self.fanout, 1)
 
 
 Strategy: TypeAlias = Synchronous | Asynchronous | FederatedAverage | GossipAverage
+
+
+def _check_at_least(name: str, value: int, minimum: int) -> None:
+    """Raise InvalidArgument (INVALID_ARGUMENT) naming a strategy's ``name`` unless
+    ``value >= minimum``."""
+    if value < minimum:
+        raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")
 
 
 # --------------------------------------------------------------------------------------------
