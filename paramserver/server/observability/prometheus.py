@@ -713,15 +713,5 @@ def metrics_for(
         return [], None
     registry, interceptor = new_registry(engine, transport)
     return [interceptor], MetricsServer(
-        registry, cfg.metrics_host, cfg.metrics_port, security=metrics_security(cfg)
-    )
-
-
-def metrics_security(cfg: Any) -> HttpSecurity | None:
-    """The metrics endpoint's TLS and token from a config's ``metrics_token_file``,
-    ``metrics_tls_cert`` and ``metrics_tls_key`` (None when none is set)."""
-    return HttpSecurity.from_files(
-        getattr(cfg, "metrics_token_file", None),
-        getattr(cfg, "metrics_tls_cert", None),
-        getattr(cfg, "metrics_tls_key", None),
+        registry, cfg.metrics_host, cfg.metrics_port, security=cfg.metrics_security()
     )
