@@ -654,12 +654,13 @@ def decode_frames(
 @dataclasses.dataclass(eq=False)
 class HeadedStream:
     """A stream whose messages carry, in their ``body`` oneof, either its one head message or
-    a tensor ``frame`` (the push, reduction and push-sum streams): iterating it yields the
-    frames; :attr:`head` is the head message once it came.
+    a tensor ``frame`` (the push, pull, reduction and push-sum streams): iterating it yields
+    the frames; :attr:`head` is the head message once it came.
 
     Attributes:
         messages: The stream.
-        head_field: The oneof field of the head message (``"header"``, ``"result"``).
+        head_field: The oneof field of the head message (``"header"``, ``"info"``,
+            ``"result"``).
         what: The stream in error messages (``"reduce stream"``).
         head_first: The head must come before every frame (False: anywhere, e.g. a result
             after the tensors it describes).
