@@ -55,6 +55,7 @@ from typing import Any
 
 from paramserver.core.sharding import parse_address
 from paramserver.errors import InvalidArgument
+from paramserver.security.http_access import add_metrics_flags
 from paramserver.security.tls import (
     add_client_security_flags,
     add_server_security_flags,
@@ -118,29 +119,7 @@ def add_subcommands(sub: Any) -> None:
         help="largest object PutObject accepts, bytes, >= 0 (default 16 GiB; "
         "env PARAMSERVER_SPMD_MAX_OBJECT_BYTES)",
     )
-    rs.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics (/metrics) and the dashboard (/) on this port of "
-        "--metrics-host (0 = ephemeral)",
-    )
-    rs.add_argument(
-        "--metrics-host",
-        default=None,
-        help="interface of the metrics endpoint (default 127.0.0.1, loopback only; 0.0.0.0 "
-        "exposes it, e.g. to a Prometheus in another container)",
-    )
-    rs.add_argument(
-        "--metrics-token-file",
-        default=None,
-        help="file holding a bearer token every metrics request must present "
-        "(Authorization: Bearer TOKEN; others get 401)",
-    )
-    rs.add_argument(
-        "--metrics-tls-cert", default=None, help="PEM certificate: serve the metrics over HTTPS"
-    )
-    rs.add_argument("--metrics-tls-key", default=None, help="PEM private key of --metrics-tls-cert")
+    add_metrics_flags(rs)
     rs.add_argument(
         "--no-fsync", action="store_true", help="do not fsync objects (faster, not durable)"
     )

@@ -14,6 +14,7 @@ from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.core.sharding import parse_address
 from paramserver.errors import InvalidArgument
 from paramserver.reduction.reduce_daemon import ReductionDaemon
+from paramserver.security.http_access import add_metrics_flags
 from paramserver.security.tls import (
     ServerSecurity,
     add_client_security_flags,
@@ -266,25 +267,7 @@ def add_subcommands(sub: Any) -> None:
         help="DIR,DIR,...: checkpoint dirs of an earlier cluster (any shard count); an empty "
         "--checkpoint-dir starts from this shard's part of their newest common cut",
     )
-    g.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve Prometheus metrics (/metrics) and the dashboard (/) on this port of "
-        "--metrics-host (0 = ephemeral; the bound port is logged: "
-        "'metrics on http://HOST:PORT/metrics')",
-    )
-    g.add_argument(
-        "--metrics-host",
-        help="interface of the metrics endpoint (default 127.0.0.1, loopback only; 0.0.0.0 "
-        "exposes it, e.g. to a Prometheus in another container)",
-    )
-    g.add_argument(
-        "--metrics-token-file",
-        help="file holding a bearer token every metrics request must present "
-        "(Authorization: Bearer TOKEN; others get 401)",
-    )
-    g.add_argument("--metrics-tls-cert", help="PEM certificate: serve the metrics over HTTPS")
-    g.add_argument("--metrics-tls-key", help="PEM private key of --metrics-tls-cert")
+    add_metrics_flags(g)
     add_server_security_flags(p)
     r = p.add_argument_group("reduction server (--mode reduce)")
     r.add_argument(

@@ -125,35 +125,30 @@ class GradientUpdate:
                 f"gradient update needs a worker id and a layer id, "
                 f"got worker {self.worker_id!r}, layer {self.layer_id!r}"
             )
+        source = f"gradient from worker {self.worker_id!r} for layer {self.layer_id!r}"
         if not isinstance(self.gradient, np.ndarray):
             raise InvalidArgument(
-                f"gradient from worker {self.worker_id!r} for layer {self.layer_id!r} must be a "
-                f"numpy.ndarray, got {type(self.gradient).__name__}"
+                f"{source} must be a numpy.ndarray, got {type(self.gradient).__name__}"
             )
         if self.gradient.dtype not in _SUPPORTED_DTYPES:
             raise InvalidArgument(
-                f"gradient from worker {self.worker_id!r} for layer {self.layer_id!r} has "
-                f"unsupported dtype {self.gradient.dtype}; supported: "
+                f"{source} has unsupported dtype {self.gradient.dtype}; supported: "
                 f"{', '.join(sorted(str(d) for d in _SUPPORTED_DTYPES))}"
             )
-        if (
-            isinstance(self.step, bool)
-            or not isinstance(self.step, int | np.integer)
-            or self.step < 0
-        ):
+        if not _is_int_at_least(self.step, 0):
+            raise InvalidArgument(f"{source} has invalid step {self.step!r} (must be an int >= 0)")
+        if not _is_int_at_least(self.num_samples, 1):
             raise InvalidArgument(
-                f"gradient from worker {self.worker_id!r} for layer {self.layer_id!r} has "
-                f"invalid step {self.step!r} (must be an int >= 0)"
+                f"{source} at step {self.step} has num_samples {self.num_samples!r}; it must be "
+                "an int >= 1"
             )
-        if (
-            isinstance(self.num_samples, bool)
-            or not isinstance(self.num_samples, int | np.integer)
-            or self.num_samples < 1
-        ):
-            raise InvalidArgument(
-                f"gradient from worker {self.worker_id!r} for layer {self.layer_id!r} at step "
-                f"{self.step} has num_samples {self.num_samples!r}; it must be an int >= 1"
-            )
+
+
+def _is_int_at_least(value: object, minimum: int) -> bool:
+    """Whether ``value`` is a Python or numpy integer (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        return False
+    return bool(value >= minimum)
 
 
 @dataclass(frozen=True, eq=False)
@@ -253,10 +248,7 @@ class Asynchronous:
     scale_by_staleness: bool = False
 
     def __post_init__(self) -> None:
-        if self.staleness_threshold < 0:
-            raise InvalidArgument(
-                f"staleness_threshold must be >= 0, got {self.staleness_threshold}"
-            )
+        _check_at_least("staleness_threshold", self.staleness_threshold, 0)
 
 
 @dataclass(frozen=True)
@@ -279,8 +271,7 @@ class FederatedAverage:
     min_updates: int
 
     def __post_init__(self) -> None:
-        if self.min_updates < 1:
-            raise InvalidArgument(f"min_updates must be >= 1, got {self.min_updates}")
+        _check_at_least("min_updates", self.min_updates, 1)
 
 
 @dataclass(frozen=True)
@@ -304,11 +295,17 @@ class GossipAverage:
     fanout: int
 
     def __post_init__(self) -> None:
-        if self.fanout < 1:
-            raise InvalidArgument(f"fanout must be >= 1, got {self.fanout}")
+        _check_at_least("fanout", self.fanout, 1)
 
 
 Strategy: TypeAlias = Synchronous | Asynchronous | FederatedAverage | GossipAverage
+
+
+def _check_at_least(name: str, value: int, minimum: int) -> None:
+    """Raise InvalidArgument (INVALID_ARGUMENT) naming a strategy's ``name`` unless
+    ``value >= minimum``."""
+    if value < minimum:
+        raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")
 
 
 # --------------------------------------------------------------------------------------------

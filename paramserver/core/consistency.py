@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from paramserver.errors import AlreadyExists, InvalidArgument, StaleUpdate, WorkerNotFound
 from paramserver.protocol.limits import check_worker_id, check_worker_name, shown
@@ -92,6 +93,15 @@ class MembershipChange:
 
     worker: WorkerRecord
     why: str
+
+
+class RegisterOptions(TypedDict, total=False):
+    """The keywords of :meth:`ClusterState.register` (documented there), which
+    :meth:`~paramserver.core.shard.ServerCore.register` passes on as they are."""
+
+    replace: bool
+    client_nonce: str
+    log: Callable[[str], None] | None
 
 
 @dataclass

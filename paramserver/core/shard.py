@@ -16,7 +16,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Unpack
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from paramserver.core.consistency import (
     ClusterState,
     Consistency,
     MembershipChange,
+    RegisterOptions,
     WorkerRecord,
 )
 from paramserver.core.optimizers import UpdateRule
@@ -169,12 +170,11 @@ class ServerCore:
         name: str,
         now: float,
         *,
-        replace: bool = False,
-        client_nonce: str = "",
         resume_worker_id: str = "",
-        log: Callable[[str], None] | None = None,
+        **options: Unpack[RegisterOptions],
     ) -> WorkerRecord:
-        """Register a worker; see :meth:`ClusterState.register` for errors.
+        """Register a worker; ``options`` (``replace``, ``client_nonce``, ``log``) and the errors
+        are those of :meth:`ClusterState.register`.
 
         Push deduplication is scoped to a registration (its worker id): a new registration
         starts with no request ids seen, so a restarted worker may number its pushes afresh.
@@ -184,9 +184,7 @@ class ServerCore:
         applied once. ``log`` is called with the new worker id before anything changes.
         """
         lost = [w for w in self.cluster.workers.values() if w.name == name and w.lost]
-        rec, fenced = self.cluster.register(
-            name, now, replace=replace, client_nonce=client_nonce, log=log
-        )
+        rec, fenced = self.cluster.register(name, now, **options)
         if resume_worker_id and rec.worker_id != resume_worker_id:
             prior = self.cluster.workers.get(resume_worker_id)
             if prior is not None and prior.name == name and not prior.live:

@@ -33,6 +33,7 @@ Any violation of the format raises :class:`paramserver.errors.MalformedStream`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -50,6 +51,7 @@ from paramserver.protocol.limits import MAX_KEY_BYTES, check_key, shown
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "SUPPORTED_DTYPES",
+    "HeadedStream",
     "TensorAssembler",
     "decode_frames",
     "dtype_from_wire",
@@ -649,6 +651,64 @@ def decode_frames(
     return tensors
 
 
+@dataclasses.dataclass(eq=False)
+class HeadedStream:
+    """A stream whose messages carry, in their ``body`` oneof, either its one head message or
+    a tensor ``frame`` (the push, pull, reduction and push-sum streams): iterating it yields
+    the frames; :attr:`head` is the head message once it came.
+
+    Attributes:
+        messages: The stream.
+        head_field: The oneof field of the head message (``"header"``, ``"info"``,
+            ``"result"``).
+        what: The stream in error messages (``"reduce stream"``).
+        head_first: The head must come before every frame (False: anywhere, e.g. a result
+            after the tensors it describes).
+        on_head: Called with the head message as soon as it arrives (before the frames after
+            it are read).
+        head: The head message (None until it came).
+
+    Raises:
+        MalformedStream: (INVALID_ARGUMENT) while iterating: two heads, a frame before the
+            head when ``head_first``, or a message that is neither; from
+            :meth:`received_head`: no head.
+    """
+
+    messages: AsyncIterator[Any]
+    head_field: str
+    what: str
+    head_first: bool = True
+    on_head: Callable[[Any], None] | None = None
+    head: Any = dataclasses.field(default=None, init=False)
+
+    async def __aiter__(self) -> AsyncIterator[tensor_pb2.TensorFrame]:
+        head, what = self.head_field, self.what
+        async for msg in self.messages:
+            which = msg.WhichOneof("body")
+            if which == head:
+                if self.head is not None:
+                    raise MalformedStream(f"second {head} in one {what}")
+                self.head = getattr(msg, head)
+                if self.on_head is not None:
+                    self.on_head(self.head)
+            elif which != "frame":
+                raise MalformedStream(f"{what}: a message with neither {head} nor frame")
+            elif self.head is None and self.head_first:
+                raise MalformedStream(f"a {what} must start with its {head}")
+            else:
+                yield msg.frame
+
+    def received_head(self) -> Any:
+        """The head message, once the stream is read.
+
+        Raises:
+            MalformedStream: (INVALID_ARGUMENT) the stream ended without its head.
+        """
+        if self.head is None:
+            raise MalformedStream(f"{self.what} ended without its {self.head_field}")
+        return self.head
+
+
 async def read_headed_stream(
     messages: AsyncIterator[Any],
     *,
@@ -679,26 +739,14 @@ async def read_headed_stream(
             ``head_first``, a message that is neither, a key twice, or a broken tensor.
         InvalidArgument: (INVALID_ARGUMENT) a tensor larger than ``max_tensor_bytes``.
     """
-    found: Any = None
+    stream = HeadedStream(messages, head, what, head_first)
     tensors: dict[str, np.ndarray] = {}
     assembler = TensorAssembler(max_tensor_bytes=max_tensor_bytes, allocate=allocate)
-    async for msg in messages:
-        which = msg.WhichOneof("body")
-        if which == head:
-            if found is not None:
-                raise MalformedStream(f"second {head} in one {what}")
-            found = getattr(msg, head)
-        elif which != "frame":
-            raise MalformedStream(f"{what}: a message with neither {head} nor frame")
-        elif found is None and head_first:
-            raise MalformedStream(f"a {what} must start with its {head}")
-        else:
-            done = assembler.feed(msg.frame)
-            if done is not None:
-                if done[0] in tensors:
-                    raise MalformedStream(f"tensor {done[0]!r} appears twice in one {what}")
-                tensors[done[0]] = done[1]
+    async for frame in stream:
+        done = assembler.feed(frame)
+        if done is not None:
+            if done[0] in tensors:
+                raise MalformedStream(f"tensor {done[0]!r} appears twice in one {what}")
+            tensors[done[0]] = done[1]
     assembler.finish()
-    if found is None:
-        raise MalformedStream(f"{what} ended without its {head}")
-    return found, tensors
+    return stream.received_head(), tensors

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Unpack
 
 import grpc
 import numpy.typing as npt
@@ -37,16 +37,13 @@ from paramserver.errors import (
     WaitTimeout,
 )
 from paramserver.protocol import tensor
-from paramserver.security.tls import ClientSecurity
 from paramserver.worker_client.client import normalized_tensors
 from paramserver.worker_client.lifecycle import ServiceSession
-from paramserver.worker_client.retry import RetryPolicy
+from paramserver.worker_client.options import SessionOptions
 
 __all__ = ["LayerInfo", "ReduceInfo", "ReductionClient", "connect_reduction"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 #: Payload bytes per frame sent: 16 KiB under 1 MiB, so a whole message stays within a server
@@ -92,17 +89,17 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
     Args:
         address: ``host:port`` of the server.
         worker_name: Stable name; one live registration per name.
-        replace: Fence a live registration of the same name (a restarted worker).
-        rpc_timeout_s: Deadline of each unary call, and the transfer margin of a reduce beyond
-            its wait, seconds.
         wait_timeout_s: Default deadline of a reduce's wait for the aggregate, seconds.
-        retry: Backoff policy for UNAVAILABLE / RESOURCE_EXHAUSTED.
-        heartbeat: Renew the lease in the background.
         gossip_address: ``host:port`` of this worker's push-sum endpoint (gossip strategy).
-        channel_options: Extra grpc channel options.
-        security: TLS / mutual TLS and bearer token
-        (:class:`paramserver.security.tls.ClientSecurity`);
-            None: plain text, no token.
+        **options: Those of every worker session
+            (:class:`~paramserver.worker_client.options.SessionOptions`): ``replace`` (fence a
+            live registration of the same name, a restarted worker), ``rpc_timeout_s`` (the
+            deadline of each unary call, and the transfer margin of a reduce beyond its wait,
+            seconds; default 30), ``retry`` (backoff for UNAVAILABLE / RESOURCE_EXHAUSTED),
+            ``heartbeat`` (renew the lease in the background; default on),
+            ``channel_options`` (extra grpc channel options) and ``security`` (TLS / mutual
+            TLS and bearer token, :class:`paramserver.security.tls.ClientSecurity`; None:
+            plain text, no token).
     """
 
     _heartbeat_task_prefix = "paramserver-reduce-heartbeat-"
@@ -113,26 +110,12 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
         address: str,
         worker_name: str,
         *,
-        replace: bool = False,
-        rpc_timeout_s: float = 30.0,
         wait_timeout_s: float = 60.0,
-        retry: RetryPolicy | None = None,
-        heartbeat: bool = True,
         gossip_address: str = "",
-        channel_options: Sequence[tuple[str, Any]] = (),
-        security: ClientSecurity | None = None,
+        **options: Unpack[SessionOptions],
     ) -> None:
         super().__init__(
-            address,
-            worker_name,
-            replace=replace,
-            rpc_timeout_s=rpc_timeout_s,
-            wait_timeout_s=wait_timeout_s,
-            retry=retry,
-            heartbeat=heartbeat,
-            close_timeout_s=None,
-            channel_options=channel_options,
-            security=security,
+            address, worker_name, wait_timeout_s=wait_timeout_s, close_timeout_s=None, **options
         )
         self.gossip_address = gossip_address
         #: The open step as last seen: the step the next reduce should carry.
@@ -157,6 +140,9 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
 
     def _heartbeat_request(self) -> pb.ReductionHeartbeatRequest:
         return pb.ReductionHeartbeatRequest(worker_id=self.worker_id)
+
+    def _leave_request(self) -> pb.ReductionLeaveRequest:
+        return pb.ReductionLeaveRequest(worker_id=self.worker_id)
 
     # ------------------------------------------------------------------ membership
     def _seen(self, view: pb.ReductionView) -> None:
@@ -191,25 +177,9 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
         Raises:
             WorkerNotFound: (FAILED_PRECONDITION) evicted or departed.
         """
-        resp = await self._call(
-            lambda: self.stub.Heartbeat(
-                pb.ReductionHeartbeatRequest(worker_id=self.worker_id), timeout=self.rpc_timeout_s
-            ),
-            "heartbeat",
-        )
-        self.view = resp.view
-        return resp.view
-
-    async def leave(self) -> None:
-        """Leave at once: this worker leaves every quorum (and the gossip directory)."""
-        resp = await self._call(
-            lambda: self.stub.Leave(
-                pb.ReductionLeaveRequest(worker_id=self.worker_id), timeout=self.rpc_timeout_s
-            ),
-            "leave",
-        )
-        self.view = resp.view
-        self._left = True
+        resp = await self._renew_lease()
+        view: pb.ReductionView = resp.view
+        return view
 
     async def wait_for_workers(self, count: int, *, timeout_s: float = 30.0) -> int:
         """Poll (with backoff) until at least ``count`` workers are active.

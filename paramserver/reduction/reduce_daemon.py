@@ -18,7 +18,6 @@ from paramserver.server.config import ServerConfig
 from paramserver.server.observability.prometheus import (
     MetricsServer,
     auth_refusal_counter,
-    metrics_security,
     rpc_metrics_server,
 )
 from paramserver.server.serving import ServingDaemon, start_grpc_server
@@ -57,7 +56,7 @@ class ReductionDaemon(ServingDaemon):
         interceptors: list[Any] = []
         if self.config.metrics_port is not None:
             rpc_metrics, self.metrics = rpc_metrics_server(
-                self.config.metrics_host, self.config.metrics_port, metrics_security(self.config)
+                self.config.metrics_host, self.config.metrics_port, self.config.metrics_security()
             )
             await self.metrics.start()
             interceptors.append(rpc_metrics)

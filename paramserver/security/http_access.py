@@ -17,14 +17,23 @@ The metrics endpoint lists key names, worker names and counters, so it is not fo
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from paramserver.errors import InvalidArgument
 
-__all__ = ["DEFAULT_METRICS_HOST", "HttpSecurity", "authorized", "unauthorized_response"]
+__all__ = [
+    "DEFAULT_METRICS_HOST",
+    "HttpSecurity",
+    "MetricsEndpointConfig",
+    "add_metrics_flags",
+    "authorized",
+    "unauthorized_response",
+]
 
 #: Interface the metrics endpoint binds by default (loopback only).
 DEFAULT_METRICS_HOST = "127.0.0.1"
@@ -102,6 +111,75 @@ class HttpSecurity:
         except (OSError, ssl.SSLError) as exc:
             raise InvalidArgument(f"--metrics-tls-cert/--metrics-tls-key: {exc}") from None
         return ctx
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsEndpointConfig:
+    """Where a daemon serves its Prometheus metrics and dashboard, and how they are guarded: the
+    settings a shard's and a rank server's configurations share (both subclass this).
+
+    Attributes:
+        metrics_port: Serve Prometheus metrics (``/metrics``) and the dashboard on this TCP
+            port of ``metrics_host`` (0: ephemeral); None: no endpoint.
+        metrics_host: Interface of the metrics endpoint (default loopback, ``127.0.0.1``).
+        metrics_token_file: File with the bearer token every metrics request must present.
+        metrics_tls_cert: PEM certificate to serve the metrics over HTTPS (with the key).
+        metrics_tls_key: PEM private key of ``metrics_tls_cert``.
+    """
+
+    metrics_port: int | None = None
+    metrics_host: str = DEFAULT_METRICS_HOST
+    metrics_token_file: str | None = None
+    metrics_tls_cert: str | None = None
+    metrics_tls_key: str | None = None
+
+    def check_metrics_port(self, port: int) -> None:
+        """Refuse a metrics port that is no TCP port or is the daemon's own gRPC ``port``.
+
+        Raises:
+            InvalidArgument: (INVALID_ARGUMENT) the port named.
+        """
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise InvalidArgument(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.metrics_port and self.metrics_port == port:
+            raise InvalidArgument(
+                f"--metrics-port {self.metrics_port} is also --port: the metrics endpoint "
+                "needs a port of its own"
+            )
+
+    def metrics_security(self) -> HttpSecurity | None:
+        """The endpoint's TLS and token, read from the files (None when none is set).
+
+        Raises:
+            InvalidArgument: (INVALID_ARGUMENT) as :meth:`HttpSecurity.from_files`.
+        """
+        return HttpSecurity.from_files(
+            self.metrics_token_file, self.metrics_tls_cert, self.metrics_tls_key
+        )
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser | Any) -> None:
+    """``--metrics-port/--metrics-host/--metrics-token-file/--metrics-tls-cert/--metrics-tls-key``
+    (the fields of :class:`MetricsEndpointConfig`) on a daemon's command or argument group."""
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics (/metrics) and the dashboard (/) on this port of "
+        "--metrics-host (0 = ephemeral; the bound port is logged: "
+        "'metrics on http://HOST:PORT/metrics')",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        help="interface of the metrics endpoint (default 127.0.0.1, loopback only; 0.0.0.0 "
+        "exposes it, e.g. to a Prometheus in another container)",
+    )
+    parser.add_argument(
+        "--metrics-token-file",
+        help="file holding a bearer token every metrics request must present "
+        "(Authorization: Bearer TOKEN; others get 401)",
+    )
+    parser.add_argument("--metrics-tls-cert", help="PEM certificate: serve the metrics over HTTPS")
+    parser.add_argument("--metrics-tls-key", help="PEM private key of --metrics-tls-cert")
 
 
 def authorized(security: HttpSecurity | None, header_lines: Iterable[bytes]) -> bool:

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import grpc
 
 from paramserver.errors import InvalidArgument, PermissionDenied
+from paramserver.method_handlers import behaviour_of, same_shape
 
 logger = logging.getLogger(__name__)
 
@@ -407,33 +408,12 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             logger.warning("refused %s from %s: %s: %s", method, context.peer(), code.name, detail)
             await context.abort(code, detail)
 
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(refuse, **kwargs)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(refuse, **kwargs)
-        return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
-
-
-#: The handler attribute (and ``grpc.<kind>_rpc_method_handler``) of each call shape, by
-#: (request streaming, response streaming).
-_HANDLER_KINDS = {
-    (False, False): "unary_unary",
-    (False, True): "unary_stream",
-    (True, False): "stream_unary",
-    (True, True): "stream_stream",
-}
+        return same_shape(handler, refuse)
 
 
 def _with_identity(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
     """``handler`` with :data:`CALLER_WORKER_NAME` set to ``name`` while it runs."""
-    kind = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
-    behavior = getattr(handler, kind)
+    behavior = behaviour_of(handler)
     if inspect.isasyncgenfunction(behavior):
 
         async def gen(request: Any, context: Any) -> Any:
@@ -450,12 +430,7 @@ def _with_identity(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodH
             return await result if inspect.isawaitable(result) else result
 
         wrapped = call
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    make = getattr(grpc, f"{kind}_rpc_method_handler")
-    return make(wrapped, **kwargs)
+    return same_shape(handler, wrapped)
 
 
 def _token_of_file(path: str) -> str:

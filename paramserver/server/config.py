@@ -16,7 +16,7 @@ from typing import Any
 from paramserver.core.consistency import Consistency, DeathPolicy
 from paramserver.core.sharding import parse_addresses
 from paramserver.errors import InvalidArgument
-from paramserver.security.http_access import DEFAULT_METRICS_HOST
+from paramserver.security.http_access import MetricsEndpointConfig
 from paramserver.server.allocator import DEFAULT_RETAIN_BYTES, check_limit
 
 ENV_PREFIX = "PARAMSERVER_"
@@ -26,8 +26,10 @@ REDUCE_STRATEGIES = ("synchronous", "asynchronous", "federated_average", "gossip
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    """Configuration of one server shard (``paramserver serve``).
+class ServerConfig(MetricsEndpointConfig):
+    """Configuration of one server shard (``paramserver serve``); the ``metrics_*`` fields of
+    its metrics endpoint are those of
+    :class:`~paramserver.security.http_access.MetricsEndpointConfig`.
 
     Attributes:
         host: Interface to bind (``127.0.0.1``; ``0.0.0.0`` inside containers).
@@ -88,12 +90,6 @@ class ServerConfig:
         restore_from: Comma-separated checkpoint directories of an earlier cluster (any shard
             count): when ``checkpoint_dir`` holds no checkpoint yet, this shard's part of
             their newest common cut is resharded into it on start.
-        metrics_port: Serve Prometheus metrics on ``metrics_host:metrics_port`` (None: off;
-            0: any).
-        metrics_host: Interface of the metrics endpoint (default loopback, ``127.0.0.1``).
-        metrics_token_file: File with the bearer token every metrics request must present.
-        metrics_tls_cert: PEM certificate to serve the metrics over HTTPS (with the key).
-        metrics_tls_key: PEM private key of ``metrics_tls_cert``.
         shared_memory: Same-host data paths: accept workers' shared-memory segments for tensor
             bytes on the Session stream, and offer them the local-link socket for the Session
             itself (:mod:`paramserver.server.transports.link_service`). False: gRPC only, as
@@ -152,11 +148,6 @@ class ServerConfig:
     slice_bytes: int = 4 << 20
     shard_map_epoch: int = 0
     restore_from: str | None = None
-    metrics_port: int | None = None
-    metrics_host: str = DEFAULT_METRICS_HOST
-    metrics_token_file: str | None = None
-    metrics_tls_cert: str | None = None
-    metrics_tls_key: str | None = None
     shared_memory: bool = True
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -240,13 +231,7 @@ class ServerConfig:
             raise InvalidArgument("slice_bytes must be >= 8 and shard_map_epoch >= 0")
         if self.restore_from and not self.checkpoint_dir:
             raise InvalidArgument("restore_from needs checkpoint_dir (the cut is written there)")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise InvalidArgument(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.metrics_port and self.metrics_port == self.port:
-            raise InvalidArgument(
-                f"--metrics-port {self.metrics_port} is also --port: the metrics endpoint "
-                "needs a port of its own"
-            )
+        self.check_metrics_port(self.port)
 
     @property
     def num_shards(self) -> int:

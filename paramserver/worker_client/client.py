@@ -126,22 +126,22 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         worker_name: Stable name; one live registration per name.
         replace: Fence a live registration of the same name (a restarted worker).
         rpc_timeout_s: Deadline of each unary call, and of a pull's transfer beyond its wait.
-        wait_timeout_s: Deadline of a pull's consistency wait (server side); None uses the
-            server's ``--wait-timeout-ms`` (the client then allows up to
-            :data:`SERVER_DEFAULT_WAIT_CAP_S` for it).
         retry: Backoff policy for UNAVAILABLE / RESOURCE_EXHAUSTED.
         heartbeat: Renew the lease in the background.
-        close_timeout_s: Deadline (seconds) of the clean Leave sent by :meth:`close`.
-        compression: key -> :class:`~paramserver.worker_client.compression.Cast` or
-            :class:`~paramserver.worker_client.compression.TopK` (opt-in wire compression of
-            pushed gradients; a scheme for key K also covers K's slices in a sharded cluster).
-        auto_reregister: When the server no longer knows this worker (it restarted without
-            its state, or evicted the worker), register again under the same name and carry
-            on from the cluster's current clock. A fenced worker is never re-registered.
         channel_options: Extra grpc channel options.
         security: TLS / mutual TLS and bearer token
         (:class:`paramserver.security.tls.ClientSecurity`);
             None: plain text, no token.
+        wait_timeout_s: Deadline of a pull's consistency wait (server side); None uses the
+            server's ``--wait-timeout-ms`` (the client then allows up to
+            :data:`SERVER_DEFAULT_WAIT_CAP_S` for it).
+        auto_reregister: When the server no longer knows this worker (it restarted without
+            its state, or evicted the worker), register again under the same name and carry
+            on from the cluster's current clock. A fenced worker is never re-registered.
+        close_timeout_s: Deadline (seconds) of the clean Leave sent by :meth:`close`.
+        compression: key -> :class:`~paramserver.worker_client.compression.Cast` or
+            :class:`~paramserver.worker_client.compression.TopK` (opt-in wire compression of
+            pushed gradients; a scheme for key K also covers K's slices in a sharded cluster).
         session: Send pushes and pulls over one persistent Session stream (False: one Push or
             Pull stream per call, as before).
         shared_memory: Offer the server a shared-memory segment for tensor bytes when it is
@@ -181,14 +181,14 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         *,
         replace: bool = False,
         rpc_timeout_s: float = 30.0,
-        wait_timeout_s: float | None = None,
         retry: RetryPolicy | None = None,
         heartbeat: bool = True,
+        channel_options: Sequence[tuple[str, Any]] = (),
+        security: ClientSecurity | None = None,
+        wait_timeout_s: float | None = None,
         auto_reregister: bool = True,
         close_timeout_s: float = 2.0,
         compression: Mapping[str, Compression] | None = None,
-        channel_options: Sequence[tuple[str, Any]] = (),
-        security: ClientSecurity | None = None,
         session: bool = True,
         shared_memory: bool = True,
         shared_memory_dir: str | Path | None = None,
@@ -270,6 +270,9 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
     def _heartbeat_request(self) -> pb.HeartbeatRequest:
         return pb.HeartbeatRequest(worker_id=self.worker_id)
 
+    def _leave_request(self) -> pb.LeaveRequest:
+        return pb.LeaveRequest(worker_id=self.worker_id)
+
     async def _heartbeat_evicted(self) -> bool:
         if not self.auto_reregister:
             return False
@@ -346,25 +349,8 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
 
     async def heartbeat(self) -> pb.HeartbeatResponse:
         """Renew the lease now. Raises WorkerNotFound (FAILED_PRECONDITION) if evicted."""
-        resp = await self._call(
-            lambda: self.stub.Heartbeat(
-                pb.HeartbeatRequest(worker_id=self.worker_id), timeout=self.rpc_timeout_s
-            ),
-            "heartbeat",
-        )
-        self.view = resp.view
+        resp: pb.HeartbeatResponse = await self._renew_lease()
         return resp
-
-    async def leave(self) -> None:
-        """Leave cleanly: BSP steps stop waiting for this worker at once."""
-        resp = await self._call(
-            lambda: self.stub.Leave(
-                pb.LeaveRequest(worker_id=self.worker_id), timeout=self.rpc_timeout_s
-            ),
-            "leave",
-        )
-        self.view = resp.view
-        self._left = True
 
     async def wait_for_workers(self, n: int, *, timeout_s: float = 60.0) -> int:
         """Start barrier: wait until ``n`` workers are registered, so that no worker steps

@@ -28,6 +28,7 @@ still catch e.g. :class:`~paramserver.errors.KeyNotFound`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
@@ -641,12 +642,11 @@ class ClusterWorkerClient(AsyncClosing):
         discover: bool = True,
         **options: Unpack[ClientOptions],
     ) -> None:
-        self.address = address
-        self.worker_name = worker_name
         self.discover = discover
-        self._options = options
+        #: Makes the client of one shard, given its address: every shard gets the options.
+        self._client_of = functools.partial(WorkerClient, worker_name=worker_name, **options)
         #: The client of ``address`` itself: the whole session when the server has one shard.
-        self.client = WorkerClient(address, worker_name, **options)
+        self.client = self._client_of(address)
         self._api: WorkerClient | ShardedWorkerClient = self.client
         self.shard_map: ShardMap | None = None
         self.shards: list[WorkerClient] = []
@@ -669,10 +669,7 @@ class ClusterWorkerClient(AsyncClosing):
                 security=single.security,
             )
             if shard_map is not None and shard_map.num_shards > 1:
-                clients = [
-                    WorkerClient(addr, self.worker_name, **self._options)
-                    for addr in shard_map.addresses
-                ]
+                clients = [self._client_of(addr) for addr in shard_map.addresses]
                 sharded = ShardedWorkerClient(shard_map, clients)
                 await sharded.open()
                 self.shard_map, self.shards, self._api = shard_map, clients, sharded
@@ -686,6 +683,8 @@ class ClusterWorkerClient(AsyncClosing):
         await self._api.close()
 
     # ------------------------------------------------------------------ state
+    address = Forwarded[str]("client", "``host:port`` the session was opened with.")
+    worker_name = Forwarded[str]("client", "The worker's stable name (the same on every shard).")
     worker_id = Forwarded[str]("_api", "The worker's id (a sharded cluster: the first shard's).")
     clock_value = Forwarded[int]("_api", "The worker's clock (one number cluster-wide).")
     view = Forwarded[pb.ClusterView | None](

@@ -4,8 +4,8 @@ set) and close the channel.
 
 :class:`ServiceSession` is subclassed by :class:`~paramserver.worker_client.client.WorkerClient`
 (the parameter-server service) and :class:`~paramserver.reduction.reduce_client.ReductionClient`
-(the reduction service); each supplies its stub, its register / leave calls and its heartbeat
-request, and decides what an eviction seen by the heartbeats means.
+(the reduction service); each supplies its stub, its register call and its heartbeat and leave
+requests, and decides what an eviction seen by the heartbeats means.
 """
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
         address: str,
         worker_name: str,
         *,
-        replace: bool,
-        rpc_timeout_s: float,
-        wait_timeout_s: float | None,
-        retry: RetryPolicy | None,
-        heartbeat: bool,
-        close_timeout_s: float | None,
-        channel_options: Sequence[tuple[str, Any]],
+        replace: bool = False,
+        rpc_timeout_s: float = 30.0,
+        wait_timeout_s: float | None = None,
+        retry: RetryPolicy | None = None,
+        heartbeat: bool = True,
+        close_timeout_s: float | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
         security: ClientSecurity | None = None,
     ) -> None:
         self.address = address
@@ -100,12 +100,12 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
         """Register with the server (sets ``worker_id`` and ``lease_ms``)."""
 
     @abstractmethod
-    async def leave(self) -> None:
-        """Leave cleanly (sets ``_left``)."""
-
-    @abstractmethod
     def _heartbeat_request(self) -> Any:
         """The service's heartbeat request for this worker."""
+
+    @abstractmethod
+    def _leave_request(self) -> Any:
+        """The service's leave request for this worker."""
 
     def _open_options(self) -> list[tuple[str, Any]]:
         """The options the channel is opened with."""
@@ -115,6 +115,35 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
         """A heartbeat was refused with FAILED_PRECONDITION: True to keep heartbeating (the
         worker is a member again), False to stop and mark the worker evicted."""
         return False
+
+    # ------------------------------------------------------------------ membership
+    async def _renew_lease(self) -> Any:
+        """One Heartbeat now, through the retry funnel; returns the service's response and keeps
+        the view it carries.
+
+        Raises:
+            WorkerNotFound: (FAILED_PRECONDITION) evicted or departed.
+        """
+        resp = await self._call(
+            lambda: self.stub.Heartbeat(  # type: ignore[attr-defined]
+                self._heartbeat_request(), timeout=self.rpc_timeout_s
+            ),
+            "heartbeat",
+        )
+        self.view = resp.view
+        return resp
+
+    async def leave(self) -> None:
+        """Leave cleanly, at once: no quorum waits for this worker any more (a BSP step of the
+        parameter server, every quorum and the gossip directory of the reduction service)."""
+        resp = await self._call(
+            lambda: self.stub.Leave(  # type: ignore[attr-defined]
+                self._leave_request(), timeout=self.rpc_timeout_s
+            ),
+            "leave",
+        )
+        self.view = resp.view
+        self._left = True
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:

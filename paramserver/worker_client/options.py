@@ -1,6 +1,7 @@
 """The keyword arguments of the worker clients, typed once.
 
-:class:`ClientOptions` is the keyword signature of
+:class:`SessionOptions` are the keywords every worker session takes (the parameter-server
+and the reduction clients); :class:`ClientOptions`, which extends it, is the keyword signature of
 :class:`~paramserver.worker_client.client.WorkerClient` (documented there);
 :func:`~paramserver.worker_client.connect`, ``connect_cluster``, ``connect_sync`` and the
 cluster and blocking clients take the same keywords through ``**options:
@@ -19,22 +20,29 @@ from paramserver.security.tls import ClientSecurity
 from paramserver.worker_client.compression import Compression
 from paramserver.worker_client.retry import RetryPolicy
 
-__all__ = ["ClientOptions", "PullOptions", "PushOptions", "PushPullOptions"]
+__all__ = ["ClientOptions", "PullOptions", "PushOptions", "PushPullOptions", "SessionOptions"]
 
 
-class ClientOptions(TypedDict, total=False):
-    """Keyword arguments of :class:`~paramserver.worker_client.client.WorkerClient`."""
+class SessionOptions(TypedDict, total=False):
+    """Keyword arguments every worker session takes, the parameter server's and the reduction
+    service's (:class:`~paramserver.worker_client.lifecycle.ServiceSession`, documented there)."""
 
     replace: bool
     rpc_timeout_s: float
-    wait_timeout_s: float | None
     retry: RetryPolicy | None
     heartbeat: bool
+    channel_options: Sequence[tuple[str, Any]]
+    security: ClientSecurity | None
+
+
+class ClientOptions(SessionOptions, total=False):
+    """Keyword arguments of :class:`~paramserver.worker_client.client.WorkerClient`: those of
+    every session, then its own."""
+
+    wait_timeout_s: float | None
     auto_reregister: bool
     close_timeout_s: float
     compression: Mapping[str, Compression] | None
-    channel_options: Sequence[tuple[str, Any]]
-    security: ClientSecurity | None
     session: bool
     shared_memory: bool
     shared_memory_dir: str | Path | None

@@ -14,6 +14,7 @@ to it and waits for the result with a deadline. Usage::
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any, TypeVar, Unpack
@@ -61,9 +62,10 @@ class SyncWorkerClient(Closing):
         discover: bool = True,
         **options: Unpack[ClientOptions],
     ) -> None:
-        self._options = options
-        self._discover = discover
-        self._address = address
+        #: Builds the (unopened) async client on the private loop.
+        self._connect = functools.partial(
+            connect, address, worker_name, discover=discover, **options
+        )
         self._name = worker_name
         self._call_timeout_s = call_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -95,7 +97,7 @@ class SyncWorkerClient(Closing):
         self._thread.start()
 
         async def make() -> ClusterWorkerClient:
-            client = connect(self._address, self._name, discover=self._discover, **self._options)
+            client = self._connect()
             await client.open()
             return client
 

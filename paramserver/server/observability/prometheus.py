@@ -50,6 +50,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from paramserver.errors import Unavailable
+from paramserver.method_handlers import behaviour_of, same_shape
 from paramserver.security.http_access import HttpSecurity, authorized, unauthorized_response
 from paramserver.security.tls import bind_failure_reason
 from paramserver.server.engine import ServerEngine
@@ -202,27 +203,9 @@ class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return None
         method = str(handler_call_details.method).rsplit("/", 1)[-1]
-        if handler.response_streaming:
-            behaviour = handler.unary_stream or handler.stream_stream
-            make = (
-                grpc.unary_stream_rpc_method_handler
-                if handler.unary_stream
-                else grpc.stream_stream_rpc_method_handler
-            )
-            wrapped = self._wrap_stream(method, behaviour)
-        else:
-            behaviour = handler.unary_unary or handler.stream_unary
-            make = (
-                grpc.unary_unary_rpc_method_handler
-                if handler.unary_unary
-                else grpc.stream_unary_rpc_method_handler
-            )
-            wrapped = self._wrap_unary(method, behaviour)
-        return make(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        behaviour = behaviour_of(handler)
+        wrap = self._wrap_stream if handler.response_streaming else self._wrap_unary
+        return same_shape(handler, wrap(method, behaviour))
 
     def _wrap_unary(self, method: str, behaviour: Any) -> Any:
         async def call(request: Any, context: Any) -> Any:
@@ -730,15 +713,5 @@ def metrics_for(
         return [], None
     registry, interceptor = new_registry(engine, transport)
     return [interceptor], MetricsServer(
-        registry, cfg.metrics_host, cfg.metrics_port, security=metrics_security(cfg)
-    )
-
-
-def metrics_security(cfg: Any) -> HttpSecurity | None:
-    """The metrics endpoint's TLS and token from a config's ``metrics_token_file``,
-    ``metrics_tls_cert`` and ``metrics_tls_key`` (None when none is set)."""
-    return HttpSecurity.from_files(
-        getattr(cfg, "metrics_token_file", None),
-        getattr(cfg, "metrics_tls_cert", None),
-        getattr(cfg, "metrics_tls_key", None),
+        registry, cfg.metrics_host, cfg.metrics_port, security=cfg.metrics_security()
     )

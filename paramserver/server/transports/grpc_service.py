@@ -147,29 +147,22 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         *,
         allow_encoded: bool = False,
     ) -> tuple[Any, dict[str, np.ndarray]]:
-        header = None
+        stream = tensor.HeadedStream(
+            request_iterator,
+            header_field,
+            "stream",
+            on_head=(lambda h: ticket.enter(h.worker_id)) if ticket is not None else None,
+        )
         tensors: dict[str, np.ndarray] = {}
         encoded: dict[str, Encoded] = {}
         sparse_indices: dict[str, tuple[np.ndarray, tuple[int, ...]]] = {}
         assembler = tensor.TensorAssembler(max_tensor_bytes=self.engine.config.max_tensor_bytes)
-        async for msg in request_iterator:
-            which = msg.WhichOneof("body")
-            if which == header_field:
-                if header is not None:
-                    raise MalformedStream(f"second {header_field} in one stream")
-                header = getattr(msg, header_field)
-                if ticket is not None:
-                    ticket.enter(header.worker_id)
-                continue
-            if header is None:
-                raise MalformedStream(f"stream must start with a {header_field} message")
-            if which != "frame":
-                raise MalformedStream("message with neither header nor frame")
-            if ticket is not None and msg.frame.HasField("header"):
+        async for frame in stream:
+            if ticket is not None and frame.HasField("header"):
                 if allow_encoded:
-                    self._check_push_size(msg.frame.header)
-                ticket.reserve(msg.frame.header.size_bytes)
-            done = assembler.feed(msg.frame)
+                    self._check_push_size(frame.header)
+                ticket.reserve(frame.header.size_bytes)
+            done = assembler.feed(frame)
             if done is None:
                 continue
             key, array = done
@@ -191,8 +184,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
                 sparse_indices[key] = (array, tuple(int(d) for d in h.dense_shape))
             else:
                 raise MalformedStream(f"key {key!r}: unknown tensor role {role}")
-        if header is None:
-            raise MalformedStream(f"empty stream: no {header_field}")
+        header = stream.received_head()
         assembler.finish()
         if sparse_indices:
             raise MalformedStream(

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from paramserver.errors import InvalidArgument
-from paramserver.security.http_access import DEFAULT_METRICS_HOST
+from paramserver.security.http_access import MetricsEndpointConfig
 from paramserver.security.tls import ClientSecurity, ServerSecurity
 from paramserver.spmd.faults import Faults
 from paramserver.spmd.layout import Layout
@@ -45,8 +45,10 @@ def _default_root() -> Path:
 
 
 @dataclasses.dataclass(frozen=True)
-class RankServerConfig:
-    """Configuration of one rank server.
+class RankServerConfig(MetricsEndpointConfig):
+    """Configuration of one rank server; the metrics endpoint (the series of
+    :mod:`paramserver.spmd.rank_metrics` and the dashboard) is set by the ``metrics_*`` fields
+    of :class:`~paramserver.security.http_access.MetricsEndpointConfig`.
 
     Precedence (applied by :func:`paramserver.cli.rank.config_from_args`): CLI flag, then the
     ``PARAMSERVER_SPMD_*`` environment variable, then the default here.
@@ -70,12 +72,6 @@ class RankServerConfig:
             (:class:`paramserver.security.tls.ServerSecurity`); None: plain text, no tokens.
         peer_security: How this rank reaches its peers' rank servers (TLS and the token it
             presents; :func:`paramserver.security.tls.peer_security`); None: plain text, no token.
-        metrics_port: serve Prometheus metrics (:mod:`paramserver.spmd.rank_metrics`) and the
-            dashboard on this TCP port of ``metrics_host`` (0: ephemeral); ``None``: none.
-        metrics_host: interface of the metrics endpoint (default loopback, ``127.0.0.1``).
-        metrics_token_file: file with the bearer token every metrics request must present.
-        metrics_tls_cert: PEM certificate to serve the metrics over HTTPS (with the key).
-        metrics_tls_key: PEM private key of ``metrics_tls_cert``.
         max_object_bytes: largest object ``PutObject`` accepts, bytes (larger declared sizes
             are refused, INVALID_ARGUMENT, before a byte is written).
     """
@@ -96,11 +92,6 @@ class RankServerConfig:
     faults: Faults = dataclasses.field(default_factory=Faults)
     security: ServerSecurity | None = None
     peer_security: ClientSecurity | None = None
-    metrics_port: int | None = None
-    metrics_host: str = DEFAULT_METRICS_HOST
-    metrics_token_file: str | None = None
-    metrics_tls_cert: str | None = None
-    metrics_tls_key: str | None = None
     max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES
 
     def __post_init__(self) -> None:
@@ -117,13 +108,7 @@ class RankServerConfig:
                 "max_object_bytes: --max-object-bytes (PARAMSERVER_SPMD_MAX_OBJECT_BYTES) must "
                 f"be >= 0, got {self.max_object_bytes}"
             )
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise InvalidArgument(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.metrics_port and self.metrics_port == self.port:
-            raise InvalidArgument(
-                f"--metrics-port {self.metrics_port} is also --port: the metrics endpoint "
-                "needs a port of its own"
-            )
+        self.check_metrics_port(self.port)
         for name in ("host_blocks", "disk_blocks", "device_blocks"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0")

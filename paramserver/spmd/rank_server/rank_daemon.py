@@ -29,7 +29,6 @@ from paramserver.server.observability.dashboard import Dashboard
 from paramserver.server.observability.prometheus import (
     MetricsServer,
     auth_refusal_counter,
-    metrics_security,
 )
 from paramserver.server.serving import GrpcEndpoint, start_grpc_server
 from paramserver.spmd.objects import FilesystemObjectStore
@@ -101,7 +100,7 @@ def _metrics_server(state: RankState) -> MetricsServer:
         config.metrics_host,
         config.metrics_port,
         Dashboard("rank", registry, info=info),
-        security=metrics_security(config),
+        security=config.metrics_security(),
     )
 
 
