@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import SESSION_ENV, processes_left
+from tests.conftest import SESSION_ENV, XDIST_WORKER_ENV, processes_left
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -37,6 +37,11 @@ def test_an_orphaned_grandchild_is_found_by_its_session_token() -> None:
         assert orphan in left
         assert "test_an_orphaned_grandchild_is_found_by_its_session_token" in left[orphan]
         assert "time.sleep(60)" in left[orphan]
+        # a parallel run's worker counts only what its own tests started
+        mine = os.environ.get(XDIST_WORKER_ENV)
+        assert orphan not in processes_left(os.environ[SESSION_ENV], os.getpid(), "gw-other")
+        if mine is not None:
+            assert orphan in processes_left(os.environ[SESSION_ENV], os.getpid(), mine)
     finally:
         os.kill(orphan, signal.SIGKILL)
     deadline = time.monotonic() + 10
