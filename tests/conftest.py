@@ -8,6 +8,10 @@
   environment, inherited from this one. When the session ends, any process still running that
   carries the token, or descends from this pytest process, is listed with its owner and
   command line, killed, and the run fails (exit status 1), pass or fail of the tests.
+* Parallel runs (``pytest -n N``, pytest-xdist): the whole run shares one token; each xdist
+  worker checks, when it finishes, the processes its own tests started (their environment
+  names the worker in ``PYTEST_XDIST_WORKER``), and the controller checks everything carrying
+  the token once its workers are gone.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ except ImportError:  # pragma: no cover - uvloop is a runtime dependency on POSI
 
 SESSION_ENV = "PARAMSERVER_TEST_SESSION"
 OWNER_ENV = "PARAMSERVER_TEST_OWNER"
+#: Set by pytest-xdist in each of its worker processes (``gw0``, ``gw1``, ...).
+XDIST_WORKER_ENV = "PYTEST_XDIST_WORKER"
 #: How long processes still exiting (SIGTERM sent, being reaped) get before they count as left.
 LEFT_GRACE_S = 10.0
 #: Helper processes of the Python runtime that end with their parent, not with a test.
@@ -74,7 +80,7 @@ def _proc_environ(pid: str) -> dict[str, str]:
     out = {}
     for entry in raw.split(b"\0"):
         name, sep, value = entry.partition(b"=")
-        if sep and name in (SESSION_ENV.encode(), OWNER_ENV.encode()):
+        if sep and name in (SESSION_ENV.encode(), OWNER_ENV.encode(), XDIST_WORKER_ENV.encode()):
             out[name.decode()] = value.decode(errors="replace")
     return out
 
@@ -97,9 +103,10 @@ def _cmdline(pid: str) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:300]
 
 
-def processes_left(token: str, root: int) -> dict[int, str]:
-    """Live processes (zombies excluded) carrying ``token`` or descending from ``root``:
-    pid -> "owner test: command line"."""
+def processes_left(token: str, root: int, worker: str | None = None) -> dict[int, str]:
+    """Live processes (zombies excluded) carrying ``token`` (and, when ``worker`` is given,
+    started under that xdist worker) or descending from ``root``: pid -> "owner test: command
+    line"."""
     if not Path("/proc/self/stat").exists():  # pragma: no cover - Linux only
         return {}
     stats = {}
@@ -118,7 +125,10 @@ def processes_left(token: str, root: int) -> dict[int, str]:
             if p == root:
                 descends = True
                 break
-        if env.get(SESSION_ENV) == token or descends:
+        mine = env.get(SESSION_ENV) == token and (
+            worker is None or env.get(XDIST_WORKER_ENV) == worker
+        )
+        if mine or descends:
             command = _cmdline(str(pid))
             if any(helper in command for helper in _PYTHON_HELPERS):
                 continue  # lives as long as pytest itself, by design
@@ -127,14 +137,16 @@ def processes_left(token: str, root: int) -> dict[int, str]:
     return left
 
 
+@pytest.hookimpl(trylast=True)  # under xdist, after the controller has stopped its workers
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     token = os.environ.get(SESSION_ENV, "")
     me = os.getpid()
+    worker = os.environ.get(XDIST_WORKER_ENV)
     deadline = time.monotonic() + LEFT_GRACE_S
-    left = processes_left(token, me)
+    left = processes_left(token, me, worker)
     while left and time.monotonic() < deadline:  # processes being stopped get a moment
         time.sleep(0.2)
-        left = processes_left(token, me)
+        left = processes_left(token, me, worker)
     if not left:
         return
     lines = [f"  pid {pid}  {what}" for pid, what in sorted(left.items())]

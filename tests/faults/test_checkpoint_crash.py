@@ -4,7 +4,7 @@ The checkpoint files are checked here independently of the product's reader: the
 per-tensor sha256 is recomputed from ``safetensors.numpy.load_file`` and every value is compared
 with its closed form. A disk-full error during a checkpoint (reported, previous checkpoint
 intact, temporary files removed) is covered by
-``tests/unit/test_checkpoint.py::test_write_error_leaves_previous_checkpoint_intact``.
+``tests/server/test_checkpoint.py::test_write_error_leaves_previous_checkpoint_intact``.
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from integration import case_stubs as raw
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.protocol import tensor
 from paramserver.worker_client import UpdateRule, connect
+from tests.harness import ServerProcess
+from tests.harness import raw_stubs as raw
 
-from .helpers import Server, report, verify_checkpoint
+from .helpers import report, verify_checkpoint
 
 pytestmark = [
     pytest.mark.slow,
@@ -95,7 +96,7 @@ def _dir_bytes(directory: Path) -> int:
     return total
 
 
-async def kill_at_first_sight_of_checkpoint(server: Server, ckpt: Path) -> float:
+async def kill_at_first_sight_of_checkpoint(server: ServerProcess, ckpt: Path) -> float:
     """Ask for a checkpoint and SIGKILL the server from outside as soon as its temporary
     directory appears (wherever the write then is). Returns the fill level reached at the kill
     (bytes in the temporary directory over the tensor bytes)."""
@@ -115,7 +116,7 @@ async def kill_at_first_sight_of_checkpoint(server: Server, ckpt: Path) -> float
     return size / BIG_BYTES
 
 
-async def checkpoint_and_die(server: Server, *, via_cli: bool = False) -> None:
+async def checkpoint_and_die(server: ServerProcess, *, via_cli: bool = False) -> None:
     """Ask a server armed with a failpoint for a checkpoint; it dies (SIGKILL) part way and the
     caller is told UNAVAILABLE (RPC) or exit code 1 (``paramserver checkpoint`` CLI)."""
     if via_cli:
@@ -162,7 +163,7 @@ async def test_sigkill_during_checkpoint_restores_c50_or_c60_never_a_mixture(
     args = ("--consistency", "asp", "--checkpoint-dir", str(ckpt), "--keep-checkpoints", "5")
     wal = ("--wal", "--wal-dir", str(tmp_path / "wal"))
     timings: dict[str, float] = {}
-    with Server(tmp_path, *args, *wal) as server:
+    with ServerProcess(tmp_path, *args, *wal, start=False) as server:
         server.start()
         async with (
             grpc.aio.insecure_channel(server.address) as ch,
@@ -225,7 +226,7 @@ async def test_checkpoint_while_pushes_continue_is_one_cut(
     keys, elements = 16, 64 * 1024
     ckpt = tmp_path / "ckpt"
     args = ("--consistency", consistency, "--checkpoint-dir", str(ckpt), "--keep-checkpoints", "9")
-    with Server(tmp_path, *args) as server:
+    with ServerProcess(tmp_path, *args, start=False) as server:
         server.start()
         async with (
             connect(server.address, "a") as a,

@@ -27,15 +27,16 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from integration import case_stubs as raw
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import Unavailable
 from paramserver.protocol import tensor
 from paramserver.worker_client import RetryPolicy, UpdateRule, connect
+from tests.harness import ServerProcess, status
+from tests.harness import raw_stubs as raw
 
-from .helpers import Server, report, status, verify_checkpoint
+from .helpers import report, verify_checkpoint
 
 pytestmark = [
     pytest.mark.slow,
@@ -78,7 +79,7 @@ async def test_sigterm_with_waiting_streams_a_failing_push_and_a_checkpoint(
     args = ("--consistency", "ssp", "--staleness", "0", "--checkpoint-dir", str(ckpt))
     args += ("--no-uvloop",) if server_loop == "asyncio" else ()
     retry = RetryPolicy(initial_backoff_s=0.05, max_backoff_s=0.2, deadline_s=1.0)
-    with Server(tmp_path, *args, "--grace-s", str(GRACE_S)) as server:
+    with ServerProcess(tmp_path, *args, "--grace-s", str(GRACE_S), start=False) as server:
         server.start()
         async with (
             connect(server.address, "A", retry=retry) as a,

@@ -17,14 +17,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from integration import case_stubs as raw
-from integration.test_case_retried_push import _HTTP2_DATA, ReplyCuttingProxy
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.worker_client import RetryPolicy, UpdateRule, connect
+from tests.harness import JsonWorker, ServerProcess, eventually, status, wait_serving
+from tests.harness import raw_stubs as raw
+from tests.harness.fault_worker import LR, MOMENTUM, batch, initial_w, quantised_grad
+from tests.server.test_case_retried_push import _HTTP2_DATA, ReplyCuttingProxy
 
-from .helpers import Server, WorkerProcess, eventually, report, status, wait_serving
-from .worker_main import LR, MOMENTUM, batch, initial_w, quantised_grad
+from .helpers import report
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,7 +47,7 @@ def bsp_oracle(workers: int, steps: int, seed: int = 0) -> np.ndarray:
 
 
 async def run_bsp_job(
-    tmp: Path, server: Server, *, workers: int, steps: int, crash_at_step: int | None
+    tmp: Path, server: ServerProcess, *, workers: int, steps: int, crash_at_step: int | None
 ) -> tuple[list[str], dict[str, float]]:
     """Run the ``bsp-train`` job; optionally SIGKILL and restart the server at BSP step
     ``crash_at_step``. Returns the final parameters (float.hex) and the timings.
@@ -58,7 +59,7 @@ async def run_bsp_job(
     gate = tmp / "gate"
     pause = ("--pause-at", str(crash_at_step), "--gate", str(gate)) if crash_at_step else ()
     procs = [
-        WorkerProcess(
+        JsonWorker(
             tmp,
             "bsp-train",
             "--server",
@@ -113,7 +114,7 @@ async def test_bsp_run_with_server_sigkill_equals_run_without(tmp_path: Path) ->
         run_dir = tmp_path / f"crash-{crash}"
         run_dir.mkdir()
         args = ("--consistency", "bsp", "--wal", "--checkpoint-dir", str(run_dir / "ckpt"))
-        with Server(run_dir, *args, "--checkpoint-every-steps", "4") as server:
+        with ServerProcess(run_dir, *args, "--checkpoint-every-steps", "4", start=False) as server:
             server.start()
             final, timings = await run_bsp_job(
                 run_dir, server, workers=workers, steps=steps, crash_at_step=crash
@@ -138,10 +139,10 @@ async def test_asp_every_acknowledged_add_survives_sigkill(tmp_path: Path) -> No
     workers, pushes = 3, 150
     size = workers * pushes
     args = ("--consistency", "asp", "--wal", "--wal-dir", str(tmp_path / "wal"))
-    with Server(tmp_path, *args) as server:
+    with ServerProcess(tmp_path, *args, start=False) as server:
         server.start()
         procs = [
-            WorkerProcess(
+            JsonWorker(
                 tmp_path,
                 "asp-add",
                 "--server",
@@ -208,7 +209,7 @@ async def test_checkpoint_in_open_bsp_step_keeps_queued_gradients(
     wal = ("--wal",) if stop.startswith("sigkill") else ()
     args = ("--consistency", "bsp", "--checkpoint-dir", str(tmp_path / "ckpt"), *wal)
     retry = RetryPolicy(initial_backoff_s=0.02, max_backoff_s=0.2, deadline_s=30.0)
-    with Server(tmp_path, *args, "--grace-s", "1") as server:
+    with ServerProcess(tmp_path, *args, "--grace-s", "1", start=False) as server:
         server.start()
         async with (
             connect(server.address, "a", retry=retry) as a,
@@ -248,7 +249,7 @@ async def test_retried_push_across_server_restart_is_applied_once(tmp_path: Path
     duplicate: w == -3, applied 3."""
     ones = np.ones(4, np.float32)
     args = ("--consistency", "asp", "--wal", "--wal-dir", str(tmp_path / "wal"))
-    with Server(tmp_path, *args) as server:
+    with ServerProcess(tmp_path, *args, start=False) as server:
         server.start()
         async with ReplyCuttingProxy(server.port) as proxy:
             async with raw.channel(proxy.address) as ch:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from integration.ps_helpers import ServerProcess
 
 from paramserver.worker_client import UpdateRule, connect
+from tests.harness import ServerProcess
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 

@@ -18,14 +18,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from integration import case_stubs as raw
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.protocol import tensor
 from paramserver.worker_client import RetryPolicy, UpdateRule, connect
+from tests.harness import JsonWorker, ServerProcess, eventually, rss_bytes, status
+from tests.harness import raw_stubs as raw
 
-from .helpers import Server, WorkerProcess, eventually, report, rss_bytes, status
+from .helpers import report
 
 pytestmark = [
     pytest.mark.slow,
@@ -92,7 +93,7 @@ async def test_200_clients_cancelling_waiting_streams_leave_nothing_behind(
     such streams, with no upward trend). The server runs on uvloop and on the default loop."""
     args = ("--consistency", "ssp", "--staleness", "0", "--lease-ms", "600000")
     args += ("--no-uvloop",) if server_loop == "asyncio" else ()
-    with Server(tmp_path, *args) as server:
+    with ServerProcess(tmp_path, *args, start=False) as server:
         server.start()
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = pb_grpc.ParameterServerStub(ch)
@@ -110,7 +111,7 @@ async def test_200_clients_cancelling_waiting_streams_leave_nothing_behind(
             if how == "kill":
                 ids_file = tmp_path / "ids.txt"
                 ids_file.write_text(" ".join(ids))
-                client = WorkerProcess(
+                client = JsonWorker(
                     tmp_path, "streams", "--server", server.address, "--ids-file", str(ids_file)
                 )
                 try:
@@ -190,7 +191,7 @@ async def test_backpressure_refuses_instead_of_buffering_and_retries_get_through
         "--max-inflight-push-bytes", str(8 * MiB),
     )  # fmt: skip
     big = np.ones(6 * MiB // 4, np.float32)
-    with Server(tmp_path, *args) as server:
+    with ServerProcess(tmp_path, *args, start=False) as server:
         server.start()
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = pb_grpc.ParameterServerStub(ch)
@@ -259,7 +260,7 @@ async def test_slow_reader_is_served_lazily_and_cancel_frees_the_stream(tmp_path
     produced lazily, one key copied at a time, each write awaited), and so does the client's.
     Cancelled after 100 messages, the server's handler is gone within a second (task count
     back to its baseline) and its RSS is back within 16 MiB of the baseline."""
-    with Server(tmp_path, "--consistency", "asp") as server:
+    with ServerProcess(tmp_path, "--consistency", "asp", start=False) as server:
         server.start()
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = pb_grpc.ParameterServerStub(ch)

@@ -19,12 +19,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conformance.protowire import ProtoWorker, trailer_class
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
-
-from .helpers import Server, status
+from tests.conformance.protowire import ProtoWorker, trailer_class
+from tests.harness import ServerProcess, status
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -69,7 +68,7 @@ async def test_disk_full_refuses_the_push_unapplied_and_loses_no_acknowledged_on
     filler.write_bytes(b"\0" * (640 << 10))  # leaves room for ~20 records
     ckpt_dir = small_tmpfs / "ckpt"
     args = ("--consistency", "asp", "--wal", "--wal-dir", str(wal_dir))
-    with Server(tmp_path, *args, "--checkpoint-dir", str(ckpt_dir)) as server:
+    with ServerProcess(tmp_path, *args, "--checkpoint-dir", str(ckpt_dir), start=False) as server:
         server.start()
         async with grpc.aio.insecure_channel(server.address) as channel:
             w = ProtoWorker(channel, "filler-pusher")

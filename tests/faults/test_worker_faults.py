@@ -3,7 +3,7 @@ the lease then SIGCONT (evicted, then re-registered or fenced).
 
 SIGKILL of a worker in an open BSP step (case bsp-dead-worker.md, default ``shrink`` and strict
 ``fail_fast`` policies, with a real worker process) is covered by
-``tests/integration/test_case_bsp_dead_worker.py``; it is not repeated here.
+``tests/server/test_case_bsp_dead_worker.py``; it is not repeated here.
 
 What a hung worker becomes when it wakes up (asserted below):
 
@@ -28,13 +28,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from integration import case_stubs as raw
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import ERROR_CLASS_METADATA_KEY, WaitTimeout
 from paramserver.worker_client import UpdateRule, WorkerClient, connect
+from tests.harness import JsonWorker, ServerProcess, eventually, status
+from tests.harness import raw_stubs as raw
 
-from .helpers import Server, WorkerProcess, eventually, report, status
+from .helpers import report
 
 pytestmark = [
     pytest.mark.slow,
@@ -72,9 +73,9 @@ async def test_sigkill_of_the_worker_holding_the_slowest_ssp_clock(tmp_path: Pat
     evicted (not before; the time is reported), the minimum clock becomes 2 and both waits
     return with every applied push (SGD lr 1: w == -sum of A's and B's pushes)."""
     args = ("--consistency", "ssp", "--staleness", "1", "--lease-ms", str(int(LEASE_S * 1000)))
-    with Server(tmp_path, *args) as server:
+    with ServerProcess(tmp_path, *args, start=False) as server:
         server.start()
-        c = WorkerProcess(tmp_path, "hold", "--server", server.address, "--name", "C")
+        c = JsonWorker(tmp_path, "hold", "--server", server.address, "--name", "C")
         clients: list[WorkerClient] = []
         try:
             await c.wait_for("ready")
@@ -123,7 +124,7 @@ async def test_sigkill_of_the_worker_holding_the_slowest_ssp_clock(tmp_path: Pat
     report("SIGKILL of the slowest SSP worker", pulls_released_after_kill_s=elapsed)
 
 
-async def _stop_past_lease(server: Server, worker: WorkerProcess) -> tuple[str, float]:
+async def _stop_past_lease(server: ServerProcess, worker: JsonWorker) -> tuple[str, float]:
     """SIGSTOP ``worker`` once it has pushed; poll until the server evicts it. Returns its
     worker id and the seconds from SIGSTOP to the eviction."""
     await worker.wait_for("ack", count=5)
@@ -145,11 +146,9 @@ async def test_sigstop_past_lease_then_sigcont_re_registers(tmp_path: Path) -> N
     carrying the old id is refused (FAILED_PRECONDITION, WorkerNotFound); the name has one live
     registration; n == 60 exactly (each push applied once across the re-registration)."""
     args = ("--consistency", "asp", "--lease-ms", str(int(LEASE_S * 1000)))
-    with Server(tmp_path, *args) as server:
+    with ServerProcess(tmp_path, *args, start=False) as server:
         server.start()
-        w = WorkerProcess(
-            tmp_path, "loop", "--server", server.address, "--name", "W", "--count", "60"
-        )
+        w = JsonWorker(tmp_path, "loop", "--server", server.address, "--name", "W", "--count", "60")
         try:
             old_id, evicted_s = await _stop_past_lease(server, w)
             w.signal(signal.SIGCONT)
@@ -191,13 +190,13 @@ async def test_sigstop_past_lease_then_sigcont_is_fenced_by_its_successor(tmp_pa
     a push carrying W's old id is refused, and no push of W was applied after the eviction
     (n is the acked pushes of both, plus at most the one push each had in flight)."""
     args = ("--consistency", "asp", "--lease-ms", str(int(LEASE_S * 1000)))
-    with Server(tmp_path, *args) as server:
+    with ServerProcess(tmp_path, *args, start=False) as server:
         server.start()
-        w = WorkerProcess(tmp_path, "loop", "--server", server.address, "--name", "W")
-        successor: WorkerProcess | None = None
+        w = JsonWorker(tmp_path, "loop", "--server", server.address, "--name", "W")
+        successor: JsonWorker | None = None
         try:
             old_id, evicted_s = await _stop_past_lease(server, w)
-            successor = WorkerProcess(
+            successor = JsonWorker(
                 tmp_path, "loop", "--server", server.address, "--name", "W", "--replace"
             )
             new_id = (await successor.wait_for("registered"))["worker_id"]
