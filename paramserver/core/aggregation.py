@@ -26,7 +26,7 @@ Strategies:
 
 Numerics: gradients are accumulated in float64 (float32 when every input is float16 or
 bfloat16), the division happens once, and the aggregate keeps the accumulation dtype; the caller
-casts to the key's dtype when it applies the aggregate (tests/unit/test_aggregation.py checks
+casts to the key's dtype when it applies the aggregate (tests/core/test_aggregation.py checks
 the denominator against an independent model).
 
 Counting: ``dropped_updates`` counts gradients that were accepted or offered but never reached an

@@ -2,7 +2,7 @@
 
 A rank server reads ``PARAMSERVER_SPMD_FAULTS`` (a comma-separated list) once at start-up. It
 exists only so that the integration tests can reproduce a failed or idle rank with real
-processes (tests/integration/test_spmd_cases.py); never set it in production.
+processes (tests/spmd/test_cases.py); never set it in production.
 
 Items:
 

@@ -3,7 +3,7 @@
 
 Nothing here waits, touches a socket or an event loop: the rank server and the group call these
 functions and act on the returned :class:`Verdict` / plan. That is what lets the rules be tested
-exhaustively without a network (``tests/unit/test_spmd_planning.py``).
+exhaustively without a network (``tests/spmd/test_planning.py``).
 
 Validation rules for every block-moving command (after Dynamo KVBM's ``SpmdParallelWorkers``,
 corrected as issue #4 asks):

@@ -2,9 +2,9 @@
 acknowledged is lost and nothing is applied twice (issue 5; case retried-push.md across a
 restart).
 
-The server is a real ``paramserver serve`` process on a fixed port (picked by binding
-127.0.0.1:0 and releasing it), the workers real processes (``worker_main.py``) using the product
-client with its default retry policy. Expected values are computed here independently: a
+The server is a real ``paramserver serve`` process (its first start takes an ephemeral port,
+restarts reuse it), the workers real processes (``tests/harness/fault_worker.py``) using the
+product client with its default retry policy. Expected values are computed here independently: a
 single-process oracle of the BSP job, and closed forms for the ``add`` job.
 """
 

@@ -676,9 +676,7 @@ def test_ssp_workers_ride_through_a_server_restart(tmp_path: Path) -> None:
         loop = asyncio.get_running_loop()
         assert await loop.run_in_executor(None, server.stop) == 0, server.log()
         restarted.append(
-            await loop.run_in_executor(
-                None, lambda: ServerProcess(tmp_path, *flags, port=port)
-            )
+            await loop.run_in_executor(None, lambda: ServerProcess(tmp_path, *flags, port=port))
         )
 
     async def main() -> np.ndarray:
