@@ -283,10 +283,17 @@ class WriteAheadLog:
             if self.fsync_interval_ms:
                 await asyncio.sleep(self.fsync_interval_ms / 1000.0)
             target = self._written
-            fd = self._fd
             try:
-                if fd is not None:
-                    await loop.run_in_executor(None, os.fsync, fd)
+                if self._fd is not None:
+                    # A duplicate descriptor: a rotation (a checkpoint's cut) may close the
+                    # segment's own one while this fsync runs in its thread, and a descriptor
+                    # opened then may reuse that number; the duplicate keeps naming the segment
+                    # that holds records up to ``target``.
+                    fd = os.dup(self._fd)
+                    try:
+                        await loop.run_in_executor(None, os.fsync, fd)
+                    finally:
+                        os.close(fd)
                     self.fsyncs += 1
             except OSError as exc:
                 self.failed = StorageError(

@@ -177,3 +177,54 @@ def test_replay_mismatch_is_reported(tmp_path: Path) -> None:
     bad = wal_pb.WalRecord(sequence=1, clock=wal_pb.WalClock(worker_id="ghost#9", clock=0))
     with pytest.raises(WalError, match="ghost"):
         replay_into(core, iter([bad]), now=0.0)
+
+
+def test_a_rotation_during_an_inflight_group_fsync_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint rotates the log (closing the segment's descriptor) while the flusher's
+    fsync of that segment runs in a worker thread: the fsync must still cover the records it
+    was for, never fail with EBADF (which stopped the server taking mutations) nor sync some
+    other file that reused the descriptor number."""
+    import os
+    import threading
+
+    real_fsync = os.fsync
+    in_thread, release = threading.Event(), threading.Event()
+    main = threading.get_ident()
+
+    synced: list[int] = []  # inode of each file the flusher's fsyncs reached
+
+    def gated_fsync(fd: int) -> None:
+        if threading.get_ident() != main:  # the flusher's fsync, off the event loop
+            in_thread.set()
+            assert release.wait(30), "the test never released the fsync"
+            synced.append(os.fstat(fd).st_ino)  # EBADF here if the descriptor was closed
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", gated_fsync)
+
+    async def body() -> None:
+        wal = WriteAheadLog(tmp_path)
+        wal.open()
+        seq = wal.append(_clock_record("w#1", 1))
+        durable = asyncio.ensure_future(wal.durable(seq))
+        assert await asyncio.to_thread(in_thread.wait, 30)  # the fsync is in flight
+        first_segment = os.stat(wal.segments()[-1]).st_ino
+        last = wal.rotate()  # the checkpoint's cut: the old segment's descriptor is closed
+        assert last == seq
+        # a descriptor opened now may take the closed one's number
+        spare = os.open(tmp_path / "other-file", os.O_WRONLY | os.O_CREAT, 0o644)
+        release.set()
+        await asyncio.wait_for(durable, 30)
+        os.close(spare)
+        assert wal.failed is None
+        assert synced[0] == first_segment  # the segment holding the record, not a namesake
+        seq2 = wal.append(_clock_record("w#1", 2))  # still taking mutations
+        await asyncio.wait_for(wal.durable(seq2), 30)
+        await wal.close()
+
+    asyncio.run(body())
+    again = WriteAheadLog(tmp_path)
+    again.open()
+    assert [r.clock.clock for r in again.replay()] == [1, 2]

@@ -97,7 +97,8 @@ async def test_a_failed_fsync_stops_mutations_and_pulls_and_turns_health_not_ser
             real_fsync = os.fsync
 
             def eio_on_the_log(fd: int) -> None:
-                if fd == log._fd:
+                assert log._fd is not None
+                if os.path.sameopenfile(fd, log._fd):  # the log's segment (by any descriptor)
                     raise OSError(errno.EIO, os.strerror(errno.EIO))
                 real_fsync(fd)
 
