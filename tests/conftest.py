@@ -10,8 +10,9 @@
   command line, killed, and the run fails (exit status 1), pass or fail of the tests.
 * Parallel runs (``pytest -n N``, pytest-xdist): the whole run shares one token; each xdist
   worker checks, when it finishes, the processes its own tests started (their environment
-  names the worker in ``PYTEST_XDIST_WORKER``), and the controller checks everything carrying
-  the token once its workers are gone.
+  names the worker in ``PYTEST_XDIST_WORKER``), kills them and reports them to the
+  controller, which checks everything carrying the token once its workers are gone, lists
+  every finding and fails the run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,6 +139,19 @@ def processes_left(token: str, root: int, worker: str | None = None) -> dict[int
     return left
 
 
+#: What the xdist workers reported left behind (controller only), in ``pytest_testnodedown``.
+_LEFT_BY_WORKERS: list[str] = []
+#: The ``workeroutput`` key a worker reports its left-behind processes under.
+_WORKER_OUTPUT_KEY = "paramserver_processes_left"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """(pytest-xdist, controller) A worker finished: keep what it found left behind."""
+    output = getattr(node, "workeroutput", None) or {}
+    _LEFT_BY_WORKERS.extend(output.get(_WORKER_OUTPUT_KEY, []))
+
+
 @pytest.hookimpl(trylast=True)  # under xdist, after the controller has stopped its workers
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     token = os.environ.get(SESSION_ENV, "")
@@ -147,17 +162,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     while left and time.monotonic() < deadline:  # processes being stopped get a moment
         time.sleep(0.2)
         left = processes_left(token, me, worker)
-    if not left:
-        return
     lines = [f"  pid {pid}  {what}" for pid, what in sorted(left.items())]
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its controller reports and fails the run
+        workeroutput[_WORKER_OUTPUT_KEY] = [f"{line}  [{worker}]" for line in lines]
+        return
+    lines += _LEFT_BY_WORKERS
+    if not lines:
+        return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     message = (
-        f"{len(left)} process(es) started by tests were still running at the end of the "
+        f"{len(lines)} process(es) started by tests were still running at the end of the "
         "session (now killed):\n" + "\n".join(lines)
     )
     if reporter is not None:
