@@ -144,13 +144,18 @@ class ServerProcess:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.incarnations.append((proc, log_path))
         deadline = self.spawned_at + START_TIMEOUT_S
-        while not port_file.exists() or not port_file.read_text().strip():
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}): {self.log()}")
-            if time.monotonic() > deadline:
-                _reap(proc)
-                raise RuntimeError(f"server did not start within {START_TIMEOUT_S} s: {self.log()}")
-            time.sleep(0.005)
+        try:
+            while not port_file.exists() or not port_file.read_text().strip():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited ({proc.returncode}): {self.log()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"server did not start within {START_TIMEOUT_S} s: {self.log()}"
+                    )
+                time.sleep(0.005)
+        except BaseException:  # a failed start (or a test timeout meanwhile) leaves nothing
+            _reap(proc)
+            raise
         self.port = int(port_file.read_text())
         return time.monotonic() - self.spawned_at
 

@@ -12,11 +12,9 @@ also copies it there: that is how docs/images/dashboard.png is made).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import running_server
+from tests.harness import ScriptProcess, running_server
 from tests.harness.browser import CHROMIUM, get_json, parse_dom, run_chromium
 
 pytestmark = [
@@ -37,10 +35,6 @@ pytestmark = [
 
 WORKERS = 3
 HIDDEN = 32  # the digits MLP: 64 inputs, HIDDEN hidden units, 10 classes, float32
-
-
-async def _wait_exit(procs: list[asyncio.subprocess.Process], timeout_s: float) -> None:
-    await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout_s)
 
 
 async def _status_json(address: str) -> dict:  # type: ignore[type-arg]
@@ -65,46 +59,23 @@ def test_dashboard_page_of_a_digits_cluster_in_headless_chromium(tmp_path: Path)
 
 
 async def _page_of_a_digits_cluster(tmp_path: Path) -> None:
-    workers: list[asyncio.subprocess.Process] = []
+    workers: list[ScriptProcess] = []
     async with running_server(consistency="bsp", metrics_port=0) as srv:
         assert srv.metrics is not None
         base = f"http://127.0.0.1:{srv.metrics.port}"
         try:
             for i in range(WORKERS):
-                workers.append(
-                    await asyncio.create_subprocess_exec(
-                        sys.executable,
-                        "-m",
-                        "paramserver",
-                        "worker",
-                        "--server",
-                        srv.address,
-                        "--worker-index",
-                        str(i),
-                        "--num-workers",
-                        str(WORKERS),
-                        "--epochs",
-                        "3",
-                        "--hidden",
-                        str(HIDDEN),
-                        "--no-eval",
-                        "--min-accuracy",
-                        "0",
-                        "--slow-factor",
-                        "3" if i == WORKERS - 1 else "1",
-                        stdout=asyncio.subprocess.DEVNULL,
-                        stderr=asyncio.subprocess.PIPE,
-                        start_new_session=True,
-                    )
-                )
-            await _wait_exit(workers, 200)
-            assert all(p.returncode == 0 for p in workers), [p.returncode for p in workers]
+                argv = ["-m", "paramserver", "worker", "--server", srv.address,
+                        "--worker-index", str(i), "--num-workers", str(WORKERS),
+                        "--epochs", "3", "--hidden", str(HIDDEN), "--no-eval",
+                        "--min-accuracy", "0",
+                        "--slow-factor", "3" if i == WORKERS - 1 else "1"]  # fmt: skip
+                workers.append(ScriptProcess(tmp_path, f"worker-{i}", argv, group=True))
+            codes = await asyncio.gather(*(w.wait_exit(timeout_s=200) for w in workers))
+            assert codes == [0] * WORKERS, [w.stderr()[-2000:] for w in workers]
         finally:
-            for p in workers:
-                if p.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)
-                    await p.wait()
+            for w in workers:
+                await asyncio.to_thread(w.close)
 
         # The run is over: what the page shows must now equal what `status --json` prints.
         applied = srv.engine.core.applied_updates  # type: ignore[union-attr]

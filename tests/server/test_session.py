@@ -63,8 +63,8 @@ def _address(daemon: ParameterServerDaemon) -> str:
     return f"127.0.0.1:{daemon.port}"
 
 
-def _segments_of(pid: int) -> list[str]:
-    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"paramserver-{pid}-")]
+def _segments_of(pid: int, directory: Path = shm.SHM_DIR) -> list[str]:
+    return [n for n in os.listdir(directory) if n.startswith(f"paramserver-{pid}-")]
 
 
 def _client(daemon: ParameterServerDaemon, name: str, **kwargs: Any) -> WorkerClient:
@@ -383,12 +383,13 @@ async def test_broken_session_retries_with_the_same_request_id_exactly_once() ->
 _WORKER = textwrap.dedent(
     """
     import asyncio, sys, numpy as np
+    from pathlib import Path
     from paramserver.protocol import shm
     from paramserver.worker_client import UpdateRule, WorkerClient
 
-    async def main(address, mode):
-        if mode == "create-only":
-            seg = shm.ClientSegment.create(1 << 20, 1 << 20)
+    async def main(address, mode, *where):
+        if mode == "create-only":  # in its own directory: no other test's client sweeps it
+            seg = shm.ClientSegment.create(1 << 20, 1 << 20, Path(where[0]))
             print(seg.name, flush=True)
             await asyncio.sleep(60)
             return
@@ -399,13 +400,15 @@ _WORKER = textwrap.dedent(
             print("negotiated", flush=True)
             await asyncio.sleep(60)
 
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    asyncio.run(main(*sys.argv[1:]))
     """
 )
 
 
-async def _spawn_worker(tmp: Path, address: str, mode: str) -> tuple[ScriptProcess, str]:
-    worker = ScriptProcess(tmp, f"session-worker-{mode}", ["-c", _WORKER, address, mode])
+async def _spawn_worker(
+    tmp: Path, address: str, mode: str, *where: str
+) -> tuple[ScriptProcess, str]:
+    worker = ScriptProcess(tmp, f"session-worker-{mode}", ["-c", _WORKER, address, mode, *where])
     line = (await worker.readline(timeout_s=60)).strip()
     assert line, f"worker exited with {worker.proc.wait()}: {worker.stderr()}"
     return worker, line
@@ -431,14 +434,16 @@ async def test_worker_killed_after_negotiation_leaks_nothing(tmp_path: Path) -> 
 @pytest.mark.slow
 async def test_worker_killed_between_create_and_offer_is_swept(tmp_path: Path) -> None:
     async with running_server(consistency="asp") as daemon:
-        worker, name = await _spawn_worker(tmp_path, _address(daemon), "create-only")
+        segments = tmp_path / "shm"
+        segments.mkdir()
+        worker, name = await _spawn_worker(tmp_path, _address(daemon), "create-only", str(segments))
         with worker:
-            assert _segments_of(worker.pid) == [name]
+            assert _segments_of(worker.pid, segments) == [name]
             await asyncio.to_thread(worker.kill)
-            assert _segments_of(worker.pid) == [name]  # nobody to clean up yet
-            async with _client(daemon, "next"):
+            assert _segments_of(worker.pid, segments) == [name]  # nobody to clean up yet
+            async with _client(daemon, "next", shared_memory_dir=segments):
                 pass
-            assert _segments_of(worker.pid) == []
+            assert _segments_of(worker.pid, segments) == []
 
 
 @pytest.mark.slow

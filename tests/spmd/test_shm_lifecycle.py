@@ -43,14 +43,13 @@ def _g2_segment(proc: RankServerProcess) -> Path:
     return SHM_DIR / name
 
 
-def _lock_is_free(path: Path) -> bool:
-    fd = os.open(path, os.O_RDONLY)
+def _lock_is_free(fd: int) -> bool:
+    """Whether the owner's lock on the open segment ``fd`` is gone (taken and dropped here)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
-    finally:
-        os.close(fd)
+    fcntl.flock(fd, fcntl.LOCK_UN)
     return True
 
 
@@ -64,14 +63,20 @@ def test_a_sigkilled_rank_servers_segment_is_swept_by_the_next_rank_server(
         cluster.wait_ready([first])
         segment = _g2_segment(first)
         assert segment.stat().st_size == HOST_BLOCKS * LAYOUT.with_blocks(1).bytes_per_block
-        assert not _lock_is_free(segment)  # the live owner holds it
+        fd = os.open(segment, os.O_RDONLY)  # the file itself, even if unlinked later
+        try:
+            assert not _lock_is_free(fd)  # the live owner holds it
 
-        first.process.send_signal(signal.SIGKILL)
-        assert first.process.wait(timeout=30) == -signal.SIGKILL
-        # No atexit hook ran and no resource tracker removed it: the file is still there, its
-        # memory held, and its owner's lock went with the process.
-        assert segment.exists()
-        assert _lock_is_free(segment)
+            first.process.send_signal(signal.SIGKILL)
+            assert first.process.wait(timeout=30) == -signal.SIGKILL
+            # No atexit hook ran: the file is whole, its memory held, and its owner's lock went
+            # with the process. (Its name is checked below, after the next rank server: a
+            # client or rank server of a test running in parallel may sweep it first, by the
+            # same rule.)
+            assert os.fstat(fd).st_size == HOST_BLOCKS * LAYOUT.with_blocks(1).bytes_per_block
+            assert _lock_is_free(fd)
+        finally:
+            os.close(fd)
 
         second = cluster.spawn("shm-b", 0)
         cluster.wait_ready([second])
