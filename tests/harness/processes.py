@@ -7,9 +7,9 @@
   stderr in a log file; :class:`JsonWorker` collects the JSON lines a worker prints,
   :class:`PlanWorker` waits for the ``READY`` line of :mod:`tests.harness.plan_worker`.
 
-Each is a context manager (every process it started is killed and reaped on exit, pass or
-fail), and every wait has a deadline. The session's check in ``tests/conftest.py`` fails the
-run if a process is still left at the end anyway.
+Each is a context manager (:class:`paramserver.closing.Closing`: every process it started is
+killed and reaped on exit, pass or fail), and every wait has a deadline. The session's check in
+``tests/conftest.py`` fails the run if a process is still left at the end anyway.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from signal import SIGKILL, SIGTERM
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import grpc
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.closing import Closing
 
 from .polling import eventually
 
@@ -75,7 +75,7 @@ def _reap(proc: subprocess.Popen[Any], sig: int = SIGKILL, timeout_s: float = 15
     return int(proc.returncode)
 
 
-class ServerProcess:
+class ServerProcess(Closing):
     """``paramserver serve`` as real subprocesses on 127.0.0.1, killed and restarted at will.
 
     Args:
@@ -201,17 +201,6 @@ class ServerProcess:
         for proc, _ in self.incarnations:
             _reap(proc)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 async def status(address: str, timeout_s: float = 5.0) -> pb.StatusResponse:
     """The server's Status over a fresh channel (raises AioRpcError when it does not answer)."""
@@ -235,7 +224,7 @@ async def wait_serving(address: str, timeout_s: float = 30.0) -> pb.StatusRespon
     return got[-1]
 
 
-class ScriptProcess:
+class ScriptProcess(Closing):
     """A Python script (or ``-c`` / ``-m`` command line) as a subprocess: stdout a pipe,
     stderr in a log file under ``log_dir``.
 
@@ -330,17 +319,6 @@ class ScriptProcess:
         if self.proc.stdout is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdout.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class JsonWorker(ScriptProcess):
