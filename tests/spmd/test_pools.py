@@ -368,3 +368,22 @@ def test_a_g2_pool_too_large_for_shared_memory_is_refused_up_front(
         HostPool(LAYOUT, directory=tmp_path)
     assert str(LAYOUT.total_bytes) in info.value.message
     assert os.listdir(tmp_path) == []
+
+
+def test_stream_chunk_of_a_host_pool_is_the_concatenation_of_its_blocks(host: HostPool) -> None:
+    """A ReadBlocks chunk joined straight out of the segment (permuted ids, contiguous runs
+    merged, chunk edges inside blocks) equals the numpy concatenation of the blocks."""
+    from paramserver.spmd.rank_server.transfer import _join_pieces
+
+    rng = np.random.default_rng(7)
+    content = rng.integers(0, 256, size=(LAYOUT.num_blocks, BPB), dtype=np.uint8)
+    host.write_bytes(0, memoryview(content.tobytes()))
+    ids = [3, 4, 5, 9, 0, 1, 15, 14]
+    stream = content[ids].reshape(-1)
+    for offset, length in [(0, len(stream)), (BPB // 2, 3 * BPB), (5 * BPB - 7, 2 * BPB + 7)]:
+        got = _join_pieces(host, ids, offset, length, threading.Event())
+        assert got == stream[offset : offset + length].tobytes()
+    cancelled = threading.Event()
+    cancelled.set()
+    with pytest.raises(CopyCancelled):
+        _join_pieces(host, ids, 0, BPB, cancelled)
