@@ -42,7 +42,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -52,6 +52,8 @@ from paramserver.errors import Unavailable, ValueOutOfRange, WaitTimeout
 __all__ = ["OFFLOAD_MIN_BYTES", "OFFLOAD_MIN_KEYS", "KeyGate", "Offload", "Reservation"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 OFFLOAD_MIN_BYTES: int = 8 << 20  # ServerConfig.offload_min_bytes's default
 """Gradients (summed over one push) and pull snapshots of at least this many bytes run in a
@@ -167,12 +169,12 @@ class KeyGate:
         return [k for k, f in self._tails.items() if not f.done()]
 
 
-async def _in_thread(pool: ThreadPoolExecutor, fn: Callable[..., None], *args: Any) -> None:
+async def _in_thread(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn(*args)`` in ``pool``; if the caller is cancelled, still wait for the thread
     to finish before propagating (its reservation must outlive the work)."""
     fut = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
     try:
-        await asyncio.shield(fut)
+        return await asyncio.shield(fut)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):
             await asyncio.wait([fut])
@@ -361,6 +363,34 @@ class Offload:
             else:
                 _copy_into(dst, value)
             return dst
+        finally:
+            self.gate.release(res)
+
+    async def read_with(
+        self, key: str, read: Callable[[np.ndarray], T], *, timeout_s: float | None = None
+    ) -> T:
+        """``read(value)`` of ``key``'s stored value, run as :meth:`snapshot` copies it: after
+        every update of the key decided before this call, with no update of it running
+        meanwhile (inline when the key is small and idle, else under a reservation, in a
+        worker thread for a big key). ``read`` must not keep ``value``: it returns what it
+        made of it (e.g. the wire bytes of the value, copied once straight out of the store
+        instead of into a snapshot first and then into the bytes).
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) unknown key.
+            WaitTimeout: (DEADLINE_EXCEEDED) earlier updates did not finish in time.
+        """
+        entry = self._store().get(key)
+        if entry.value.nbytes < self.min_bytes and self.gate.idle((key,)):
+            return read(entry.value)
+        res = self.gate.reserve([key])
+        try:
+            await res.ready(timeout_s)
+            value = entry.value
+            if value.nbytes >= self.min_bytes:
+                self.offloaded += 1
+                return await _in_thread(self._executor(), read, value)
+            return read(value)
         finally:
             self.gate.release(res)
 

@@ -21,6 +21,7 @@ from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.core.consistency import Consistency
 from paramserver.core.optimizers import HALF_DTYPES, UpdateRule
 from paramserver.errors import InvalidArgument
+from paramserver.protocol import tensor
 from paramserver.security.tokens import check_worker_identity
 from paramserver.server import wal
 from paramserver.server.engine import ServerEngine
@@ -49,6 +50,15 @@ class ShardHost(Protocol):
     def shard_map(self) -> ShardMap | None: ...
 
     def request_checkpoint(self) -> asyncio.Task[Path | None]: ...
+
+
+class PulledFrames(list[bytes]):
+    """The wire frames of one pulled key; ``nbytes`` is the value's size in bytes (what the
+    pull metrics count), not the frames' (which add their headers)."""
+
+    def __init__(self, frames: Any, *, nbytes: int) -> None:
+        super().__init__(frames)
+        self.nbytes = nbytes
 
 
 class ShardService:
@@ -320,6 +330,18 @@ class ShardService:
             return value.tobytes()  # taken now: no await between the check and the copy
         wait_s = self.engine.config.wait_timeout_ms / 1000.0
         return (await offload.snapshot(key, timeout_s=wait_s)).tobytes()
+
+    @observed_snapshot
+    async def pull_frame_bytes(self, key: str) -> PulledFrames:
+        """:meth:`pull_snapshot` as the wire bytes of its ``PullResponse(frame=...)`` messages
+        (:func:`paramserver.protocol.tensor.encode_frame_bytes`), every frame made at once
+        under the key's snapshot rule: the value is copied once, straight into the frames."""
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+
+        def frames(value: np.ndarray) -> PulledFrames:
+            return PulledFrames(tensor.encode_frame_bytes(key, value), nbytes=value.nbytes)
+
+        return await self.engine.offload.read_with(key, frames, timeout_s=wait_s)
 
     async def pull_snapshot_into(self, key: str, out: np.ndarray) -> None:
         """:meth:`pull_snapshot` written into ``out`` (one copy, e.g. into a client's shared

@@ -214,3 +214,34 @@ async def test_snapshot_many_unknown_key_copies_nothing() -> None:
     with pytest.raises(KeyNotFound):
         await offload.snapshot_many(["a", "missing"], [out, np.zeros(3, np.float32)])
     np.testing.assert_array_equal(out, np.zeros(3, np.float32))
+
+
+async def test_read_with_waits_for_an_apply_in_progress_and_runs_in_a_thread(
+    slow: SlowApply,
+) -> None:
+    # What read_with hands its reader is the value after the apply decided before it (never
+    # a torn one), read in a worker thread for a big key; nothing is reserved afterwards.
+    store, offload = _setup()
+    done = offload.apply(_push(store, 3.0))
+    await asyncio.to_thread(slow.started.wait, 5)
+    before = offload.offloaded
+    threads: list[int] = []
+
+    def read(value: np.ndarray) -> bytes:
+        threads.append(threading.get_ident())
+        return value.tobytes()
+
+    got = await offload.read_with("k", read, timeout_s=5)
+    assert got == np.full(N, 3.0, np.float32).tobytes()
+    assert threads and threads[0] != threading.get_ident()
+    assert offload.offloaded == before + 1
+    await done
+    assert offload.gate.busy_keys() == []
+
+
+async def test_read_with_small_and_idle_reads_inline() -> None:
+    store = ParameterStore()
+    store.init("a", np.arange(5, dtype=np.float32), UpdateRule("assign"))
+    offload = Offload(lambda: store)  # default min_bytes: a small key
+    got = await offload.read_with("a", lambda v: v.sum())
+    assert got == 10.0 and offload.offloaded == 0 and offload.gate.busy_keys() == []

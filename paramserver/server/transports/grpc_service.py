@@ -263,12 +263,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         keys = await shard.admit_pull(request.worker_id, request.keys, request.timeout_ms)
         yield pb.PullResponse(info=pb.PullInfo(view=shard.view(), version=self.core.version))
         for key in keys:
-            # Copy lazily, one key at a time: a consistent value per key without holding the
-            # whole model twice; frames are produced as the reader consumes them.
-            value = await shard.pull_snapshot(key)
-            # Wire bytes: the servicer must be registered by add_to_server (its Pull
-            # responses are serialized by paramserver.protocol.wire.serialize).
-            for msg in tensor.encode_frame_bytes(key, value):
+            # One key at a time: a consistent value per key without holding the whole model
+            # twice; each key's frames are made at once, copied once out of the store. Wire
+            # bytes: the servicer must be registered by add_to_server (its Pull responses
+            # are serialized by paramserver.protocol.wire.serialize).
+            for msg in await shard.pull_frame_bytes(key):
                 yield msg
 
     async def Session(

@@ -327,14 +327,14 @@ async def stream_blocks(
     """The concatenated bytes of blocks ``ids`` of ``src`` in chunks of <= 1 MiB."""
     total = src.bytes_per_block * len(ids)
     step = max(1, min(MAX_CHUNK_BYTES, total))
-    direct = isinstance(src, HostPool) and not state.config.faults.io_delay_s
+    host = src if isinstance(src, HostPool) and not state.config.faults.io_delay_s else None
     for offset in range(0, total, step):
-        if direct:
+        if host is not None:
             # One copy: the chunk's pieces are joined straight out of the segment into the
             # message's bytes (a bytearray first, then bytes(), would copy twice).
             yield spmd_pb2.BlockChunk(
                 offset_bytes=offset,
-                data=_join_pieces(src, ids, offset, min(step, total - offset), cancel),
+                data=_join_pieces(host, ids, offset, min(step, total - offset), cancel),
             )
             continue
         out = bytearray(min(step, total - offset))
