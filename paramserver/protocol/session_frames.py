@@ -12,13 +12,14 @@ descriptions and return the destination views; :func:`slot_batch_entries` reads 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
-from paramserver.errors import MalformedStream
+from paramserver.errors import InvalidArgument, MalformedStream
 from paramserver.protocol import shm, tensor
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "place_slot_batch",
     "place_slot_tensors",
     "slot_batch_entries",
+    "slot_batch_views",
 ]
 
 #: Pulled values up to this many bytes in total go inline even when a segment is mapped.
@@ -45,8 +47,47 @@ RegionView = Callable[[int, int, Any, tuple[int, ...]], np.ndarray]
 SlotEntry = tuple[str, np.dtype[Any], tuple[int, ...], int, int]
 
 
+class _Placed:
+    """One layout :func:`place_slot_batch` made: what it was for, and what it produced."""
+
+    __slots__ = ("dims", "dsts", "dtypes", "keys", "ndims", "offsets", "signature", "view")
+
+    def __init__(self, view: RegionView, keys: list[str], signature: list[Any]) -> None:
+        self.view = view
+        self.keys = keys
+        self.signature = signature
+        self.dsts: list[np.ndarray] = []
+        self.dtypes: list[int] = []
+        self.ndims: list[int] = []
+        self.dims: list[int] = []
+        self.offsets: list[int] = []
+
+
+class _Read:
+    """One batch :func:`slot_batch_views` read: its packed arrays, entries and views."""
+
+    __slots__ = ("entries", "packed", "region", "views")
+
+    def __init__(
+        self,
+        region: shm.Region,
+        packed: tuple[list[Any], ...],
+        entries: list[SlotEntry],
+        views: list[np.ndarray],
+    ) -> None:
+        self.region = region
+        self.packed = packed
+        self.entries = entries
+        self.views = views
+
+
 def place_slot_batch(
-    batch: pb.SlotBatch, view: RegionView, keys: Iterable[str], values: Sequence[Any]
+    batch: pb.SlotBatch,
+    view: RegionView,
+    keys: Iterable[str],
+    values: Sequence[Any],
+    *,
+    memo: dict[str, Any] | None = None,
 ) -> list[np.ndarray]:
     """Lay ``values`` (arrays, or anything with ``dtype``, ``shape`` and ``nbytes``) out in a
     region and describe them in ``batch``.
@@ -56,6 +97,10 @@ def place_slot_batch(
         view: The region's ``view``.
         keys: One key per value, in order.
         values: What goes in the slots (only its dtype, shape and size are read).
+        memo: The mapping's memo (``layouts`` of a :class:`~paramserver.protocol.shm.ClientSegment`
+            or :class:`~paramserver.protocol.shm.ServerMapping`): a model's requests repeat one
+            layout every round, so when ``keys``, dtypes and shapes are those of the last call
+            with this memo and region, its views and packed arrays are reused (same result).
 
     Returns:
         The slots' views, in order: the caller copies the bytes into them.
@@ -63,28 +108,30 @@ def place_slot_batch(
     Raises:
         InvalidArgument: a slot beyond the region (INVALID_ARGUMENT), from ``view``.
     """
-    dsts: list[np.ndarray] = []
-    dtypes: list[int] = []
-    ndims: list[int] = []
-    dims: list[int] = []
-    offsets: list[int] = []
-    to_wire = tensor.dtype_to_wire
-    offset = 0
-    for value in values:
-        size = value.nbytes
-        shape = value.shape
-        dsts.append(view(offset, size, value.dtype, shape))
-        dtypes.append(to_wire(value.dtype))
-        ndims.append(len(shape))
-        dims.extend(shape)
-        offsets.append(offset)
-        offset = shm.align_up(offset + size)
-    batch.keys.extend(keys)
-    batch.dtypes.extend(dtypes)
-    batch.ndims.extend(ndims)
-    batch.dims.extend(dims)
-    batch.offsets.extend(offsets)
-    return dsts
+    key_list = list(keys)
+    signature = [(v.dtype, v.shape) for v in values]
+    last = memo.get("placed") if memo is not None else None
+    if last is None or last.view != view or last.keys != key_list or last.signature != signature:
+        last = _Placed(view, key_list, signature)
+        to_wire = tensor.dtype_to_wire
+        offset = 0
+        for value in values:
+            size = value.nbytes
+            shape = value.shape
+            last.dsts.append(view(offset, size, value.dtype, shape))
+            last.dtypes.append(to_wire(value.dtype))
+            last.ndims.append(len(shape))
+            last.dims.extend(shape)
+            last.offsets.append(offset)
+            offset = shm.align_up(offset + size)
+        if memo is not None:
+            memo["placed"] = last
+    batch.keys.extend(key_list)
+    batch.dtypes.extend(last.dtypes)
+    batch.ndims.extend(last.ndims)
+    batch.dims.extend(last.dims)
+    batch.offsets.extend(last.offsets)
+    return last.dsts
 
 
 def place_slot_tensors(
@@ -127,15 +174,22 @@ def slot_batch_entries(batch: pb.SlotBatch) -> list[SlotEntry]:
             f"SlotBatch arrays disagree: {n} keys, {len(dtypes)} dtypes, {len(ndims)} ndims, "
             f"{len(offsets)} offsets, {len(dims)} dims for ranks summing to {sum(ndims)}"
         )
+    if dims and min(dims) < 0:  # (checked once for the batch; the key is found only then)
+        pos = 0
+        for key, nd in zip(keys, ndims, strict=True):
+            shape = tuple(dims[pos : pos + nd])
+            pos += nd
+            if min(shape, default=0) < 0:
+                raise InvalidArgument(f"tensor {key!r}: negative dimension in shape {shape}")
     from_wire = tensor.dtype_from_wire
-    nbytes_of = tensor.tensor_nbytes
+    prod = math.prod
     out: list[SlotEntry] = []
     pos = 0
     for key, wire_dtype, nd, offset in zip(keys, dtypes, ndims, offsets, strict=True):
         dtype = from_wire(wire_dtype, key)
         shape = tuple(dims[pos : pos + nd])
         pos += nd
-        out.append((key, dtype, shape, offset, nbytes_of(shape, dtype)))
+        out.append((key, dtype, shape, offset, prod(shape) * dtype.itemsize))
     return out
 
 
@@ -157,3 +211,44 @@ def inline_array(t: pb.SessionTensor) -> np.ndarray:
             f"itemsize {dtype.itemsize} = {nbytes}"
         )
     return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+
+
+def slot_batch_views(
+    batch: pb.SlotBatch, region: shm.Region, memo: dict[str, Any] | None = None
+) -> tuple[list[SlotEntry], list[np.ndarray]]:
+    """:func:`slot_batch_entries` of ``batch`` and each slot's view of ``region``.
+
+    Args:
+        batch: A received ``SlotBatch``.
+        region: The mapped region its offsets refer to.
+        memo: The mapping's memo (as in :func:`place_slot_batch`): a batch whose packed
+            arrays equal the last one read with this memo and region reuses its entries and
+            views (same result, no per-key decoding).
+
+    Returns:
+        ``(entries, views)``, in the batch's order.
+
+    Raises:
+        MalformedStream, InvalidArgument: as :func:`slot_batch_entries`, and a slot outside
+            the region or of the wrong size (INVALID_ARGUMENT, naming the key).
+    """
+    packed = (
+        list(batch.keys),
+        list(batch.dtypes),
+        list(batch.ndims),
+        list(batch.dims),
+        list(batch.offsets),
+    )
+    last = memo.get("read") if memo is not None else None
+    if last is not None and last.region is region and last.packed == packed:
+        return last.entries, last.views
+    entries = slot_batch_entries(batch)
+    views: list[np.ndarray] = []
+    for key, dtype, shape, offset, nbytes in entries:
+        try:
+            views.append(region.view(offset, nbytes, dtype, shape))
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"tensor {key!r}: {exc.message}") from None
+    if memo is not None:
+        memo["read"] = _Read(region, packed, entries, views)
+    return entries, views

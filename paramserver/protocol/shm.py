@@ -236,6 +236,9 @@ class ClientSegment:
         # request only after it has the reply. Half the memory of two regions.
         self.push = Region(buffer, HEADER_BYTES, push_size, "push")
         self.pull = Region(buffer, HEADER_BYTES, pull_size, "pull")
+        #: Memo of the request layouts placed in and read from this mapping (views of it;
+        #: :class:`paramserver.protocol.session_frames.SlotLayouts`), cleared on close.
+        self.layouts: dict[str, Any] = {}
 
     @classmethod
     def create(
@@ -282,6 +285,7 @@ class ClientSegment:
     def close(self) -> None:
         """Unlink (if still there) and unmap."""
         self.unlink()
+        self.layouts.clear()
         buffer, self._buffer = self._buffer, None
         _close_mapping(buffer)
 
@@ -299,6 +303,8 @@ class ServerMapping:
         self.name = offer.name
         self.push = Region(buffer, offer.push_offset_bytes, offer.push_size_bytes, "push")
         self.pull = Region(buffer, offer.pull_offset_bytes, offer.pull_size_bytes, "pull")
+        #: As :attr:`ClientSegment.layouts`.
+        self.layouts: dict[str, Any] = {}
 
     @classmethod
     def attach(cls, offer: pb.ShmOffer, directory: Path = SHM_DIR) -> ServerMapping:
@@ -346,6 +352,7 @@ class ServerMapping:
 
     def close(self) -> None:
         """Unmap (deferred until the last view is gone)."""
+        self.layouts.clear()
         buffer, self._buffer = self._buffer, None
         _close_mapping(buffer)
 

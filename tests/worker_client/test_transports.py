@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
-from paramserver.errors import MalformedStream
+from paramserver.errors import InvalidArgument, MalformedStream
 from paramserver.protocol import shm
 from paramserver.protocol.session_frames import (
     place_slot_batch,
     place_slot_tensors,
     slot_batch_entries,
+    slot_batch_views,
 )
 from paramserver.worker_client import options as options_module
 from paramserver.worker_client.client import WorkerClient
@@ -181,6 +182,66 @@ def test_a_slot_batch_whose_arrays_disagree_is_malformed() -> None:
     batch.dims.append(3)  # one dim too many for the ranks
     with pytest.raises(MalformedStream, match="SlotBatch arrays disagree"):
         slot_batch_entries(batch)
+
+
+def _fields(batch: pb.SlotBatch) -> tuple[list[Any], ...]:
+    return (
+        list(batch.keys),
+        list(batch.dtypes),
+        list(batch.ndims),
+        list(batch.dims),
+        list(batch.offsets),
+    )
+
+
+def test_a_repeated_layout_reuses_its_views_and_a_changed_one_is_laid_out_anew() -> None:
+    _, view = _region(1 << 16)
+    memo: dict[str, Any] = {}
+    values = list(VALUES.values())
+    oracle = pb.SlotBatch()
+    place_slot_batch(oracle, view, VALUES, values)  # no memo: laid out from scratch
+    first, second = pb.SlotBatch(), pb.SlotBatch()
+    dsts1 = place_slot_batch(first, view, VALUES, values, memo=memo)
+    dsts2 = place_slot_batch(second, view, VALUES, values, memo=memo)
+    assert _fields(first) == _fields(second) == _fields(oracle)
+    assert all(a is b for a, b in zip(dsts1, dsts2, strict=True))  # reused
+    # Another shape for "b": a new layout, the same as one made without the memo.
+    changed = dict(VALUES, b=np.arange(20, dtype=np.int64).reshape(4, 5))
+    fresh, again = pb.SlotBatch(), pb.SlotBatch()
+    place_slot_batch(fresh, view, changed, list(changed.values()))
+    dsts3 = place_slot_batch(again, view, changed, list(changed.values()), memo=memo)
+    assert _fields(again) == _fields(fresh) != _fields(first)
+    assert [d.shape for d in dsts3] == [v.shape for v in changed.values()]
+    # Other keys with the same dtypes and shapes: new keys in the batch.
+    renamed = {f"x{k}": v for k, v in VALUES.items()}
+    third = pb.SlotBatch()
+    place_slot_batch(third, view, renamed, values, memo=memo)
+    assert list(third.keys) == list(renamed)
+
+
+def test_slot_batch_views_reuse_a_repeated_batch_and_check_a_new_one(tmp_path: Any) -> None:
+    seg = shm.ClientSegment.create(1 << 14, 1 << 14, tmp_path)
+    try:
+        batch = pb.SlotBatch()
+        dsts = place_slot_batch(batch, seg.push.view, VALUES, list(VALUES.values()))
+        for dst, value in zip(dsts, VALUES.values(), strict=True):
+            np.copyto(dst, value)
+        entries, views = slot_batch_views(batch, seg.push, seg.layouts)
+        assert entries == slot_batch_entries(batch)
+        for got, value in zip(views, VALUES.values(), strict=True):
+            np.testing.assert_array_equal(got, value)
+        copy = pb.SlotBatch()
+        copy.CopyFrom(batch)
+        entries2, views2 = slot_batch_views(copy, seg.push, seg.layouts)
+        assert entries2 is entries and all(a is b for a, b in zip(views, views2, strict=True))
+        # A slot moved past the region's end: checked again (not served from the memo).
+        copy.offsets[-1] = seg.push.size_bytes
+        with pytest.raises(InvalidArgument, match=r"tensor 'c'.*outside"):
+            slot_batch_views(copy, seg.push, seg.layouts)
+        assert seg.layouts
+    finally:
+        seg.close()
+    assert seg.layouts == {}  # no view of the closed mapping is kept by the memo
 
 
 # ------------------------------------------------------------------ typed signature

@@ -36,6 +36,7 @@ from paramserver.protocol.session_frames import (
     place_slot_batch,
     place_slot_tensors,
     slot_batch_entries,
+    slot_batch_views,
 )
 from paramserver.security.tokens import check_worker_identity
 from paramserver.server.engine import InflightTicket
@@ -291,15 +292,18 @@ class SessionService:
     ) -> None:
         """Gradients of a push's :class:`SlotBatch`, added to ``out``: views of the push
         region (copies when BSP queues them), each checked as :meth:`_decode` checks a slot."""
-        entries = slot_batch_entries(batch)
-        if entries and session.mapping is None:
-            raise InvalidArgument(
-                f"tensor {entries[0][0]!r}: shared-memory slot but no segment is mapped"
-            )
+        mapping = session.mapping
+        if mapping is None:
+            entries = slot_batch_entries(batch)
+            if entries:
+                raise InvalidArgument(
+                    f"tensor {entries[0][0]!r}: shared-memory slot but no segment is mapped"
+                )
+            return
         limit = self.shard.engine.config.max_tensor_bytes
         keep_copies = self.shard.core.aggregator is not None
-        region = session.mapping.push if session.mapping is not None else None
-        for key, dtype, shape, offset, nbytes in entries:
+        entries, views = slot_batch_views(batch, mapping.push, mapping.layouts)
+        for (key, _dtype, _shape, _offset, nbytes), view in zip(entries, views, strict=True):
             if not key:
                 raise MalformedStream("Session tensor with an empty key")
             if key in out:
@@ -309,11 +313,6 @@ class SessionService:
                     f"tensor {key!r}: size_bytes {nbytes} exceeds max_tensor_bytes {limit}"
                 )
             ticket.reserve(nbytes)
-            assert region is not None
-            try:
-                view = region.view(offset, nbytes, dtype, shape)
-            except InvalidArgument as exc:
-                raise InvalidArgument(f"tensor {key!r}: {exc.message}") from None
             out[key] = view.copy() if keep_copies else view
 
     async def _push(self, session: _Session, push: pb.SessionPush) -> pb.PushResponse:
@@ -356,7 +355,9 @@ class SessionService:
         # key (inline when all are small and idle, else one reservation and one worker-thread
         # hop for the big ones), then the response's slots (no per-key message objects).
         if session.slot_batches:
-            dsts = place_slot_batch(out.slots, mapping.pull.view, keys, values)
+            dsts = place_slot_batch(
+                out.slots, mapping.pull.view, keys, values, memo=mapping.layouts
+            )
         else:
             dsts = place_slot_tensors(out.tensors, mapping.pull.view, keys, values)
         await shard.pull_snapshots_into(keys, dsts)

@@ -50,6 +50,7 @@ from paramserver.protocol.session_frames import (
     place_slot_batch,
     place_slot_tensors,
     slot_batch_entries,
+    slot_batch_views,
 )
 from paramserver.worker_client.pull_buffers import PullBuffers
 from paramserver.worker_client.transport.base import (
@@ -370,7 +371,7 @@ class SessionTransport:
             assert seg is not None
             values = list(arrays.values())
             if self.slot_batches:  # one header for every key: packed arrays
-                dsts = place_slot_batch(msg.slots, seg.push.view, arrays, values)
+                dsts = place_slot_batch(msg.slots, seg.push.view, arrays, values, memo=seg.layouts)
             else:
                 dsts = place_slot_tensors(msg.tensors, seg.push.view, arrays, values)
             for dst, arr in zip(dsts, values, strict=True):
@@ -421,19 +422,21 @@ class SessionTransport:
 
     def _decode_slots(self, batch: pb.SlotBatch, copy: bool, out: dict[str, np.ndarray]) -> None:
         """The values of a pulled :class:`SlotBatch` (pull-region slots), into ``out``."""
-        entries = slot_batch_entries(batch)
-        if entries and self._segment is None:
-            raise MalformedStream(f"tensor {entries[0][0]!r} in shared memory, but none is mapped")
-        region = self._segment.pull if self._segment is not None else None
+        seg = self._segment
+        if seg is None:
+            entries = slot_batch_entries(batch)
+            if entries:
+                raise MalformedStream(
+                    f"tensor {entries[0][0]!r} in shared memory, but none is mapped"
+                )
+            return
+        region = seg.pull
+        entries, views = slot_batch_views(batch, region, seg.layouts)
         buffers = self.pull_buffers
         known = self.known_nbytes
-        if copy and len(entries) > 1:
-            assert region is not None
-            if self._decode_arena(region, entries, out):
-                return
-        for key, dtype, shape, offset, nbytes in entries:
-            assert region is not None
-            view = region.view(offset, nbytes, dtype, shape)
+        if copy and len(entries) > 1 and self._decode_arena(region, entries, out):
+            return
+        for (key, dtype, shape, _offset, nbytes), view in zip(entries, views, strict=True):
             if copy:
                 arr = buffers.empty(key, dtype, shape)
                 np.copyto(arr, view, casting="no")
