@@ -72,6 +72,10 @@ def resolve_log_format(flag: str | None, env: Mapping[str, str]) -> str:
     return value
 
 
+#: Loggers of libraries kept at WARNING unless the level is DEBUG.
+QUIET_LIBRARIES = ("matplotlib",)
+
+
 def configure_logging(
     level: str,
     log_format: str | None = None,
@@ -95,10 +99,13 @@ def configure_logging(
     fmt = resolve_log_format(log_format, environ)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-    logging.basicConfig(
-        level=getattr(logging, str(level).upper(), logging.INFO),
-        handlers=[handler],
-    )
+    chosen = getattr(logging, str(level).upper(), logging.INFO)
+    logging.basicConfig(level=chosen, handlers=[handler])
+    if chosen > logging.DEBUG:
+        # Libraries' own progress notes (matplotlib's "generated new fontManager" on its
+        # first run on a machine) are not the command's output: shown at DEBUG only.
+        for name in QUIET_LIBRARIES:
+            logging.getLogger(name).setLevel(max(chosen, logging.WARNING))
     if log_format is not None:
         environ[LOG_FORMAT_ENV] = fmt  # children started by this command log the same way
     return fmt
