@@ -32,6 +32,7 @@ __all__ = [
     "place_slot_tensors",
     "slot_batch_entries",
     "slot_batch_views",
+    "slot_span",
 ]
 
 #: Pulled values up to this many bytes in total go inline even when a segment is mapped.
@@ -252,3 +253,41 @@ def slot_batch_views(
     if memo is not None:
         memo["read"] = _Read(region, packed, entries, views)
     return entries, views
+
+
+#: Floating dtypes whose slots :func:`slot_span` may cover with one view.
+_SPAN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def slot_span(
+    entries: list[SlotEntry], memo: dict[str, Any] | None = None
+) -> tuple[int, int, np.dtype[Any]] | None:
+    """``(start, end, dtype)``: the bytes ``[start, end)`` of the region that every slot of
+    ``entries`` lies in, when all share one float32 or float64 dtype, start at a multiple of
+    its size, and the span is at most twice their payload (little padding); else None.
+
+    A value check over the span then covers every slot at once (with the padding between
+    them, so a clean span means clean slots, not the converse). Memoized per ``entries``
+    list in ``memo`` (a mapping's ``layouts``).
+    """
+    last = memo.get("span") if memo is not None else None
+    if last is not None and last[0] is entries:
+        return last[1]  # type: ignore[no-any-return]
+    result: tuple[int, int, np.dtype[Any]] | None = None
+    dtype = entries[0][1] if entries else None
+    if dtype in _SPAN_DTYPES and all(e[1] == dtype for e in entries):
+        assert dtype is not None
+        start = min(e[3] for e in entries)
+        end = max(e[3] + e[4] for e in entries)
+        payload = sum(e[4] for e in entries)
+        size = dtype.itemsize
+        if (
+            start % size == 0
+            and (end - start) % size == 0
+            and end - start <= 2 * payload
+            and all(e[3] % size == 0 for e in entries)
+        ):
+            result = (start, end, dtype)
+    if memo is not None:
+        memo["span"] = (entries, result)
+    return result

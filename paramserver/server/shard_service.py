@@ -188,7 +188,7 @@ class ShardService:
         return pb.InitResponse(keys=[pb.KeyInit(key=k, created=c) for k, c in created.items()])
 
     async def apply_push_header(
-        self, header: pb.PushHeader, grads: dict[str, np.ndarray]
+        self, header: pb.PushHeader, grads: dict[str, np.ndarray], *, finite: bool = False
     ) -> pb.PushResponse:
         """:meth:`apply_push` with its arguments taken from a wire ``PushHeader``."""
         return await self.apply_push(
@@ -198,6 +198,7 @@ class ShardService:
             num_samples=header.num_samples,
             base_version=header.base_version if header.HasField("base_version") else None,
             grads=grads,
+            finite=finite,
         )
 
     @observed_push
@@ -210,12 +211,15 @@ class ShardService:
         num_samples: int,
         base_version: int | None,
         grads: dict[str, np.ndarray],
+        finite: bool = False,
     ) -> pb.PushResponse:
         """Apply one decoded push (the seam every push path shares: Push stream, Session).
 
         Args:
             grads: key -> decoded gradient (dtype and shape checked by the core). The arrays may
                 be views of a receive buffer or shared memory; they are not kept after return.
+            finite: The transport already found every gradient free of NaN/Inf (one scan of
+                the bytes they were read from); the per-key scan is skipped.
 
         Raises:
             InvalidArgument, KeyNotFound, WorkerNotFound, StaleUpdate (see ``ServerCore.push``).
@@ -229,7 +233,7 @@ class ShardService:
         # Big gradients: the NaN/Inf scan runs in a worker thread (a failed scan leaves it to
         # the core, which refuses the push with its usual bookkeeping). Small ones (the
         # common case) skip the coroutine hops: the core scans them inline.
-        finite = (
+        finite = finite or (
             not self.engine.config.allow_non_finite
             and offload.worth_a_thread(grads)
             and await offload.all_finite(grads)

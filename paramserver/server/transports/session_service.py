@@ -28,6 +28,7 @@ import numpy as np
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tables_pb2 as tpb
+from paramserver.core.store import count_non_finite
 from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
 from paramserver.protocol import shm, tensor
 from paramserver.protocol.session_frames import (
@@ -37,6 +38,7 @@ from paramserver.protocol.session_frames import (
     place_slot_tensors,
     slot_batch_entries,
     slot_batch_views,
+    slot_span,
 )
 from paramserver.security.tokens import check_worker_identity
 from paramserver.server.engine import InflightTicket
@@ -289,9 +291,15 @@ class SessionService:
 
     def _decode_slots(
         self, session: _Session, batch: pb.SlotBatch, ticket: Any, out: dict[str, np.ndarray]
-    ) -> None:
+    ) -> bool:
         """Gradients of a push's :class:`SlotBatch`, added to ``out``: views of the push
-        region (copies when BSP queues them), each checked as :meth:`_decode` checks a slot."""
+        region (copies when BSP queues them), each checked as :meth:`_decode` checks a slot.
+
+        Returns:
+            True when one scan of the bytes the slots span found no NaN/Inf (so none of the
+            gradients holds any); False when that was not tried or found some (padding
+            between slots may hold anything: then the core scans each gradient).
+        """
         mapping = session.mapping
         if mapping is None:
             entries = slot_batch_entries(batch)
@@ -299,7 +307,7 @@ class SessionService:
                 raise InvalidArgument(
                     f"tensor {entries[0][0]!r}: shared-memory slot but no segment is mapped"
                 )
-            return
+            return False
         limit = self.shard.engine.config.max_tensor_bytes
         keep_copies = self.shard.core.aggregator is not None
         entries, views = slot_batch_views(batch, mapping.push, mapping.layouts)
@@ -314,6 +322,14 @@ class SessionService:
                 )
             ticket.reserve(nbytes)
             out[key] = view.copy() if keep_copies else view
+        if len(entries) < 2 or self.shard.engine.config.allow_non_finite:
+            return False
+        span = slot_span(entries, mapping.layouts)
+        if span is None:
+            return False
+        start, end, dtype = span
+        whole = mapping.push.view(start, end - start, dtype, ((end - start) // dtype.itemsize,))
+        return count_non_finite(whole) == 0
 
     async def _push(self, session: _Session, push: pb.SessionPush) -> pb.PushResponse:
         header = push.header
@@ -322,9 +338,12 @@ class SessionService:
         try:
             ticket.enter(header.worker_id)
             grads = await self._decode(session, push.tensors, ticket)
+            finite = False
             if push.HasField("slots"):
-                self._decode_slots(session, push.slots, ticket, grads)
-            return await self.shard.apply_push_header(header, grads)
+                finite = self._decode_slots(session, push.slots, ticket, grads) and not (
+                    push.tensors
+                )
+            return await self.shard.apply_push_header(header, grads, finite=finite)
         finally:
             ticket.release()
 
