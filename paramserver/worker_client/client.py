@@ -486,7 +486,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         request_id = self._next_request_id
         self._next_request_id += 1
         arrays = normalized_tensors(grads)
-        parts = {k: self.compressor.encode(k, v) for k, v in arrays.items()}
+        parts = self.compressor.encode_all(arrays)
 
         def header() -> pb.PushHeader:
             return pb.PushHeader(

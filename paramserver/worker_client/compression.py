@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -76,6 +77,25 @@ class WirePart:
     dense_shape: tuple[int, ...] = ()
 
 
+class DenseParts(Mapping[str, list[WirePart]]):
+    """``parts`` of a push of uncompressed gradients: key -> one dense part, made only when
+    a transport asks (the session carries ``dense`` itself and never does)."""
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self.arrays = arrays
+
+    def __getitem__(self, key: str) -> list[WirePart]:
+        return [WirePart(self.arrays[key])]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.arrays)
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+
 class GradientCompressor:
     """Encodes gradients per key and keeps the error-feedback residuals (worker side).
 
@@ -88,6 +108,20 @@ class GradientCompressor:
         self.residuals: dict[str, np.ndarray] = {}
         self.sent_bytes = 0
         self.dense_bytes = 0
+
+    def encode_all(self, grads: Mapping[str, np.ndarray]) -> Mapping[str, list[WirePart]]:
+        """:meth:`encode` of every key: key -> its wire parts. With no scheme at all, the
+        parts are the gradients themselves, dense (no per-key work beyond the byte count).
+
+        Raises:
+            InvalidArgument: as :meth:`encode`.
+        """
+        if not self.schemes:
+            nbytes = sum(g.nbytes for g in grads.values())
+            self.dense_bytes += nbytes
+            self.sent_bytes += nbytes
+            return DenseParts(grads)
+        return {k: self.encode(k, v) for k, v in grads.items()}
 
     def encode(self, key: str, grad: np.ndarray) -> list[WirePart]:
         """The wire parts of one key's gradient (1 part dense/cast, 2 parts sparse).

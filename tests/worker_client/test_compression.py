@@ -115,3 +115,26 @@ def test_top_k_ratio_validated(bad: float) -> None:
 def test_compression_of_an_integer_gradient_is_refused() -> None:
     with pytest.raises(InvalidArgument, match="float"):
         GradientCompressor({"c": Cast()}).encode("c", np.arange(3))
+
+
+def test_encode_all_without_schemes_sends_every_key_dense_as_encode_would() -> None:
+    from paramserver.worker_client.transport.base import PushPayload
+
+    grads = {"a": np.arange(6, dtype=np.float32), "b": np.ones((2, 3), np.float64)}
+    plain, per_key = GradientCompressor(), GradientCompressor()
+    parts = plain.encode_all(grads)
+    oracle = {k: per_key.encode(k, v) for k, v in grads.items()}
+    assert list(parts) == list(oracle) and len(parts) == 2
+    for key in grads:
+        (got,), (want,) = parts[key], oracle[key]
+        assert got.array is grads[key] and (got.role, got.dense_shape) == (want.role, ())
+    assert (plain.sent_bytes, plain.dense_bytes) == (per_key.sent_bytes, per_key.dense_bytes)
+    assert (plain.sent_bytes, plain.dense_bytes) == (24 + 48, 24 + 48)
+    payload = PushPayload.of(1, lambda: None, parts, 1.0)  # type: ignore[arg-type,return-value]
+    assert payload.dense is not None and dict(payload.dense) == grads
+
+
+def test_encode_all_with_a_scheme_encodes_per_key() -> None:
+    comp = GradientCompressor({"a": Cast("float16")})
+    parts = comp.encode_all({"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)})
+    assert parts["a"][0].array.dtype == np.float16 and parts["b"][0].array.dtype == np.float32

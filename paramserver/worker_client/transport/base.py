@@ -33,7 +33,7 @@ from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.api.v1 import tensor_pb2
 from paramserver.errors import ParamServerError
 from paramserver.protocol import rows_wire
-from paramserver.worker_client.compression import WirePart
+from paramserver.worker_client.compression import DenseParts, WirePart
 
 __all__ = [
     "Declined",
@@ -94,6 +94,8 @@ class PushPayload:
         deadline_s: float,
     ) -> PushPayload:
         """The payload of ``parts`` (``dense`` worked out from them)."""
+        if isinstance(parts, DenseParts):
+            return cls(request_id, header, parts, parts.arrays, deadline_s)
         dense: dict[str, np.ndarray] = {}
         for key, key_parts in parts.items():
             if len(key_parts) != 1 or key_parts[0].role != tensor_pb2.TENSOR_ROLE_UNSPECIFIED:
