@@ -455,6 +455,21 @@ class Offload:
             return value
         return None
 
+    def read_all_now(self, keys: Sequence[str]) -> list[np.ndarray] | None:
+        """:meth:`read_now` of every key at once: their live values when each is small and
+        every earlier update of any of them has finished (copy them before the next
+        ``await``), else None.
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) an unknown key.
+        """
+        store = self._store()
+        values = [store.get(key).value for key in keys]
+        limit = self.min_bytes
+        if all(v.nbytes < limit for v in values) and self.gate.idle(keys):
+            return values
+        return None
+
     # ------------------------------------------------------------------ checkpoints
     @contextlib.asynccontextmanager
     async def quiesced(self) -> AsyncIterator[None]:

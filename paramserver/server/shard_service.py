@@ -25,7 +25,12 @@ from paramserver.protocol import tensor
 from paramserver.security.tokens import check_worker_identity
 from paramserver.server import wal
 from paramserver.server.engine import ServerEngine
-from paramserver.server.observability.hooks import observed_admit, observed_push, observed_snapshot
+from paramserver.server.observability.hooks import (
+    observed_admit,
+    observed_push,
+    observed_snapshot,
+    observed_snapshots,
+)
 
 if TYPE_CHECKING:
     from paramserver.core.sharding import ShardMap
@@ -346,6 +351,29 @@ class ShardService:
             return PulledFrames(tensor.encode_frame_bytes(key, value), nbytes=value.nbytes)
 
         return await self.engine.offload.read_with(key, frames, timeout_s=wait_s)
+
+    @observed_snapshots
+    async def pull_snapshots_bytes(self, keys: Sequence[str]) -> list[bytes]:
+        """:meth:`pull_snapshot_bytes` of several keys, in order: when every key is small and
+        no update of any is still applying, all are copied now in one pass (no ``await``
+        between the check and the copies); else key by key.
+
+        Raises:
+            KeyNotFound: (NOT_FOUND) an unknown key.
+            WaitTimeout: (DEADLINE_EXCEEDED) earlier updates did not finish in time.
+        """
+        values = self.engine.offload.read_all_now(keys)
+        if values is not None:
+            return [value.tobytes() for value in values]
+        offload = self.engine.offload
+        wait_s = self.engine.config.wait_timeout_ms / 1000.0
+        out = []
+        for key in keys:
+            value = offload.read_now(key)
+            if value is None:
+                value = await offload.snapshot(key, timeout_s=wait_s)
+            out.append(value.tobytes())  # taken before the next await
+        return out
 
     async def pull_snapshot_into(self, key: str, out: np.ndarray) -> None:
         """:meth:`pull_snapshot` written into ``out`` (one copy, e.g. into a client's shared

@@ -328,3 +328,24 @@ def observed_snapshot(
         return result
 
     return wrapper  # type: ignore[return-value]
+
+
+def observed_snapshots(
+    fn: Callable[Concatenate[Any, P], Awaitable[list[bytes]]],
+) -> Callable[Concatenate[Any, P], Awaitable[list[bytes]]]:
+    """Decorate a servicer seam that pulls several keys' raw bytes at once (its first
+    argument the keys, its result their bytes in order): bytes pulled per key, as
+    :func:`observed_snapshot` reports each."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, *args: P.args, **kwargs: P.kwargs) -> list[bytes]:
+        hooks = _hooks(self)
+        result = await fn(self, *args, **kwargs)
+        if hooks.enabled:
+            keys = args[0] if args else kwargs.get("keys", ())
+            rpc = CURRENT_RPC.get()
+            for key, data in zip(keys, result, strict=True):  # type: ignore[call-overload]
+                hooks.pulled(rpc, str(key), len(data))
+        return result
+
+    return wrapper  # type: ignore[return-value]

@@ -361,10 +361,11 @@ class SessionService:
         mapping = session.mapping
         if total <= SMALL_INLINE_BYTES or (mapping is None and total <= self.max_inline_bytes):
             add = out.tensors.add
-            for key, value in zip(keys, values, strict=True):
-                # dtype and shape are fixed per key; the bytes are a consistent snapshot.
-                data = await shard.pull_snapshot_bytes(key)
-                add(key=key, dtype=tensor.dtype_to_wire(value.dtype), shape=value.shape, data=data)
+            to_wire = tensor.dtype_to_wire
+            # dtype and shape are fixed per key; the bytes are a consistent snapshot of each.
+            datas = await shard.pull_snapshots_bytes(keys)
+            for key, value, data in zip(keys, values, datas, strict=True):
+                add(key=key, dtype=to_wire(value.dtype), shape=value.shape, data=data)
             return
         needed = sum(shm.align_up(v.nbytes) for v in values)
         if mapping is None or needed > mapping.pull.size_bytes:
