@@ -111,3 +111,40 @@ async def test_nan_bytes_in_the_padding_between_slots_refuse_nothing(
                 np.testing.assert_array_equal(pulled[k], v)
         finally:
             await client.close()
+
+
+async def test_under_bsp_the_queued_copies_are_scanned_not_the_region(
+    per_key_scans: list[int],
+) -> None:
+    # BSP queues copies of the gradients: the scan must be of those copies (the bytes kept),
+    # so the batch scan of the shared region does not stand for them.
+    async with running_server(consistency="bsp") as srv:
+        client = await _client(srv.address)
+        try:
+            await client.pull(KEYS)
+            await client.push(_grads(0.25))  # the segment is set up by the first big request
+            await client.clock()
+            await client.pull(KEYS)
+            per_key_scans.clear()
+            await client.push(_grads(0.125))
+            assert len(per_key_scans) >= len(KEYS)
+            await client.clock()
+            pulled = await client.pull(KEYS)
+            for k, v in _expected([0.25, 0.125]).items():
+                np.testing.assert_array_equal(pulled[k], v)
+        finally:
+            await client.close()
+
+
+async def test_views_pulled_with_copy_false_are_new_arrays_each_time() -> None:
+    async with running_server(consistency="asp") as srv:
+        client = await _client(srv.address)
+        try:
+            await client.push(_grads(0.25))
+            first = (await client.pull(KEYS, copy=False))["k03"]
+            first.shape = (10, 100)  # the caller's own array object
+            second = (await client.pull(KEYS, copy=False))["k03"]
+            assert second is not first and second.shape == (N,) and second.flags.writeable
+            np.testing.assert_array_equal(second, _expected([0.25])["k03"])
+        finally:
+            await client.close()

@@ -322,7 +322,9 @@ class SessionService:
                 )
             ticket.reserve(nbytes)
             out[key] = view.copy() if keep_copies else view
-        if len(entries) < 2 or self.shard.engine.config.allow_non_finite:
+        if len(entries) < 2 or keep_copies or self.shard.engine.config.allow_non_finite:
+            # (BSP queues copies: the bytes checked must be the bytes kept, so the core scans
+            # the copies themselves)
             return False
         span = slot_span(entries, mapping.layouts)
         if span is None:

@@ -442,7 +442,7 @@ class SessionTransport:
                 np.copyto(arr, view, casting="no")
                 buffers.keep(key, arr)
             else:
-                arr = view
+                arr = view.view()  # a new array object each pull (the memo keeps the view)
             out[key] = arr
             known[key] = nbytes
 
