@@ -97,7 +97,10 @@ async def call_every_method(
             )
             make = getattr(channel, f"{kind[0]}_{kind[1]}")
             call = make(path, request_serializer=bytes, response_deserializer=bytes)
-            request: Any = iter([b""]) if method.client_streaming else b""
+            # A client stream sends no message: the refusal is decided on the call's metadata,
+            # and a request still being written when the server aborts races its status (grpc
+            # can then report INTERNAL instead of the code the server sent).
+            request: Any = iter([]) if method.client_streaming else b""
             try:
                 if method.server_streaming:
                     async for _ in call(request, timeout=20):
