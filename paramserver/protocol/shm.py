@@ -237,7 +237,8 @@ class ClientSegment:
         self.push = Region(buffer, HEADER_BYTES, push_size, "push")
         self.pull = Region(buffer, HEADER_BYTES, pull_size, "pull")
         #: Memo of the request layouts placed in and read from this mapping (views of it;
-        #: :class:`paramserver.protocol.session_frames.SlotLayouts`), cleared on close.
+        #: ``memo`` of :func:`paramserver.protocol.session_frames.place_slot_batch` and
+        #: ``slot_batch_views``), cleared on close.
         self.layouts: dict[str, Any] = {}
 
     @classmethod

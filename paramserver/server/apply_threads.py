@@ -345,26 +345,13 @@ class Offload:
             KeyNotFound: (NOT_FOUND) unknown key.
             WaitTimeout: (DEADLINE_EXCEEDED) earlier updates did not finish in time.
         """
-        entry = self._store().get(key)
-        value = entry.value
-        if value.nbytes < self.min_bytes and self.gate.idle((key,)):
-            # Small, and every earlier update of the key has finished: copy inline, now.
+
+        def copy(value: np.ndarray) -> np.ndarray:
             dst = np.empty_like(value) if out is None else out
             _copy_into(dst, value)
             return dst
-        res = self.gate.reserve([key])
-        try:
-            await res.ready(timeout_s)
-            value = entry.value
-            dst = np.empty_like(value) if out is None else out
-            if value.nbytes >= self.min_bytes:
-                self.offloaded += 1
-                await _in_thread(self._executor(), _copy_into, dst, value)
-            else:
-                _copy_into(dst, value)
-            return dst
-        finally:
-            self.gate.release(res)
+
+        return await self.read_with(key, copy, timeout_s=timeout_s)
 
     async def read_with(
         self, key: str, read: Callable[[np.ndarray], T], *, timeout_s: float | None = None

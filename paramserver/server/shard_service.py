@@ -320,31 +320,12 @@ class ShardService:
         return key_list
 
     @observed_snapshot
-    async def pull_snapshot(self, key: str) -> np.ndarray:
-        """A consistent private copy of one key's value (the caller may encode it at leisure).
-
-        Taken after every push of the key decided before the call has been applied; big keys
-        are copied in a worker thread (see :mod:`paramserver.server.apply_threads`).
-        """
-        wait_s = self.engine.config.wait_timeout_ms / 1000.0
-        return await self.engine.offload.snapshot(key, timeout_s=wait_s)
-
-    @observed_snapshot
-    async def pull_snapshot_bytes(self, key: str) -> bytes:
-        """:meth:`pull_snapshot` as raw little-endian C-order bytes (inline wire payloads):
-        one copy for a small key no update is still applying to, else a snapshot first."""
-        offload = self.engine.offload
-        value = offload.read_now(key)
-        if value is not None:
-            return value.tobytes()  # taken now: no await between the check and the copy
-        wait_s = self.engine.config.wait_timeout_ms / 1000.0
-        return (await offload.snapshot(key, timeout_s=wait_s)).tobytes()
-
-    @observed_snapshot
     async def pull_frame_bytes(self, key: str) -> PulledFrames:
-        """:meth:`pull_snapshot` as the wire bytes of its ``PullResponse(frame=...)`` messages
-        (:func:`paramserver.protocol.tensor.encode_frame_bytes`), every frame made at once
-        under the key's snapshot rule: the value is copied once, straight into the frames."""
+        """A consistent value of one key as the wire bytes of its ``PullResponse(frame=...)``
+        messages (:func:`paramserver.protocol.tensor.encode_frame_bytes`): taken after every
+        push of the key decided before the call has been applied, every frame made at once, the
+        value copied once straight into them (big keys in a worker thread; see
+        :mod:`paramserver.server.apply_threads`)."""
         wait_s = self.engine.config.wait_timeout_ms / 1000.0
 
         def frames(value: np.ndarray) -> PulledFrames:
@@ -354,9 +335,10 @@ class ShardService:
 
     @observed_snapshots
     async def pull_snapshots_bytes(self, keys: Sequence[str]) -> list[bytes]:
-        """:meth:`pull_snapshot_bytes` of several keys, in order: when every key is small and
-        no update of any is still applying, all are copied now in one pass (no ``await``
-        between the check and the copies); else key by key.
+        """Consistent values of several keys as raw little-endian C-order bytes (inline wire
+        payloads), in order: when every key is small and no update of any is still applying,
+        all are copied now in one pass (no ``await`` between the check and the copies); else
+        key by key, each taken as :meth:`pull_frame_bytes` takes its value.
 
         Raises:
             KeyNotFound: (NOT_FOUND) an unknown key.
@@ -376,7 +358,7 @@ class ShardService:
         return out
 
     async def pull_snapshot_into(self, key: str, out: np.ndarray) -> None:
-        """:meth:`pull_snapshot` written into ``out`` (one copy, e.g. into a client's shared
+        """A consistent value of one key written into ``out`` (one copy, e.g. into a client's shared
         memory): a consistent copy of one key's value.
 
         Args:

@@ -8,9 +8,10 @@ Two hook objects, both cheap no-ops until something listens:
   is the one the engine installs: plain counters and bucket arrays (no locks, no prometheus),
   read by ``paramserver status`` and by the Prometheus collector at scrape time.
 * :class:`ServingHooks` — the servicer's shared push/pull seams (``apply_push``, ``admit_pull``,
-  ``pull_snapshot``, used by every transport: the Push/Pull streams and the Session RPC) report
-  bytes and latencies through :func:`observed_push` / :func:`observed_admit` /
-  :func:`observed_snapshot`. The metrics module installs a Prometheus implementation; without
+  ``pull_frame_bytes``, ``pull_snapshots_bytes``, used by every transport: the Push/Pull streams
+  and the Session RPC) report bytes and latencies through :func:`observed_push` /
+  :func:`observed_admit` / :func:`observed_snapshot` / :func:`observed_snapshots`. The
+  metrics module installs a Prometheus implementation; without
   ``--metrics-port`` the no-op base stays.
 
 Definitions (docs/observability.md "Definitions"):
@@ -314,8 +315,8 @@ def observed_admit(
 def observed_snapshot(
     fn: Callable[Concatenate[Any, P], Awaitable[T]],
 ) -> Callable[Concatenate[Any, P], Awaitable[T]]:
-    """Decorate the servicer's ``pull_snapshot`` seams: bytes pulled per key (the result is
-    an array, or its raw bytes)."""
+    """Decorate the servicer's one-key pull seams (``pull_frame_bytes``): bytes pulled per key
+    (the result's ``nbytes``, or its length when it is raw bytes)."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, *args: P.args, **kwargs: P.kwargs) -> T:

@@ -4,7 +4,7 @@ The stream opens with ``SessionOpen`` (answered by ``SessionOpened``); then ever
 push, pull, push_pull, or a shared-memory offer that attaches or grows the segment — is answered
 by one response carrying the request's ``seq``, in order. Requests are decoded here and handed to
 the funnel every push and pull path shares (:class:`~paramserver.server.shard_service.ShardService`:
-``apply_push``, ``admit_pull``, ``pull_snapshot``, ``pull_snapshot_into``), inside the same
+``apply_push``, ``admit_pull``, ``pull_snapshots_bytes``, ``pull_snapshots_into``), inside the same
 back-pressure ticket as the
 Push stream, so dedup, the WAL commit and every error code are those of the ordinary path. A
 refused request is answered with a ``SessionError`` (status code, message, exact error class)
