@@ -8,6 +8,11 @@ an :func:`~paramserver.protocol.shm.align_up` boundary, and described either by 
 ``SessionTensor`` per key. :func:`place_slot_batch` / :func:`place_slot_tensors` write the
 descriptions and return the destination views; :func:`slot_batch_entries` reads a batch back
 (checked), as the pushing client's server and the pulling client both do.
+
+A *packed inline batch* is the same ``SlotBatch`` layout with the bytes in its own ``data``
+field instead of a shared-memory region (:func:`pack_slot_batch`; read back through
+:func:`inline_region`): many small keys in one message without one ``SessionTensor`` each,
+on the network path as on the same host.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ __all__ = [
     "RegionView",
     "SlotEntry",
     "inline_array",
+    "inline_region",
+    "pack_slot_batch",
     "place_slot_batch",
     "place_slot_tensors",
     "slot_batch_entries",
@@ -51,12 +58,24 @@ SlotEntry = tuple[str, np.dtype[Any], tuple[int, ...], int, int]
 class _Placed:
     """One layout :func:`place_slot_batch` made: what it was for, and what it produced."""
 
-    __slots__ = ("dims", "dsts", "dtypes", "keys", "ndims", "offsets", "signature", "view")
+    __slots__ = (
+        "dims",
+        "dsts",
+        "dtypes",
+        "keys",
+        "ndims",
+        "offsets",
+        "pads",
+        "signature",
+        "view",
+    )
 
-    def __init__(self, view: RegionView, keys: list[str], signature: list[Any]) -> None:
+    def __init__(self, view: RegionView | None, keys: list[str], signature: list[Any]) -> None:
         self.view = view
         self.keys = keys
         self.signature = signature
+        #: (packed inline batches) zero bytes after each slot, up to the next one's offset
+        self.pads: list[bytes] = []
         self.dsts: list[np.ndarray] = []
         self.dtypes: list[int] = []
         self.ndims: list[int] = []
@@ -135,6 +154,75 @@ def place_slot_batch(
     return last.dsts
 
 
+def pack_slot_batch(
+    batch: pb.SlotBatch,
+    keys: Iterable[str],
+    values: Sequence[np.ndarray],
+    *,
+    datas: Sequence[bytes] | None = None,
+    memo: dict[str, Any] | None = None,
+) -> int:
+    """Describe ``values`` in ``batch`` as a packed inline batch: the :func:`place_slot_batch`
+    layout (each slot at an :func:`~paramserver.protocol.shm.align_up` boundary from 0) with
+    the bytes, zero-padded between slots, in ``batch.data``, joined in one copy.
+
+    Args:
+        batch: The message's ``SlotBatch`` field (filled in place).
+        keys: One key per value, in order.
+        values: The arrays (any dtype the wire carries, any layout: a non-C-contiguous one is
+            made contiguous first).
+        datas: Each value's raw C-order bytes when the caller has them already (then only
+            ``values``' dtypes and shapes are read).
+        memo: A dict kept by the caller across requests: when ``keys``, dtypes and shapes
+            repeat (a model's every round), the layout is reused instead of recomputed.
+
+    Returns:
+        ``len(batch.data)``, bytes.
+    """
+    key_list = list(keys)
+    signature = [(v.dtype, v.shape) for v in values]
+    last = memo.get("packed") if memo is not None else None
+    if last is None or last.keys != key_list or last.signature != signature:
+        last = _Placed(None, key_list, signature)
+        to_wire = tensor.dtype_to_wire
+        offset = 0
+        zeros: dict[int, bytes] = {}
+        for value in values:
+            size = value.nbytes
+            shape = value.shape
+            last.dtypes.append(to_wire(value.dtype))
+            last.ndims.append(len(shape))
+            last.dims.extend(shape)
+            last.offsets.append(offset)
+            end = shm.align_up(offset + size)
+            pad = end - offset - size
+            last.pads.append(zeros.setdefault(pad, bytes(pad)))
+            offset = end
+        if memo is not None:
+            memo["packed"] = last
+    parts: list[Any] = [b""] * (2 * len(values))
+    if datas is not None:
+        parts[0::2] = datas
+    else:
+        parts[0::2] = [v if v.flags.c_contiguous else np.ascontiguousarray(v) for v in values]
+    parts[1::2] = last.pads
+    data = b"".join(parts)
+    batch.keys.extend(key_list)
+    batch.dtypes.extend(last.dtypes)
+    batch.ndims.extend(last.ndims)
+    batch.dims.extend(last.dims)
+    batch.offsets.extend(last.offsets)
+    batch.data = data
+    return len(data)
+
+
+def inline_region(data: bytes | bytearray, name: str) -> shm.Region:
+    """A :class:`~paramserver.protocol.shm.Region` over a packed inline batch's ``data`` (its
+    views are read-only for ``bytes``, writeable for a ``bytearray``), so the batch is read
+    and checked exactly as one in a shared-memory region is."""
+    return shm.Region(data, 0, len(data), name)
+
+
 def place_slot_tensors(
     tensors: Any, view: RegionView, keys: Iterable[str], values: Sequence[Any]
 ) -> list[np.ndarray]:
@@ -157,18 +245,40 @@ def place_slot_tensors(
     return dsts
 
 
-def slot_batch_entries(batch: pb.SlotBatch) -> list[SlotEntry]:
+def _packed(batch: pb.SlotBatch) -> tuple[list[Any], ...]:
+    return (
+        list(batch.keys),
+        list(batch.dtypes),
+        list(batch.ndims),
+        list(batch.dims),
+        list(batch.offsets),
+    )
+
+
+def slot_batch_entries(batch: pb.SlotBatch, memo: dict[str, Any] | None = None) -> list[SlotEntry]:
     """The slots a ``SlotBatch`` describes, in order (dtypes decoded, sizes computed).
+
+    Args:
+        batch: A received ``SlotBatch``.
+        memo: A dict kept across requests: a batch whose packed arrays equal the last one
+            decoded with it returns that one's entries (same result, no per-key decoding).
 
     Raises:
         MalformedStream: its arrays disagree in length (naming each length).
         InvalidArgument: a dtype the wire does not carry (INVALID_ARGUMENT).
     """
-    keys = list(batch.keys)
-    dtypes = list(batch.dtypes)
-    ndims = list(batch.ndims)
-    dims = list(batch.dims)
-    offsets = list(batch.offsets)
+    packed = _packed(batch)
+    last = memo.get("entries") if memo is not None else None
+    if last is not None and last[0] == packed:
+        return last[1]  # type: ignore[no-any-return]
+    entries = _entries(packed)
+    if memo is not None:
+        memo["entries"] = (packed, entries)
+    return entries
+
+
+def _entries(packed: tuple[list[Any], ...]) -> list[SlotEntry]:
+    keys, dtypes, ndims, dims, offsets = packed
     n = len(keys)
     if not (len(dtypes) == len(ndims) == len(offsets) == n) or sum(ndims) != len(dims):
         raise MalformedStream(
@@ -233,17 +343,11 @@ def slot_batch_views(
         MalformedStream, InvalidArgument: as :func:`slot_batch_entries`, and a slot outside
             the region or of the wrong size (INVALID_ARGUMENT, naming the key).
     """
-    packed = (
-        list(batch.keys),
-        list(batch.dtypes),
-        list(batch.ndims),
-        list(batch.dims),
-        list(batch.offsets),
-    )
+    packed = _packed(batch)
     last = memo.get("read") if memo is not None else None
     if last is not None and last.region is region and last.packed == packed:
         return last.entries, last.views
-    entries = slot_batch_entries(batch)
+    entries = _entries(packed)
     views: list[np.ndarray] = []
     for key, dtype, shape, offset, nbytes in entries:
         try:

@@ -101,16 +101,16 @@ def align_up(n: int, align: int = ALIGN_BYTES) -> int:
 
 @dataclass(frozen=True)
 class Region:
-    """A byte range of a mapped segment.
+    """A byte range of a mapped segment (or of a packed inline batch's bytes).
 
     Attributes:
-        buffer: The whole mapping.
+        buffer: The whole mapping (or the batch's ``bytes``/``bytearray``).
         offset_bytes: Start of the region in the mapping.
         size_bytes: Length of the region.
         name: ``push`` or ``pull``, named in errors.
     """
 
-    buffer: mmap.mmap
+    buffer: mmap.mmap | bytearray | bytes
     offset_bytes: int
     size_bytes: int
     name: str

@@ -34,6 +34,8 @@ from paramserver.protocol import shm, tensor
 from paramserver.protocol.session_frames import (
     MAX_INLINE_BYTES,
     SMALL_INLINE_BYTES,
+    inline_region,
+    pack_slot_batch,
     place_slot_batch,
     place_slot_tensors,
     slot_batch_entries,
@@ -72,6 +74,26 @@ class _Session:
         self.mapping: shm.ServerMapping | None = None
         #: The client reads pulled shared-memory values as one SlotBatch (its open asked).
         self.slot_batches = False
+        #: The client reads pulled inline values of many keys as a packed inline batch.
+        self.packed_inline = False
+        #: Where a pushed packed inline batch is copied to (writeable, reused while its size
+        #: repeats), and the layout memo of that region and of the packed pulls.
+        self._received: shm.Region | None = None
+        self._received_bytes = bytearray()
+        self.received_layouts: dict[str, Any] = {}
+        self.packed_layouts: dict[str, Any] = {}
+
+    def receive(self, data: bytes) -> shm.Region:
+        """The session's region holding a copy of a packed inline batch's ``data``: one
+        writeable buffer per size, so a model's every round reuses its views (as a mapped
+        push region's), and the gradients handed on never alias the message."""
+        region = self._received
+        if region is None or region.size_bytes != len(data):
+            self._received_bytes = bytearray(len(data))
+            region = self._received = inline_region(self._received_bytes, "packed push")
+            self.received_layouts = {}
+        self._received_bytes[:] = data  # (same length: one copy, the views stay valid)
+        return region
 
     def close(self) -> None:
         if self.mapping is not None:
@@ -176,7 +198,10 @@ class SessionService:
         check_worker_identity(req.open.worker_id)
         session.worker_id = req.open.worker_id
         session.slot_batches = req.open.slot_batches
-        opened = pb.SessionOpened(max_inline_bytes=self.max_inline_bytes, slot_batches=True)
+        session.packed_inline = req.open.packed_inline
+        opened = pb.SessionOpened(
+            max_inline_bytes=self.max_inline_bytes, slot_batches=True, packed_inline=True
+        )
         if req.open.HasField("shm"):
             opened.shm.CopyFrom(self._attach(session, req.open.shm))
         link = self.local_link
@@ -293,7 +318,8 @@ class SessionService:
         self, session: _Session, batch: pb.SlotBatch, ticket: Any, out: dict[str, np.ndarray]
     ) -> bool:
         """Gradients of a push's :class:`SlotBatch`, added to ``out``: views of the push
-        region (copies when BSP queues them), each checked as :meth:`_decode` checks a slot.
+        region, or of the session's copy of a packed inline batch's bytes (copies when BSP
+        queues them), each checked as :meth:`_decode` checks a slot.
 
         Returns:
             True when one scan of the bytes the slots span found no NaN/Inf (so none of the
@@ -301,16 +327,21 @@ class SessionService:
             between slots may hold anything: then the core scans each gradient).
         """
         mapping = session.mapping
-        if mapping is None:
+        if batch.data:
+            region = session.receive(batch.data)
+            layouts = session.received_layouts
+        elif mapping is None:
             entries = slot_batch_entries(batch)
             if entries:
                 raise InvalidArgument(
                     f"tensor {entries[0][0]!r}: shared-memory slot but no segment is mapped"
                 )
             return False
+        else:
+            region, layouts = mapping.push, mapping.layouts
         limit = self.shard.engine.config.max_tensor_bytes
         keep_copies = self.shard.core.aggregator is not None
-        entries, views = slot_batch_views(batch, mapping.push, mapping.layouts)
+        entries, views = slot_batch_views(batch, region, layouts)
         for (key, _dtype, _shape, _offset, nbytes), view in zip(entries, views, strict=True):
             if not key:
                 raise MalformedStream("Session tensor with an empty key")
@@ -326,11 +357,11 @@ class SessionService:
             # (BSP queues copies: the bytes checked must be the bytes kept, so the core scans
             # the copies themselves)
             return False
-        span = slot_span(entries, mapping.layouts)
+        span = slot_span(entries, layouts)
         if span is None:
             return False
         start, end, dtype = span
-        whole = mapping.push.view(start, end - start, dtype, ((end - start) // dtype.itemsize,))
+        whole = region.view(start, end - start, dtype, ((end - start) // dtype.itemsize,))
         return count_non_finite(whole) == 0
 
     async def _push(self, session: _Session, push: pb.SessionPush) -> pb.PushResponse:
@@ -362,10 +393,17 @@ class SessionService:
         total = sum(v.nbytes for v in values)
         mapping = session.mapping
         if total <= SMALL_INLINE_BYTES or (mapping is None and total <= self.max_inline_bytes):
-            add = out.tensors.add
-            to_wire = tensor.dtype_to_wire
             # dtype and shape are fixed per key; the bytes are a consistent snapshot of each.
             datas = await shard.pull_snapshots_bytes(keys)
+            if session.packed_inline and len(keys) > 1 and total:
+                packed = pack_slot_batch(
+                    out.slots, keys, values, datas=datas, memo=session.packed_layouts
+                )
+                if packed <= self.max_inline_bytes:
+                    return
+                out.ClearField("slots")  # (padding took it over the limit: one tensor each)
+            add = out.tensors.add
+            to_wire = tensor.dtype_to_wire
             for key, value, data in zip(keys, values, datas, strict=True):
                 add(key=key, dtype=to_wire(value.dtype), shape=value.shape, data=data)
             return

@@ -19,6 +19,10 @@ Where tensor bytes go:
   (:class:`~paramserver.worker_client.transport.base.Declined`, nothing sent) and the client
   sends it by the chunked Push/Pull streams.
 
+Inline requests and answers of many keys go as one packed inline batch (one ``SlotBatch``
+whose ``data`` holds every key's bytes) when both ends announce it, not one ``SessionTensor``
+per key.
+
 Pulls are answered inline, in the pull region, or with ``needed_bytes`` (the client grows the
 segment and asks again, or declines: the Pull stream carries it). A server without the Session
 RPC declines every request for good. The stream itself runs on gRPC or, moved there after its
@@ -40,13 +44,15 @@ import numpy.typing as npt
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tables_pb2 as tpb
-from paramserver.errors import ERROR_CLASS_METADATA_KEY, MalformedStream
+from paramserver.errors import ERROR_CLASS_METADATA_KEY, InvalidArgument, MalformedStream
 from paramserver.protocol import link, shm, tensor
 from paramserver.protocol.session_frames import (
     MAX_INLINE_BYTES,
     SMALL_INLINE_BYTES,
     SlotEntry,
     inline_array,
+    inline_region,
+    pack_slot_batch,
     place_slot_batch,
     place_slot_tensors,
     slot_batch_entries,
@@ -150,6 +156,11 @@ class SessionTransport:
         self.max_inline_bytes = MAX_INLINE_BYTES
         #: The server takes pushed shared-memory gradients as one SlotBatch (its open said so).
         self.slot_batches = False
+        #: The server takes pushed inline gradients of many keys as a packed inline batch.
+        self.packed_inline = False
+        #: Layout memos of the packed inline batches this client sends and reads.
+        self._packed_sent: dict[str, Any] = {}
+        self._packed_read: dict[str, Any] = {}
         self.sessions_opened = 0
         self.offers_accepted = 0
         self._lock = asyncio.Lock()
@@ -250,7 +261,10 @@ class SessionTransport:
             resp = await self._roundtrip(
                 pb.SessionRequest(
                     open=pb.SessionOpen(
-                        worker_id=worker_id, want_local_link=want_link, slot_batches=True
+                        worker_id=worker_id,
+                        want_local_link=want_link,
+                        slot_batches=True,
+                        packed_inline=True,
                     )
                 )
             )
@@ -265,6 +279,7 @@ class SessionTransport:
             raise MalformedStream("session stream did not answer open with opened")
         self.max_inline_bytes = resp.opened.max_inline_bytes or MAX_INLINE_BYTES
         self.slot_batches = resp.opened.slot_batches
+        self.packed_inline = resp.opened.packed_inline
         self.sessions_opened += 1
         if want_link and resp.opened.HasField("local_link"):
             await self._move_to_local_link(resp.opened.local_link, worker_id)
@@ -290,7 +305,10 @@ class SessionTransport:
                 pb.SessionRequest(
                     seq=self._seq,
                     open=pb.SessionOpen(
-                        worker_id=worker_id, local_ticket=offer.ticket, slot_batches=True
+                        worker_id=worker_id,
+                        local_ticket=offer.ticket,
+                        slot_batches=True,
+                        packed_inline=True,
                     ),
                 )
             )
@@ -377,6 +395,14 @@ class SessionTransport:
             for dst, arr in zip(dsts, values, strict=True):
                 np.copyto(dst, arr)
         elif total <= self.max_inline_bytes:
+            if self.packed_inline and len(arrays) > 1 and total:
+                packed = pack_slot_batch(
+                    msg.slots, arrays, list(arrays.values()), memo=self._packed_sent
+                )
+                if packed <= self.max_inline_bytes:
+                    self.known_nbytes.update(sizes)
+                    return None
+                msg.ClearField("slots")  # (padding took it over the limit: one tensor each)
             add = msg.tensors.add
             for key, arr in arrays.items():
                 add(
@@ -393,7 +419,10 @@ class SessionTransport:
     def _decode(self, pulled: pb.SessionPulled, copy: bool) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         if pulled.HasField("slots"):
-            self._decode_slots(pulled.slots, copy, out)
+            if pulled.slots.data:
+                self._decode_packed(pulled.slots, out)
+            else:
+                self._decode_slots(pulled.slots, copy, out)
         for t in pulled.tensors:
             key = t.key
             if t.WhichOneof("payload") == "slot":
@@ -444,6 +473,29 @@ class SessionTransport:
             else:
                 arr = view.view()  # a new array object each pull (the memo keeps the view)
             out[key] = arr
+            known[key] = nbytes
+
+    def _decode_packed(self, batch: pb.SlotBatch, out: dict[str, np.ndarray]) -> None:
+        """The values of a pulled packed inline batch, into ``out``: copied out of the
+        message's bytes in one pass (:meth:`_decode_arena`), writeable whatever ``copy``.
+
+        Raises:
+            MalformedStream: a slot outside the batch's bytes, or arrays that disagree.
+        """
+        region = inline_region(batch.data, "packed pull")
+        try:
+            entries = slot_batch_entries(batch, self._packed_read)
+            if len(entries) > 1 and self._decode_arena(region, entries, out):
+                return
+        except InvalidArgument as exc:
+            raise MalformedStream(f"packed pull: {exc.message}") from None
+        known = self.known_nbytes
+        for key, dtype, shape, offset, nbytes in entries:
+            try:
+                view = region.view(offset, nbytes, dtype, shape)
+            except InvalidArgument as exc:
+                raise MalformedStream(f"tensor {key!r}: {exc.message}") from None
+            out[key] = view.copy()
             known[key] = nbytes
 
     def _decode_arena(

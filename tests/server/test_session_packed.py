@@ -1,0 +1,284 @@
+"""Packed inline batches: many keys' bytes in one ``SlotBatch.data`` instead of one
+``SessionTensor`` per key, against real servers on 127.0.0.1.
+
+Expected values come from numpy: every key uses the ``add`` rule (w += g) from known initial
+values, so each pulled value is ``init + sum(g)`` computed by numpy in the key's dtype (one
+rounding per element on both sides, so equality is exact). What went over the wire is read off
+the Session messages themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+
+from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.errors import NonFiniteGradient
+from paramserver.protocol import shm, tensor
+from paramserver.protocol.session_frames import pack_slot_batch, slot_batch_entries
+from paramserver.server.shard_daemon import ParameterServerDaemon
+from paramserver.server.transports.session_service import SessionService
+from paramserver.worker_client import UpdateRule, WorkerClient
+from paramserver.worker_client.transport.session_stream import SessionTransport
+from tests.harness import running_server
+
+pytestmark = pytest.mark.timeout(60)
+
+ADD = UpdateRule("add")
+F32 = np.dtype(np.float32)
+
+#: Shapes and dtypes of one request: a scalar, empty tensors, odd sizes (padding between
+#: slots), every wire dtype.
+LAYOUT: list[tuple[np.dtype[Any], tuple[int, ...]]] = [
+    (F32, ()),
+    (F32, (0,)),
+    (np.dtype(np.float16), (3, 5)),
+    (np.dtype(ml_dtypes.bfloat16), (7,)),
+    (np.dtype(np.float64), (2, 3, 2)),
+    (np.dtype(np.int32), (11,)),
+    (np.dtype(np.int64), (1, 0, 4)),
+    (F32, (257,)),
+]
+
+
+def _values(rng: np.random.Generator, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
+    if dtype.kind == "i":
+        return rng.integers(-1000, 1000, size=shape).astype(dtype)
+    return rng.standard_normal(size=shape).astype(np.float32).astype(dtype)
+
+
+def _address(daemon: ParameterServerDaemon) -> str:
+    return f"127.0.0.1:{daemon.port}"
+
+
+@asynccontextmanager
+async def _recording(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[list[Any]]:
+    """Every (request, response) pair any SessionTransport exchanges from now on."""
+    seen: list[Any] = []
+    original = SessionTransport._roundtrip
+
+    async def roundtrip(self: SessionTransport, req: pb.SessionRequest) -> pb.SessionResponse:
+        resp = await original(self, req)
+        seen.append((req, resp))
+        return resp
+
+    monkeypatch.setattr(SessionTransport, "_roundtrip", roundtrip)
+    yield seen
+
+
+def _push_of(req: pb.SessionRequest) -> pb.SessionPush | None:
+    which = req.WhichOneof("body")
+    if which == "push":
+        return req.push
+    if which == "push_pull":
+        return req.push_pull.push
+    return None
+
+
+def _pulled_of(resp: pb.SessionResponse) -> pb.SessionPulled | None:
+    which = resp.WhichOneof("body")
+    if which == "pull":
+        return resp.pull
+    if which == "push_pull":
+        return resp.push_pull.pull
+    return None
+
+
+@pytest.mark.parametrize("client_shm", [True, False], ids=["server-off", "both-off"])
+async def test_many_keys_on_the_network_path_travel_packed_and_match_numpy(
+    monkeypatch: pytest.MonkeyPatch, client_shm: bool
+) -> None:
+    rng = np.random.default_rng(11)
+    keys = [f"k{i}" for i in range(len(LAYOUT))]
+    init = {k: _values(rng, d, s) for k, (d, s) in zip(keys, LAYOUT, strict=True)}
+    async with running_server(consistency="asp", shared_memory=False) as daemon:
+        async with (
+            _recording(monkeypatch) as seen,
+            WorkerClient(_address(daemon), "w0", heartbeat=False, shared_memory=client_shm) as ps,
+        ):
+            await ps.init(init, rule=ADD)
+            want = {k: v.copy() for k, v in init.items()}
+            for step in range(3):
+                grads = {k: _values(rng, d, s) for k, (d, s) in zip(keys, LAYOUT, strict=True)}
+                # one gradient not C-contiguous (a transposed view): packed as its values
+                grads["k2"] = _values(rng, LAYOUT[2][0], (5, 3)).T
+                for k in keys:
+                    want[k] = want[k] + grads[k]
+                got = await ps.push_pull(grads) if step else await _push_then_pull(ps, grads)
+                for k in keys:
+                    assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+                    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+                    assert got[k].flags.writeable
+            fp = ps.fastpath
+            assert fp is not None and fp.packed_inline and not fp.shm_active
+        pushes = [p for p in (_push_of(r) for r, _ in seen) if p is not None]
+        pulls = [p for p in (_pulled_of(r) for _, r in seen) if p is not None]
+        # every many-key push and pull (the init's read-back too) went as one packed batch,
+        # no SessionTensor each
+        assert len(pushes) == 3 and len(pulls) >= 3
+        for push in pushes:
+            assert len(push.tensors) == 0 and list(push.slots.keys) == keys
+            assert len(push.slots.data) >= sum(init[k].nbytes for k in keys)
+        for pulled in pulls:
+            assert len(pulled.tensors) == 0 and list(pulled.slots.keys) == keys
+            assert pulled.slots.data
+
+
+async def _push_then_pull(ps: WorkerClient, grads: dict[str, np.ndarray]) -> dict[str, Any]:
+    await ps.push(grads)
+    return await ps.pull(list(grads))
+
+
+async def test_bsp_queued_packed_gradients_survive_the_next_packed_push() -> None:
+    """BSP queues a step's gradients until the step closes; a worker's next packed push (other
+    keys, same step) reuses the session's receive buffer, so what was queued must be a copy."""
+    async with running_server(consistency="bsp", lease_ms=60_000, shared_memory=False) as daemon:
+        addr = _address(daemon)
+        async with (
+            WorkerClient(addr, "w0", heartbeat=False) as w0,
+            WorkerClient(addr, "w1", heartbeat=False) as w1,
+        ):
+            zeros = np.zeros(33, np.float32)
+            await w0.init({k: zeros for k in ("a", "b", "c", "d")}, rule=ADD)
+            ab = [{"a": np.full(33, 1.0, F32), "b": np.full(33, 2.0, F32)} for _ in range(2)]
+            cd = [{"c": np.full(33, 10.0, F32), "d": np.full(33, 20.0, F32)} for _ in range(2)]
+            ab[1] = {k: v * 3 for k, v in ab[1].items()}
+            cd[1] = {k: v * 3 for k, v in cd[1].items()}
+            for ps, first, second in zip((w0, w1), ab, cd, strict=True):
+                await ps.push(first)
+                await ps.push(second)  # same size: the same receive buffer, overwritten
+                assert ps.fastpath is not None and ps.fastpath.packed_inline
+            await asyncio.gather(w0.clock(), w1.clock())
+            got = await w0.pull(["a", "b", "c", "d"])
+            for k, base in (("a", 1.0), ("b", 2.0), ("c", 10.0), ("d", 20.0)):
+                np.testing.assert_array_equal(got[k], np.full(33, (base + 3 * base) / 2, F32))
+
+
+async def _raw_open(stub: Any, *, packed: bool) -> tuple[Any, pb.SessionOpened]:
+    call = stub.Session()
+    await call.write(pb.SessionRequest(seq=1, open=pb.SessionOpen(packed_inline=packed)))
+    return call, (await call.read()).opened
+
+
+def _batch(entries: list[tuple[str, np.ndarray]], data: bytes | None = None) -> pb.SlotBatch:
+    batch = pb.SlotBatch()
+    pack_slot_batch(batch, [k for k, _ in entries], [v for _, v in entries])
+    if data is not None:
+        batch.data = data
+    return batch
+
+
+async def test_bad_packed_batches_apply_nothing_and_the_stream_keeps_serving() -> None:
+    # A packed batch with a slot past its bytes, arrays that disagree, or a NaN in one key is
+    # refused with its status code, applies none of its keys, and the stream keeps serving; a
+    # good one then applies every key exactly once.
+    a0 = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b0 = np.linspace(-1, 1, 9, dtype=np.float32)
+    async with running_server(consistency="asp", shared_memory=False) as daemon:
+        async with WorkerClient(_address(daemon), "w0", heartbeat=False) as ps:
+            await ps.init({"a": np.zeros((2, 3), F32), "b": np.zeros(9, F32)}, rule=ADD)
+        async with grpc.aio.insecure_channel(_address(daemon)) as channel:
+            stub = pb_grpc.ParameterServerStub(channel)
+            reg = await stub.Register(pb.RegisterRequest(worker_name="raw"))
+            call, opened = await _raw_open(stub, packed=True)
+            assert opened.packed_inline
+            good = _batch([("a", a0), ("b", b0)])
+            b_end = shm.align_up(a0.nbytes) + b0.nbytes  # (then padding to the boundary)
+            short = _batch([("a", a0), ("b", b0)], data=good.data[: b_end - 4])
+            disagree = _batch([("a", a0), ("b", b0)])
+            disagree.ndims.append(1)
+            nan_b = b0.copy()
+            nan_b[4] = np.nan
+            with_nan = _batch([("a", a0), ("b", nan_b)])
+            refusals = [
+                (short, grpc.StatusCode.INVALID_ARGUMENT, "InvalidArgument"),
+                (disagree, grpc.StatusCode.INVALID_ARGUMENT, "MalformedStream"),
+                (with_nan, grpc.StatusCode.INVALID_ARGUMENT, NonFiniteGradient.__name__),
+            ]
+            for i, (batch, code, cls) in enumerate(refusals):
+                push = pb.SessionPush(
+                    header=pb.PushHeader(worker_id=reg.worker_id, request_id=i, clock=0),
+                    slots=batch,
+                )
+                await call.write(pb.SessionRequest(seq=10 + i, push=push))
+                resp = await call.read()
+                assert resp.WhichOneof("body") == "error", resp
+                assert resp.error.code == code.value[0], resp.error
+                assert resp.error.error_class == cls, resp.error
+            push = pb.SessionPush(
+                header=pb.PushHeader(worker_id=reg.worker_id, request_id=99, clock=0), slots=good
+            )
+            both = pb.SessionPushPull(
+                push=push, pull=pb.PullRequest(worker_id=reg.worker_id, keys=["a", "b"])
+            )
+            await call.write(pb.SessionRequest(seq=20, push_pull=both))
+            resp = await call.read()
+            assert resp.WhichOneof("body") == "push_pull", resp
+            pulled = resp.push_pull.pull
+            assert len(pulled.tensors) == 0 and pulled.slots.data
+            entries = slot_batch_entries(pulled.slots)
+            data = pulled.slots.data
+            got = {
+                key: np.frombuffer(data, dtype, int(np.prod(shape)), offset).reshape(shape)
+                for key, dtype, shape, offset, _n in entries
+            }
+            # the refused batches left nothing: exactly the good push, once
+            np.testing.assert_array_equal(got["a"], a0)
+            np.testing.assert_array_equal(got["b"], b0)
+            # padding between the slots is zero
+            end_a = a0.nbytes
+            assert data[end_a : shm.align_up(end_a)] == bytes(shm.align_up(end_a) - end_a)
+            call.cancel()
+
+
+async def test_a_client_that_did_not_ask_gets_one_tensor_per_key() -> None:
+    # An older client's open (no packed_inline) is answered with one SessionTensor per key.
+    async with running_server(consistency="asp", shared_memory=False) as daemon:
+        async with WorkerClient(_address(daemon), "w0", heartbeat=False) as ps:
+            await ps.init({"a": np.ones(3, F32), "b": np.full(2, 2.0, F32)}, rule=ADD)
+        async with grpc.aio.insecure_channel(_address(daemon)) as channel:
+            stub = pb_grpc.ParameterServerStub(channel)
+            call, _opened = await _raw_open(stub, packed=False)
+            await call.write(pb.SessionRequest(seq=2, pull=pb.PullRequest(keys=["a", "b"])))
+            pulled = (await call.read()).pull
+            assert not pulled.HasField("slots")
+            assert [t.key for t in pulled.tensors] == ["a", "b"]
+            np.testing.assert_array_equal(np.frombuffer(pulled.tensors[0].data, F32), [1, 1, 1])
+            np.testing.assert_array_equal(np.frombuffer(pulled.tensors[1].data, F32), [2, 2])
+            assert pulled.tensors[0].dtype == tensor.dtype_to_wire(F32)
+            call.cancel()
+
+
+async def test_a_server_that_does_not_announce_it_gets_one_tensor_per_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An older server (no packed_inline in its opened): the client pushes one SessionTensor
+    # per key, and the values still match numpy.
+    original = SessionService._open
+
+    def old_open(self: SessionService, session: Any, req: pb.SessionRequest) -> Any:
+        resp = original(self, session, req)
+        resp.opened.packed_inline = False
+        return resp
+
+    monkeypatch.setattr(SessionService, "_open", old_open)
+    async with running_server(consistency="asp", shared_memory=False) as daemon:
+        async with (
+            _recording(monkeypatch) as seen,
+            WorkerClient(_address(daemon), "w0", heartbeat=False) as ps,
+        ):
+            await ps.init({"a": np.zeros(3, F32), "b": np.zeros(2, F32)}, rule=ADD)
+            got = await ps.push_pull({"a": np.full(3, 1.5, F32), "b": np.full(2, -2.0, F32)})
+            np.testing.assert_array_equal(got["a"], [1.5, 1.5, 1.5])
+            np.testing.assert_array_equal(got["b"], [-2.0, -2.0])
+            assert ps.fastpath is not None and not ps.fastpath.packed_inline
+        pushes = [p for p in (_push_of(r) for r, _ in seen) if p is not None]
+        assert pushes and all(not p.HasField("slots") and len(p.tensors) == 2 for p in pushes)
