@@ -92,14 +92,20 @@ def _pulled_of(resp: pb.SessionResponse) -> pb.SessionPulled | None:
     return None
 
 
-@pytest.mark.parametrize("client_shm", [True, False], ids=["server-off", "both-off"])
-async def test_many_keys_on_the_network_path_travel_packed_and_match_numpy(
-    monkeypatch: pytest.MonkeyPatch, client_shm: bool
+@pytest.mark.parametrize(
+    ("server_shm", "client_shm"),
+    [(False, True), (False, False), (True, True)],
+    ids=["server-off", "both-off", "same-host-small"],
+)
+async def test_many_small_keys_travel_packed_and_match_numpy(
+    monkeypatch: pytest.MonkeyPatch, server_shm: bool, client_shm: bool
 ) -> None:
+    # On the network path, and on the same host while a request is small enough to go inline
+    # (here ~3 KiB in all), a request of many keys is one packed inline batch each way.
     rng = np.random.default_rng(11)
     keys = [f"k{i}" for i in range(len(LAYOUT))]
     init = {k: _values(rng, d, s) for k, (d, s) in zip(keys, LAYOUT, strict=True)}
-    async with running_server(consistency="asp", shared_memory=False) as daemon:
+    async with running_server(consistency="asp", shared_memory=server_shm) as daemon:
         async with (
             _recording(monkeypatch) as seen,
             WorkerClient(_address(daemon), "w0", heartbeat=False, shared_memory=client_shm) as ps,
@@ -119,6 +125,7 @@ async def test_many_keys_on_the_network_path_travel_packed_and_match_numpy(
                     assert got[k].flags.writeable
             fp = ps.fastpath
             assert fp is not None and fp.packed_inline and not fp.shm_active
+            assert fp.on_local_link is server_shm  # (same host: on the local-link socket)
         pushes = [p for p in (_push_of(r) for r, _ in seen) if p is not None]
         pulls = [p for p in (_pulled_of(r) for _, r in seen) if p is not None]
         # every many-key push and pull (the init's read-back too) went as one packed batch,
