@@ -169,8 +169,8 @@ def pack_slot_batch(
     Args:
         batch: The message's ``SlotBatch`` field (filled in place).
         keys: One key per value, in order.
-        values: The arrays (any dtype the wire carries, any layout: a non-C-contiguous one is
-            made contiguous first).
+        values: The arrays (any dtype the wire carries, any layout or byte order: the bytes
+            packed are each value's elements C-ordered and little-endian).
         datas: Each value's raw C-order bytes when the caller has them already (then only
             ``values``' dtypes and shapes are read).
         memo: A dict kept by the caller across requests: when ``keys``, dtypes and shapes
@@ -178,6 +178,9 @@ def pack_slot_batch(
 
     Returns:
         ``len(batch.data)``, bytes.
+
+    Raises:
+        ValueError: ``datas`` whose lengths are not the values' sizes (a caller's bug).
     """
     key_list = list(keys)
     signature = [(v.dtype, v.shape) for v in values]
@@ -204,9 +207,18 @@ def pack_slot_batch(
     if datas is not None:
         parts[0::2] = datas
     else:
-        parts[0::2] = [v if v.flags.c_contiguous else np.ascontiguousarray(v) for v in values]
+        parts[0::2] = [
+            v if v.flags.c_contiguous and v.dtype.byteorder != ">" else _little_contiguous(v)
+            for v in values
+        ]
     parts[1::2] = last.pads
     data = b"".join(parts)
+    need = last.offsets[-1] + values[-1].nbytes + len(last.pads[-1]) if values else 0
+    if len(data) != need:
+        raise ValueError(
+            f"packed {len(data)} bytes where the layout needs {need}: some value's "
+            "bytes are not its size"
+        )
     batch.keys.extend(key_list)
     batch.dtypes.extend(last.dtypes)
     batch.ndims.extend(last.ndims)
@@ -214,6 +226,12 @@ def pack_slot_batch(
     batch.offsets.extend(last.offsets)
     batch.data = data
     return len(data)
+
+
+def _little_contiguous(value: np.ndarray) -> np.ndarray:
+    """``value``'s elements as a C-contiguous little-endian array (the wire's byte order)."""
+    dtype = value.dtype.newbyteorder("<") if value.dtype.byteorder == ">" else value.dtype
+    return np.ascontiguousarray(value, dtype=dtype)
 
 
 def inline_region(data: bytes | bytearray, name: str) -> shm.Region:
@@ -300,8 +318,18 @@ def _entries(packed: tuple[list[Any], ...]) -> list[SlotEntry]:
         dtype = from_wire(wire_dtype, key)
         shape = tuple(dims[pos : pos + nd])
         pos += nd
-        out.append((key, dtype, shape, offset, prod(shape) * dtype.itemsize))
+        nbytes = prod(shape) * dtype.itemsize
+        if nd > _MAX_NDIM or (nbytes == 0 and nd > 1):  # (else the region's bounds decide)
+            problem = tensor.array_limit_problem(shape, dtype.itemsize)
+            if problem is not None:
+                raise InvalidArgument(f"tensor {key!r}: {problem}")
+        out.append((key, dtype, shape, offset, nbytes))
     return out
+
+
+#: numpy's most dimensions (a slot of more is refused by name before any view is made; a
+#: non-empty slot too large for an array lies outside every region, checked by its view).
+_MAX_NDIM = 64
 
 
 def inline_array(t: pb.SessionTensor) -> np.ndarray:
@@ -314,7 +342,7 @@ def inline_array(t: pb.SessionTensor) -> np.ndarray:
     key = t.key
     dtype = tensor.dtype_from_wire(t.dtype, key)
     shape = tuple(t.shape)  # (int64 field: already Python ints)
-    nbytes = tensor.tensor_nbytes(shape, dtype)
+    nbytes = tensor.checked_nbytes(key, shape, dtype)
     data = t.data
     if len(data) != nbytes:
         raise MalformedStream(

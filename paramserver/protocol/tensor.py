@@ -173,6 +173,30 @@ def _supported_names() -> str:
     return ", ".join(str(dt) for dt in SUPPORTED_DTYPES)
 
 
+def array_limit_problem(shape: Sequence[int], itemsize: int) -> str | None:
+    """Why numpy cannot hold an array of ``shape`` (non-negative dimensions) with items of
+    ``itemsize`` bytes, or None when it can: numpy allows at most 64 dimensions, and the
+    product of the non-zero ones (zero-size arrays too) times the itemsize must fit in a signed
+    64-bit size. Checked before any ``reshape`` so a hostile header is refused by name
+    (INVALID_ARGUMENT), not by numpy's ``ValueError``."""
+    if len(shape) > _MAX_NDIM:
+        return f"shape has {len(shape)} dimensions (numpy allows {_MAX_NDIM})"
+    if math.prod(d for d in shape if d) * itemsize > _MAX_ARRAY_BYTES:
+        return f"shape {tuple(shape)} is larger than any array can be"
+    return None
+
+
+def checked_nbytes(key: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
+    """:func:`tensor_nbytes` of a received tensor, refusing (INVALID_ARGUMENT, naming ``key``)
+    a negative dimension or a shape no array can have (:func:`array_limit_problem`)."""
+    if shape and min(shape) < 0:
+        raise InvalidArgument(f"{_key_label(key)}: negative dimension in shape {shape}")
+    problem = array_limit_problem(shape, dtype.itemsize)
+    if problem is not None:
+        raise InvalidArgument(f"{_key_label(key)}: {problem}")
+    return math.prod(shape) * dtype.itemsize
+
+
 def tensor_nbytes(shape: Sequence[int], dtype: npt.DTypeLike) -> int:
     """Payload size of a tensor, computed with Python integers (no overflow).
 
@@ -566,13 +590,9 @@ class TensorAssembler:
         shape = tuple(int(d) for d in header.shape)
         if any(d < 0 for d in shape):
             raise self._fail(key, f"negative dimension in shape {shape}")
-        # numpy's own limits, checked here so a hostile header is refused by name, not by a
-        # ValueError from reshape: at most 64 dimensions, and the product of the non-zero ones
-        # (zero-size arrays too) times the itemsize must fit in a signed 64-bit size.
-        if len(shape) > _MAX_NDIM:
-            raise self._fail(key, f"shape has {len(shape)} dimensions (numpy allows {_MAX_NDIM})")
-        if math.prod(d for d in shape if d) * dtype.itemsize > _MAX_ARRAY_BYTES:
-            raise self._fail(key, f"shape {shape} is larger than any array can be")
+        problem = array_limit_problem(shape, dtype.itemsize)  # (numpy's own limits)
+        if problem is not None:
+            raise self._fail(key, problem)
         expected = math.prod(shape) * dtype.itemsize
         if header.size_bytes != expected:
             raise self._fail(

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import InvalidArgument
-from paramserver.protocol import shm
+from paramserver.protocol import shm, tensor
 from paramserver.protocol.session_frames import (
     inline_region,
     pack_slot_batch,
@@ -104,3 +104,27 @@ def test_entries_memo_returns_the_same_decoding() -> None:
     other = pb.SlotBatch()
     pack_slot_batch(other, ["a"], [np.zeros((3, 2), np.float16)])
     assert slot_batch_entries(other, memo) == [("a", np.dtype(np.float16), (3, 2), 0, 12)]
+
+
+def test_big_endian_values_are_packed_little_endian() -> None:
+    batch = pb.SlotBatch()
+    want = np.arange(5, dtype=np.float32)
+    pack_slot_batch(batch, ["a"], [want.astype(">f4")])
+    got = _read(batch)["a"]
+    assert got.dtype == np.dtype("<f4")
+    np.testing.assert_array_equal(got, want)
+
+
+def test_given_bytes_of_the_wrong_size_are_a_caller_bug() -> None:
+    with pytest.raises(ValueError, match="packed 55 bytes where the layout needs 64"):
+        pack_slot_batch(pb.SlotBatch(), ["a"], [np.zeros(3, np.float32)], datas=[b"123"])
+
+
+@pytest.mark.parametrize(
+    ("shape", "words"), [((1,) * 70, "70 dimensions"), ((0, 2**62, 2**62), "larger than")]
+)
+def test_shapes_no_array_can_have_are_refused_by_name(shape: tuple[int, ...], words: str) -> None:
+    f32 = tensor.dtype_to_wire(np.float32)
+    batch = pb.SlotBatch(keys=["k"], dtypes=[f32], ndims=[len(shape)], dims=shape, offsets=[0])
+    with pytest.raises(InvalidArgument, match=f"'k'.*{words}"):
+        slot_batch_entries(batch)

@@ -289,3 +289,74 @@ async def test_a_server_that_does_not_announce_it_gets_one_tensor_per_key(
             assert ps.fastpath is not None and not ps.fastpath.packed_inline
         pushes = [p for p in (_push_of(r) for r, _ in seen) if p is not None]
         assert pushes and all(not p.HasField("slots") and len(p.tensors) == 2 for p in pushes)
+
+
+def _raw_batch(entries: list[tuple[str, np.dtype[Any], tuple[int, ...], int]], data: bytes) -> Any:
+    batch = pb.SlotBatch(data=data)
+    for key, dtype, shape, offset in entries:
+        batch.keys.append(key)
+        batch.dtypes.append(tensor.dtype_to_wire(dtype))
+        batch.ndims.append(len(shape))
+        batch.dims.extend(shape)
+        batch.offsets.append(offset)
+    return batch
+
+
+async def test_hostile_shapes_and_trailing_bytes_are_invalid_argument_naming_the_key() -> None:
+    # Shapes no numpy array can have (70 dimensions; a zero-size shape whose other dimensions
+    # multiply past any size), packed or as one inline tensor, and a packed batch with bytes
+    # after its last slot: INVALID_ARGUMENT naming what was wrong, nothing applied, the stream
+    # serving. A batch of empty tensors only (no bytes at all) on a session with no segment
+    # is read as packed and applied.
+    async with running_server(consistency="asp", shared_memory=False) as daemon:
+        async with WorkerClient(_address(daemon), "w0", heartbeat=False) as ps:
+            await ps.init({"a": np.zeros(4, F32), "z": np.zeros((0, 3), F32)}, rule=ADD)
+        async with grpc.aio.insecure_channel(_address(daemon)) as channel:
+            stub = pb_grpc.ParameterServerStub(channel)
+            reg = await stub.Register(pb.RegisterRequest(worker_name="raw"))
+            call, _opened = await _raw_open(stub, packed=True)
+            four = np.ones(4, F32).tobytes()
+            rank70 = (1,) * 70
+            huge_zero = (0, 2**62, 2**62)
+            pushes = [
+                (pb.SessionPush(slots=_raw_batch([("a", F32, rank70, 0)], four)), "70 dimensions"),
+                (
+                    pb.SessionPush(slots=_raw_batch([("a", F32, huge_zero, 0)], four)),
+                    "larger than any array",
+                ),
+                (
+                    pb.SessionPush(
+                        tensors=[
+                            pb.SessionTensor(
+                                key="a", dtype=tensor.dtype_to_wire(F32), shape=rank70, data=four
+                            )
+                        ]
+                    ),
+                    "70 dimensions",
+                ),
+                (
+                    pb.SessionPush(slots=_raw_batch([("a", F32, (4,), 0)], four + bytes(64))),
+                    "slots end at 64",
+                ),
+            ]
+            for i, (push, words) in enumerate(pushes):
+                push.header.CopyFrom(pb.PushHeader(worker_id=reg.worker_id, request_id=i, clock=0))
+                await call.write(pb.SessionRequest(seq=10 + i, push=push))
+                resp = await call.read()
+                assert resp.WhichOneof("body") == "error", resp
+                assert resp.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], resp.error
+                assert words in resp.error.message, resp.error.message
+                if i < 3:
+                    assert "'a'" in resp.error.message, resp.error.message
+            empty = pb.SessionPush(
+                header=pb.PushHeader(worker_id=reg.worker_id, request_id=50, clock=0),
+                slots=_raw_batch([("z", F32, (0, 3), 0)], b""),
+            )
+            await call.write(pb.SessionRequest(seq=30, push=empty))
+            resp = await call.read()
+            assert resp.WhichOneof("body") == "push", resp
+            assert resp.push.applied_updates == 1
+            await call.write(pb.SessionRequest(seq=31, pull=pb.PullRequest(keys=["a"])))
+            pulled = (await call.read()).pull
+            np.testing.assert_array_equal(np.frombuffer(pulled.tensors[0].data, F32), [0] * 4)
+            call.cancel()

@@ -285,7 +285,7 @@ class SessionService:
                 raise MalformedStream(f"key {key!r} appears twice in one push")
             dtype = tensor.dtype_from_wire(t.dtype, key)
             shape = tuple(t.shape)  # (int64 field: already Python ints)
-            nbytes = tensor.tensor_nbytes(shape, dtype)
+            nbytes = tensor.checked_nbytes(key, shape, dtype)
             if limit is not None and nbytes > limit:
                 raise InvalidArgument(
                     f"tensor {key!r}: size_bytes {nbytes} exceeds max_tensor_bytes {limit}"
@@ -327,21 +327,31 @@ class SessionService:
             between slots may hold anything: then the core scans each gradient).
         """
         mapping = session.mapping
-        if batch.data:
-            region = session.receive(batch.data)
+        data = batch.data
+        if not data and mapping is None:
+            # no bytes and no segment: a packed batch of empty tensors only, or slots with
+            # nowhere to be
+            for key, _dtype, _shape, _offset, nbytes in slot_batch_entries(batch):
+                if nbytes:
+                    raise InvalidArgument(
+                        f"tensor {key!r}: shared-memory slot but no segment is mapped"
+                    )
+            if not batch.keys:
+                return False
+        if data or mapping is None:
+            region = session.receive(data)
             layouts = session.received_layouts
-        elif mapping is None:
-            entries = slot_batch_entries(batch)
-            if entries:
-                raise InvalidArgument(
-                    f"tensor {entries[0][0]!r}: shared-memory slot but no segment is mapped"
-                )
-            return False
         else:
             region, layouts = mapping.push, mapping.layouts
         limit = self.shard.engine.config.max_tensor_bytes
         keep_copies = self.shard.core.aggregator is not None
         entries, views = slot_batch_views(batch, region, layouts)
+        if data:
+            end = shm.align_up(max(e[3] + e[4] for e in entries)) if entries else 0
+            if len(data) > end:
+                raise InvalidArgument(
+                    f"packed batch carries {len(data)} bytes, but its slots end at {end}"
+                )
         for (key, _dtype, _shape, _offset, nbytes), view in zip(entries, views, strict=True):
             if not key:
                 raise MalformedStream("Session tensor with an empty key")
