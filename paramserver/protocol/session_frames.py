@@ -319,17 +319,13 @@ def _entries(packed: tuple[list[Any], ...]) -> list[SlotEntry]:
         shape = tuple(dims[pos : pos + nd])
         pos += nd
         nbytes = prod(shape) * dtype.itemsize
-        if nd > _MAX_NDIM or (nbytes == 0 and nd > 1):  # (else the region's bounds decide)
+        # (a non-empty slot too large for an array lies outside every region: its view says so)
+        if nd > tensor.MAX_NDIM or (nbytes == 0 and nd > 1):
             problem = tensor.array_limit_problem(shape, dtype.itemsize)
             if problem is not None:
                 raise InvalidArgument(f"tensor {key!r}: {problem}")
         out.append((key, dtype, shape, offset, nbytes))
     return out
-
-
-#: numpy's most dimensions (a slot of more is refused by name before any view is made; a
-#: non-empty slot too large for an array lies outside every region, checked by its view).
-_MAX_NDIM = 64
 
 
 def inline_array(t: pb.SessionTensor) -> np.ndarray:

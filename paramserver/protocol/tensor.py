@@ -50,9 +50,12 @@ from paramserver.protocol.limits import MAX_KEY_BYTES, check_key, shown
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "MAX_NDIM",
     "SUPPORTED_DTYPES",
     "HeadedStream",
     "TensorAssembler",
+    "array_limit_problem",
+    "checked_nbytes",
     "decode_frames",
     "dtype_from_wire",
     "dtype_to_wire",
@@ -87,7 +90,8 @@ SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(_FROM_WIRE.values())
 """float16, bfloat16 (``ml_dtypes``), float32, float64, int32, int64, in wire-enum order."""
 
 
-_MAX_NDIM = 64  # numpy.core.multiarray.MAXDIMS
+#: Most dimensions a numpy array may have (``numpy.core.multiarray.MAXDIMS``).
+MAX_NDIM = 64
 _MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
 
 
@@ -179,8 +183,8 @@ def array_limit_problem(shape: Sequence[int], itemsize: int) -> str | None:
     product of the non-zero ones (zero-size arrays too) times the itemsize must fit in a signed
     64-bit size. Checked before any ``reshape`` so a hostile header is refused by name
     (INVALID_ARGUMENT), not by numpy's ``ValueError``."""
-    if len(shape) > _MAX_NDIM:
-        return f"shape has {len(shape)} dimensions (numpy allows {_MAX_NDIM})"
+    if len(shape) > MAX_NDIM:
+        return f"shape has {len(shape)} dimensions (numpy allows {MAX_NDIM})"
     if math.prod(d for d in shape if d) * itemsize > _MAX_ARRAY_BYTES:
         return f"shape {tuple(shape)} is larger than any array can be"
     return None
