@@ -55,6 +55,21 @@ def frames(key: str, array: np.ndarray, chunk_bytes: int = 1 << 16) -> list[tens
     return out
 
 
+def slot_batch(
+    entries: Iterable[tuple[str, np.dtype[Any], tuple[int, ...], int]], data: bytes = b""
+) -> pb.SlotBatch:
+    """A Session ``SlotBatch`` written field by field: one ``(key, dtype, shape, offset_bytes)``
+    per slot; with ``data`` a packed inline batch, without it slots in shared memory."""
+    batch = pb.SlotBatch(data=data)
+    for key, dtype, shape, offset in entries:
+        batch.keys.append(key)
+        batch.dtypes.append(_TO_WIRE[np.dtype(dtype)])
+        batch.ndims.append(len(shape))
+        batch.dims.extend(shape)
+        batch.offsets.append(offset)
+    return batch
+
+
 def push_messages(
     worker_id: str,
     request_id: int,

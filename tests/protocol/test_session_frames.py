@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -23,14 +22,8 @@ from paramserver.protocol.session_frames import (
 
 pytestmark = pytest.mark.timeout(60)
 
-DTYPES = [
-    np.dtype(np.float16),
-    np.dtype(ml_dtypes.bfloat16),
-    np.dtype(np.float32),
-    np.dtype(np.float64),
-    np.dtype(np.int32),
-    np.dtype(np.int64),
-]
+#: Every dtype the wire carries.
+DTYPES = list(tensor.SUPPORTED_DTYPES)
 
 
 def _read(batch: pb.SlotBatch) -> dict[str, np.ndarray]:

@@ -34,6 +34,7 @@ from paramserver.protocol.session_frames import SMALL_INLINE_BYTES
 from paramserver.server.shard_daemon import ParameterServerDaemon
 from paramserver.worker_client import UpdateRule, WorkerClient
 from tests.harness import ScriptProcess, ServerProcess, eventually, running_server
+from tests.harness.raw_stubs import slot_batch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -736,19 +737,6 @@ async def test_one_exchange_region_serves_a_push_pull_of_other_keys(consistency:
         np.testing.assert_array_equal(got["b"], b0)
 
 
-def _slot_batch(
-    entries: list[tuple[str, np.dtype[Any], tuple[int, ...], int]],
-) -> pb.SlotBatch:
-    batch = pb.SlotBatch()
-    for key, dtype, shape, offset in entries:
-        batch.keys.append(key)
-        batch.dtypes.append(tensor.dtype_to_wire(dtype))
-        batch.ndims.append(len(shape))
-        batch.dims.extend(shape)
-        batch.offsets.append(offset)
-    return batch
-
-
 async def test_slot_batches_round_trip_and_bad_ones_apply_nothing() -> None:
     # Many keys under one SlotBatch header, both ways: the values match numpy; a batch whose
     # arrays disagree, or with one slot outside the region, is INVALID_ARGUMENT, applies
@@ -777,9 +765,9 @@ async def test_slot_batches_round_trip_and_bad_ones_apply_nothing() -> None:
                 b_off = shm.align_up(a.nbytes)
                 seg.push.view(b_off, b.nbytes, f32, b.shape)[:] = b
                 good = [("a", f32, (2, 3), 0), ("b", f32, (n_big,), b_off)]
-                disagree = _slot_batch(good)
+                disagree = slot_batch(good)
                 disagree.dims.append(7)  # one dimension too many
-                outside = _slot_batch([good[0], ("b", f32, (n_big,), seg.push.size_bytes)])
+                outside = slot_batch([good[0], ("b", f32, (n_big,), seg.push.size_bytes)])
                 for i, batch in enumerate([disagree, outside]):
                     push = pb.SessionPush(
                         header=pb.PushHeader(worker_id=reg.worker_id, request_id=i, clock=0),
@@ -792,7 +780,7 @@ async def test_slot_batches_round_trip_and_bad_ones_apply_nothing() -> None:
                 both = pb.SessionPushPull(
                     push=pb.SessionPush(
                         header=pb.PushHeader(worker_id=reg.worker_id, request_id=9, clock=0),
-                        slots=_slot_batch(good),
+                        slots=slot_batch(good),
                     ),
                     pull=pb.PullRequest(worker_id=reg.worker_id, keys=["a", "b"]),
                 )

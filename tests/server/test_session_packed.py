@@ -29,6 +29,7 @@ from paramserver.server.transports.session_service import SessionService
 from paramserver.worker_client import UpdateRule, WorkerClient
 from paramserver.worker_client.transport.session_stream import SessionTransport
 from tests.harness import running_server
+from tests.harness.raw_stubs import slot_batch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -291,17 +292,6 @@ async def test_a_server_that_does_not_announce_it_gets_one_tensor_per_key(
         assert pushes and all(not p.HasField("slots") and len(p.tensors) == 2 for p in pushes)
 
 
-def _raw_batch(entries: list[tuple[str, np.dtype[Any], tuple[int, ...], int]], data: bytes) -> Any:
-    batch = pb.SlotBatch(data=data)
-    for key, dtype, shape, offset in entries:
-        batch.keys.append(key)
-        batch.dtypes.append(tensor.dtype_to_wire(dtype))
-        batch.ndims.append(len(shape))
-        batch.dims.extend(shape)
-        batch.offsets.append(offset)
-    return batch
-
-
 async def test_hostile_shapes_and_trailing_bytes_are_invalid_argument_naming_the_key() -> None:
     # Shapes no numpy array can have (70 dimensions; a zero-size shape whose other dimensions
     # multiply past any size), packed or as one inline tensor, and a packed batch with bytes
@@ -319,9 +309,9 @@ async def test_hostile_shapes_and_trailing_bytes_are_invalid_argument_naming_the
             rank70 = (1,) * 70
             huge_zero = (0, 2**62, 2**62)
             pushes = [
-                (pb.SessionPush(slots=_raw_batch([("a", F32, rank70, 0)], four)), "70 dimensions"),
+                (pb.SessionPush(slots=slot_batch([("a", F32, rank70, 0)], four)), "70 dimensions"),
                 (
-                    pb.SessionPush(slots=_raw_batch([("a", F32, huge_zero, 0)], four)),
+                    pb.SessionPush(slots=slot_batch([("a", F32, huge_zero, 0)], four)),
                     "larger than any array",
                 ),
                 (
@@ -335,7 +325,7 @@ async def test_hostile_shapes_and_trailing_bytes_are_invalid_argument_naming_the
                     "70 dimensions",
                 ),
                 (
-                    pb.SessionPush(slots=_raw_batch([("a", F32, (4,), 0)], four + bytes(64))),
+                    pb.SessionPush(slots=slot_batch([("a", F32, (4,), 0)], four + bytes(64))),
                     "slots end at 64",
                 ),
             ]
@@ -350,7 +340,7 @@ async def test_hostile_shapes_and_trailing_bytes_are_invalid_argument_naming_the
                     assert "'a'" in resp.error.message, resp.error.message
             empty = pb.SessionPush(
                 header=pb.PushHeader(worker_id=reg.worker_id, request_id=50, clock=0),
-                slots=_raw_batch([("z", F32, (0, 3), 0)], b""),
+                slots=slot_batch([("z", F32, (0, 3), 0)], b""),
             )
             await call.write(pb.SessionRequest(seq=30, push=empty))
             resp = await call.read()
