@@ -1,7 +1,7 @@
 """The suite's harness: real server and worker processes (:mod:`.processes`), in-process
 servers and clusters (:mod:`.clusters`), and the one polling loop (:mod:`.polling`)."""
 
-from .clusters import job_params, run_job, running_cluster, running_server
+from .clusters import address_of, job_params, run_job, running_cluster, running_server
 from .polling import eventually
 from .processes import (
     JsonWorker,
@@ -19,6 +19,7 @@ __all__ = [
     "PlanWorker",
     "ScriptProcess",
     "ServerProcess",
+    "address_of",
     "eventually",
     "free_port",
     "job_params",

@@ -18,6 +18,11 @@ from paramserver.worker_client import UpdateRule, connect
 from paramserver.worker_client.client import WorkerClient
 
 
+def address_of(daemon: ParameterServerDaemon) -> str:
+    """``host:port`` of an in-process daemon on 127.0.0.1 (its ephemeral port once bound)."""
+    return f"127.0.0.1:{daemon.port}"
+
+
 @asynccontextmanager
 async def running_server(**config: Any) -> AsyncIterator[Any]:
     """An in-process server on 127.0.0.1, ephemeral port (the daemon of ``mode``)."""

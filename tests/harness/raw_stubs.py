@@ -55,6 +55,16 @@ def frames(key: str, array: np.ndarray, chunk_bytes: int = 1 << 16) -> list[tens
     return out
 
 
+def random_values(
+    rng: np.random.Generator, dtype: np.dtype[Any], shape: tuple[int, ...]
+) -> np.ndarray:
+    """Random values of ``dtype`` and ``shape``: integers in [-1000, 1000) for an integer dtype,
+    else standard normals rounded once from float32 into ``dtype``."""
+    if dtype.kind == "i":
+        return rng.integers(-1000, 1000, size=shape).astype(dtype)
+    return rng.standard_normal(size=shape).astype(np.float32).astype(dtype)
+
+
 def slot_batch(
     entries: Iterable[tuple[str, np.dtype[Any], tuple[int, ...], int]], data: bytes = b""
 ) -> pb.SlotBatch:

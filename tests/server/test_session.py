@@ -33,8 +33,8 @@ from paramserver.protocol import shm, tensor
 from paramserver.protocol.session_frames import SMALL_INLINE_BYTES
 from paramserver.server.shard_daemon import ParameterServerDaemon
 from paramserver.worker_client import UpdateRule, WorkerClient
-from tests.harness import ScriptProcess, ServerProcess, eventually, running_server
-from tests.harness.raw_stubs import slot_batch
+from tests.harness import ScriptProcess, ServerProcess, address_of, eventually, running_server
+from tests.harness.raw_stubs import random_values, slot_batch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,23 +54,13 @@ MID = 100_000
 SHAPES = [(), (0,), (3, 0, 5), (5, 3), (MID,), (BIG,)]
 
 
-def _values(rng: np.random.Generator, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
-    if dtype.kind == "i":
-        return rng.integers(-1000, 1000, size=shape).astype(dtype)
-    return rng.standard_normal(size=shape).astype(np.float32).astype(dtype)
-
-
-def _address(daemon: ParameterServerDaemon) -> str:
-    return f"127.0.0.1:{daemon.port}"
-
-
 def _segments_of(pid: int, directory: Path = shm.SHM_DIR) -> list[str]:
     return [n for n in os.listdir(directory) if n.startswith(f"paramserver-{pid}-")]
 
 
 def _client(daemon: ParameterServerDaemon, name: str, **kwargs: Any) -> WorkerClient:
     kwargs.setdefault("heartbeat", False)
-    return WorkerClient(_address(daemon), name, **kwargs)
+    return WorkerClient(address_of(daemon), name, **kwargs)
 
 
 async def _roundtrips(ps: WorkerClient, seed: int) -> None:
@@ -79,8 +69,8 @@ async def _roundtrips(ps: WorkerClient, seed: int) -> None:
     for dtype in DTYPES:
         for shape in SHAPES:
             key = f"{dtype.name}-{'x'.join(map(str, shape))}"
-            init = _values(rng, dtype, shape)
-            g1, g2 = _values(rng, dtype, shape), _values(rng, dtype, shape)
+            init = random_values(rng, dtype, shape)
+            g1, g2 = random_values(rng, dtype, shape), random_values(rng, dtype, shape)
             await ps.init({key: init}, rule=ADD)
             await ps.push({key: g1})
             want1 = init + g1
@@ -204,7 +194,7 @@ async def test_nonce_mismatch_declines_and_leaves_the_file() -> None:
         try:
             offer = seg.offer()
             offer.nonce = bytes(b ^ 0xFF for b in offer.nonce)
-            async with grpc.aio.insecure_channel(_address(daemon)) as channel:
+            async with grpc.aio.insecure_channel(address_of(daemon)) as channel:
                 call, opened = await _raw_session(pb_grpc.ParameterServerStub(channel), offer)
                 assert not opened.shm.accepted
                 assert "nonce mismatch" in opened.shm.reason
@@ -221,7 +211,7 @@ async def test_malicious_slot_is_invalid_argument_and_the_stream_keeps_serving()
             await ps.init({"w": np.zeros(4, np.float32)}, rule=ADD)
         seg = shm.ClientSegment.create(1 << 20, 1 << 20)
         try:
-            async with grpc.aio.insecure_channel(_address(daemon)) as channel:
+            async with grpc.aio.insecure_channel(address_of(daemon)) as channel:
                 stub = pb_grpc.ParameterServerStub(channel)
                 reg = await stub.Register(pb.RegisterRequest(worker_name="raw"))
                 call, opened = await _raw_session(stub, seg.offer())
@@ -418,7 +408,7 @@ async def _spawn_worker(
 @pytest.mark.slow
 async def test_worker_killed_after_negotiation_leaks_nothing(tmp_path: Path) -> None:
     async with running_server(consistency="asp") as daemon:
-        worker, line = await _spawn_worker(tmp_path, _address(daemon), "session")
+        worker, line = await _spawn_worker(tmp_path, address_of(daemon), "session")
         with worker:
             assert line == "negotiated"
             assert _segments_of(worker.pid) == []  # unlinked by both sides once accepted
@@ -437,7 +427,9 @@ async def test_worker_killed_between_create_and_offer_is_swept(tmp_path: Path) -
     async with running_server(consistency="asp") as daemon:
         segments = tmp_path / "shm"
         segments.mkdir()
-        worker, name = await _spawn_worker(tmp_path, _address(daemon), "create-only", str(segments))
+        worker, name = await _spawn_worker(
+            tmp_path, address_of(daemon), "create-only", str(segments)
+        )
         with worker:
             assert _segments_of(worker.pid, segments) == [name]
             await asyncio.to_thread(worker.kill)
@@ -750,7 +742,7 @@ async def test_slot_batches_round_trip_and_bad_ones_apply_nothing() -> None:
             )
         seg = shm.ClientSegment.create(1 << 20, 1 << 20)
         try:
-            async with grpc.aio.insecure_channel(_address(daemon)) as channel:
+            async with grpc.aio.insecure_channel(address_of(daemon)) as channel:
                 stub = pb_grpc.ParameterServerStub(channel)
                 reg = await stub.Register(pb.RegisterRequest(worker_name="raw"))
                 call = stub.Session()

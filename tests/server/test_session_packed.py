@@ -24,12 +24,11 @@ from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.errors import NonFiniteGradient
 from paramserver.protocol import shm, tensor
 from paramserver.protocol.session_frames import pack_slot_batch, slot_batch_entries
-from paramserver.server.shard_daemon import ParameterServerDaemon
 from paramserver.server.transports.session_service import SessionService
 from paramserver.worker_client import UpdateRule, WorkerClient
 from paramserver.worker_client.transport.session_stream import SessionTransport
-from tests.harness import running_server
-from tests.harness.raw_stubs import slot_batch
+from tests.harness import address_of, running_server
+from tests.harness.raw_stubs import random_values, slot_batch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,16 +47,6 @@ LAYOUT: list[tuple[np.dtype[Any], tuple[int, ...]]] = [
     (np.dtype(np.int64), (1, 0, 4)),
     (F32, (257,)),
 ]
-
-
-def _values(rng: np.random.Generator, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
-    if dtype.kind == "i":
-        return rng.integers(-1000, 1000, size=shape).astype(dtype)
-    return rng.standard_normal(size=shape).astype(np.float32).astype(dtype)
-
-
-def _address(daemon: ParameterServerDaemon) -> str:
-    return f"127.0.0.1:{daemon.port}"
 
 
 @asynccontextmanager
@@ -105,18 +94,20 @@ async def test_many_small_keys_travel_packed_and_match_numpy(
     # (here ~3 KiB in all), a request of many keys is one packed inline batch each way.
     rng = np.random.default_rng(11)
     keys = [f"k{i}" for i in range(len(LAYOUT))]
-    init = {k: _values(rng, d, s) for k, (d, s) in zip(keys, LAYOUT, strict=True)}
+    init = {k: random_values(rng, d, s) for k, (d, s) in zip(keys, LAYOUT, strict=True)}
     async with running_server(consistency="asp", shared_memory=server_shm) as daemon:
         async with (
             _recording(monkeypatch) as seen,
-            WorkerClient(_address(daemon), "w0", heartbeat=False, shared_memory=client_shm) as ps,
+            WorkerClient(address_of(daemon), "w0", heartbeat=False, shared_memory=client_shm) as ps,
         ):
             await ps.init(init, rule=ADD)
             want = {k: v.copy() for k, v in init.items()}
             for step in range(3):
-                grads = {k: _values(rng, d, s) for k, (d, s) in zip(keys, LAYOUT, strict=True)}
+                grads = {
+                    k: random_values(rng, d, s) for k, (d, s) in zip(keys, LAYOUT, strict=True)
+                }
                 # one gradient not C-contiguous (a transposed view): packed as its values
-                grads["k2"] = _values(rng, LAYOUT[2][0], (5, 3)).T
+                grads["k2"] = random_values(rng, LAYOUT[2][0], (5, 3)).T
                 for k in keys:
                     want[k] = want[k] + grads[k]
                 got = await ps.push_pull(grads) if step else await _push_then_pull(ps, grads)
@@ -149,7 +140,7 @@ async def test_bsp_queued_packed_gradients_survive_the_next_packed_push() -> Non
     """BSP queues a step's gradients until the step closes; a worker's next packed push (other
     keys, same step) reuses the session's receive buffer, so what was queued must be a copy."""
     async with running_server(consistency="bsp", lease_ms=60_000, shared_memory=False) as daemon:
-        addr = _address(daemon)
+        addr = address_of(daemon)
         async with (
             WorkerClient(addr, "w0", heartbeat=False) as w0,
             WorkerClient(addr, "w1", heartbeat=False) as w1,
@@ -191,9 +182,9 @@ async def test_bad_packed_batches_apply_nothing_and_the_stream_keeps_serving() -
     a0 = np.arange(6, dtype=np.float32).reshape(2, 3)
     b0 = np.linspace(-1, 1, 9, dtype=np.float32)
     async with running_server(consistency="asp", shared_memory=False) as daemon:
-        async with WorkerClient(_address(daemon), "w0", heartbeat=False) as ps:
+        async with WorkerClient(address_of(daemon), "w0", heartbeat=False) as ps:
             await ps.init({"a": np.zeros((2, 3), F32), "b": np.zeros(9, F32)}, rule=ADD)
-        async with grpc.aio.insecure_channel(_address(daemon)) as channel:
+        async with grpc.aio.insecure_channel(address_of(daemon)) as channel:
             stub = pb_grpc.ParameterServerStub(channel)
             reg = await stub.Register(pb.RegisterRequest(worker_name="raw"))
             call, opened = await _raw_open(stub, packed=True)
@@ -250,9 +241,9 @@ async def test_bad_packed_batches_apply_nothing_and_the_stream_keeps_serving() -
 async def test_a_client_that_did_not_ask_gets_one_tensor_per_key() -> None:
     # An older client's open (no packed_inline) is answered with one SessionTensor per key.
     async with running_server(consistency="asp", shared_memory=False) as daemon:
-        async with WorkerClient(_address(daemon), "w0", heartbeat=False) as ps:
+        async with WorkerClient(address_of(daemon), "w0", heartbeat=False) as ps:
             await ps.init({"a": np.ones(3, F32), "b": np.full(2, 2.0, F32)}, rule=ADD)
-        async with grpc.aio.insecure_channel(_address(daemon)) as channel:
+        async with grpc.aio.insecure_channel(address_of(daemon)) as channel:
             stub = pb_grpc.ParameterServerStub(channel)
             call, _opened = await _raw_open(stub, packed=False)
             await call.write(pb.SessionRequest(seq=2, pull=pb.PullRequest(keys=["a", "b"])))
@@ -281,7 +272,7 @@ async def test_a_server_that_does_not_announce_it_gets_one_tensor_per_key(
     async with running_server(consistency="asp", shared_memory=False) as daemon:
         async with (
             _recording(monkeypatch) as seen,
-            WorkerClient(_address(daemon), "w0", heartbeat=False) as ps,
+            WorkerClient(address_of(daemon), "w0", heartbeat=False) as ps,
         ):
             await ps.init({"a": np.zeros(3, F32), "b": np.zeros(2, F32)}, rule=ADD)
             got = await ps.push_pull({"a": np.full(3, 1.5, F32), "b": np.full(2, -2.0, F32)})
@@ -299,9 +290,9 @@ async def test_hostile_shapes_and_trailing_bytes_are_invalid_argument_naming_the
     # serving. A batch of empty tensors only (no bytes at all) on a session with no segment
     # is read as packed and applied.
     async with running_server(consistency="asp", shared_memory=False) as daemon:
-        async with WorkerClient(_address(daemon), "w0", heartbeat=False) as ps:
+        async with WorkerClient(address_of(daemon), "w0", heartbeat=False) as ps:
             await ps.init({"a": np.zeros(4, F32), "z": np.zeros((0, 3), F32)}, rule=ADD)
-        async with grpc.aio.insecure_channel(_address(daemon)) as channel:
+        async with grpc.aio.insecure_channel(address_of(daemon)) as channel:
             stub = pb_grpc.ParameterServerStub(channel)
             reg = await stub.Register(pb.RegisterRequest(worker_name="raw"))
             call, _opened = await _raw_open(stub, packed=True)
