@@ -57,8 +57,10 @@ from paramserver.worker_client.cluster import ClusterWorkerClient
 try:
     import torch
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "paramserver.integrations.torch needs PyTorch: pip install 'paramserver[torch]'"
+    # (ModuleNotFoundError naming torch: callers that skip a missing optional extra see which)
+    raise ModuleNotFoundError(
+        "paramserver.integrations.torch needs PyTorch: pip install 'paramserver[torch]'",
+        name="torch",
     ) from exc
 
 __all__ = [

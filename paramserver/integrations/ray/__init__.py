@@ -63,7 +63,8 @@ def __getattr__(name: str) -> Any:
     except ImportError as exc:
         if exc.name != "ray" and not str(exc.name).startswith("ray."):
             raise
-        raise ImportError(
-            f"paramserver.integrations.ray needs Ray: pip install 'paramserver[ray]' ({exc})"
+        raise ModuleNotFoundError(
+            f"paramserver.integrations.ray needs Ray: pip install 'paramserver[ray]' ({exc})",
+            name=exc.name,
         ) from exc
     return getattr(launcher, name)
