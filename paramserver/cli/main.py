@@ -17,7 +17,8 @@ import grpc
 from paramserver.cli.logs import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging
 from paramserver.errors import InvalidArgument, ParamServerError, from_rpc_error
 
-#: Subcommands that run until stopped (or train): they take ``--log-format`` after their name too.
+#: Subcommands that run until stopped (or train): they take ``--log-level`` and ``--log-format``
+#: after their name too.
 LONG_RUNNING = frozenset({"serve", "worker", "rank-server", "demo", "torch-demo", "spmd-demo"})
 
 
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_subcommands(sub)
     for name, command in sub.choices.items():
         if name in LONG_RUNNING:  # also accepted after the subcommand
+            command.add_argument(
+                "--log-level",
+                default=argparse.SUPPRESS,
+                help="logging level (DEBUG, INFO, WARNING, ...)",
+            )
             command.add_argument(
                 "--log-format",
                 choices=LOG_FORMATS,

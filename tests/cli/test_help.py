@@ -11,7 +11,7 @@ import pytest
 
 import paramserver
 from paramserver.cli.demos.digits import compression_note
-from paramserver.cli.main import build_parser
+from paramserver.cli.main import LONG_RUNNING, build_parser
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -71,3 +71,17 @@ def test_the_demo_says_when_compression_is_on() -> None:
     assert compression_note("none", 0.1) == ""
     assert compression_note("topk", 0.1) == ", compression topk (0.1 of entries, error feedback)"
     assert "compression fp16" in compression_note("fp16", 0.1)
+
+
+def test_long_running_commands_take_the_log_flags_after_their_name_too() -> None:
+    for name, sub in _subparsers().items():
+        flags = {s for a in sub._actions for s in a.option_strings}
+        if name in LONG_RUNNING:
+            assert {"--log-level", "--log-format"} <= flags, name
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--log-level", "WARNING"]).log_level == "WARNING"
+    assert parser.parse_args(["--log-level", "DEBUG", "serve"]).log_level == "DEBUG"
+    assert parser.parse_args(["serve"]).log_level == "INFO"
+    # after the subcommand wins over before it
+    both = parser.parse_args(["--log-level", "DEBUG", "serve", "--log-level", "ERROR"])
+    assert both.log_level == "ERROR"
