@@ -14,6 +14,7 @@ import pytest
 
 from paramserver.errors import DimensionMismatch
 from paramserver.protocol import tensor
+from paramserver.server.transports.early_refusal import DRAIN_S
 from paramserver.worker_client import UpdateRule, connect
 from tests.harness import ServerProcess
 
@@ -55,6 +56,10 @@ def test_an_oversized_push_is_refused_while_the_client_is_still_sending(
         server.stop()
     assert isinstance(exc, DimensionMismatch), repr(exc)  # INVALID_ARGUMENT, not INTERNAL
     assert "'w'" in exc.message
-    assert elapsed < 3.0, f"refusal took {elapsed:.2f} s"
+    # Answered before the server's drain deadline: a refusal sent only after reading the rest
+    # of the stream comes after it (or after all 256 MiB). Wall time on a shared host is no
+    # finer a measure (4.8 s seen with four test processes on two cores: writing 256 MiB into
+    # fresh shared memory); the bytes check below is the exact one for the Push stream.
+    assert elapsed < DRAIN_S, f"refusal took {elapsed:.2f} s"
     if sent:  # the Push stream: the client stopped writing long before the end
         assert sum(sent) < GRADIENT_BYTES // 4, f"sent {sum(sent)} of {GRADIENT_BYTES} bytes"
