@@ -34,6 +34,7 @@ __all__ = [
     "SlotEntry",
     "inline_array",
     "inline_region",
+    "pack_inline",
     "pack_slot_batch",
     "place_slot_batch",
     "place_slot_tensors",
@@ -226,6 +227,26 @@ def pack_slot_batch(
     batch.offsets.extend(last.offsets)
     batch.data = data
     return len(data)
+
+
+def pack_inline(
+    batch: pb.SlotBatch,
+    keys: Sequence[str],
+    values: Sequence[np.ndarray],
+    limit: int,
+    *,
+    datas: Sequence[bytes] | None = None,
+    memo: dict[str, Any] | None = None,
+) -> bool:
+    """:func:`pack_slot_batch` where it pays and fits: more than one key, some bytes, and the
+    packed bytes (padding included) at most ``limit``. True when ``batch`` was filled; False
+    leaves it empty (the caller clears the field and sends one ``SessionTensor`` per key)."""
+    if len(keys) < 2 or not any(v.nbytes for v in values):
+        return False
+    if pack_slot_batch(batch, keys, values, datas=datas, memo=memo) <= limit:
+        return True
+    batch.Clear()  # (the padding took it over the limit)
+    return False
 
 
 def _little_contiguous(value: np.ndarray) -> np.ndarray:

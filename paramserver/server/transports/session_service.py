@@ -35,7 +35,7 @@ from paramserver.protocol.session_frames import (
     MAX_INLINE_BYTES,
     SMALL_INLINE_BYTES,
     inline_region,
-    pack_slot_batch,
+    pack_inline,
     place_slot_batch,
     place_slot_tensors,
     slot_batch_entries,
@@ -405,13 +405,16 @@ class SessionService:
         if total <= SMALL_INLINE_BYTES or (mapping is None and total <= self.max_inline_bytes):
             # dtype and shape are fixed per key; the bytes are a consistent snapshot of each.
             datas = await shard.pull_snapshots_bytes(keys)
-            if session.packed_inline and len(keys) > 1 and total:
-                packed = pack_slot_batch(
-                    out.slots, keys, values, datas=datas, memo=session.packed_layouts
-                )
-                if packed <= self.max_inline_bytes:
-                    return
-                out.ClearField("slots")  # (padding took it over the limit: one tensor each)
+            if session.packed_inline and pack_inline(
+                out.slots,
+                keys,
+                values,
+                self.max_inline_bytes,
+                datas=datas,
+                memo=session.packed_layouts,
+            ):
+                return
+            out.ClearField("slots")  # (one tensor each instead)
             add = out.tensors.add
             to_wire = tensor.dtype_to_wire
             for key, value, data in zip(keys, values, datas, strict=True):

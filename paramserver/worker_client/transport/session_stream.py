@@ -52,7 +52,7 @@ from paramserver.protocol.session_frames import (
     SlotEntry,
     inline_array,
     inline_region,
-    pack_slot_batch,
+    pack_inline,
     place_slot_batch,
     place_slot_tensors,
     slot_batch_entries,
@@ -395,14 +395,16 @@ class SessionTransport:
             for dst, arr in zip(dsts, values, strict=True):
                 np.copyto(dst, arr)
         elif total <= self.max_inline_bytes:
-            if self.packed_inline and len(arrays) > 1 and total:
-                packed = pack_slot_batch(
-                    msg.slots, arrays, list(arrays.values()), memo=self._packed_sent
-                )
-                if packed <= self.max_inline_bytes:
-                    self.known_nbytes.update(sizes)
-                    return None
-                msg.ClearField("slots")  # (padding took it over the limit: one tensor each)
+            if self.packed_inline and pack_inline(
+                msg.slots,
+                list(arrays),
+                list(arrays.values()),
+                self.max_inline_bytes,
+                memo=self._packed_sent,
+            ):
+                self.known_nbytes.update(sizes)
+                return None
+            msg.ClearField("slots")  # (one tensor each instead)
             add = msg.tensors.add
             for key, arr in arrays.items():
                 add(
