@@ -40,9 +40,11 @@ demo-movielens: $(STAMP)  ## biased MF on real MovieLens ratings, user/movie emb
 	$(BIN)/python -m pip install --quiet -e '.[recsys]'
 	$(BIN)/paramserver demo --model movielens --workers 4
 
-test: $(STAMP)  ## the whole test suite, on asyncio and uvloop, in TEST_WORKERS (2) processes
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not ray"
-	$(BIN)/python -m pytest -q -m ray  # a 2-node Ray cluster: alone, not beside other tests
+# More pytest arguments for each step of `make test` (e.g. TEST_ARGS=--collect-only: select, run none).
+TEST_ARGS ?=
+
+test: $(STAMP)  ## the whole suite in TEST_WORKERS (2) processes, then the Ray tests alone (skipped without ray)
+	$(BIN)/python scripts/test_steps.py --workers $(TEST_WORKERS) $(TEST_ARGS)
 
 test-ray: $(STAMP)  ## the Ray tests alone: a real 2-node Ray cluster on 127.0.0.2/127.0.0.3 (a few minutes)
 	$(BIN)/python -m pytest -q -m ray tests/integrations/test_ray_engine.py
