@@ -8,6 +8,10 @@
   environment, inherited from this one. When the session ends, any process still running that
   carries the token, or descends from this pytest process, is listed with its owner and
   command line, killed, and the run fails (exit status 1), pass or fail of the tests.
+* Deadlines scale with the machine: each test's pytest-timeout limit (its ``timeout`` mark, or
+  the ini's 120 s) is multiplied, when the test starts, by ``harness.timing.time_scale()``:
+  ``PARAMSERVER_TEST_TIME_SCALE`` (default 1) times the load average per core when above 1.
+  The harness's own waits scale the same way.
 * Parallel runs (``pytest -n N``, pytest-xdist): the whole run shares one token; each xdist
   worker checks, when it finishes, the processes its own tests started (their environment
   names the worker in ``PYTEST_XDIST_WORKER``), kills them and reports them to the
@@ -27,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.harness.timing import time_scale
 
 try:
     import uvloop
@@ -64,8 +70,23 @@ def pytest_asyncio_loop_factories(
     return factories
 
 
-@pytest.hookimpl(hookwrapper=True)
+def _idle_timeout_s(item: pytest.Item) -> float:
+    """The test's pytest-timeout limit as written: its ``timeout`` mark, else the ini's."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    if marker is not None and "timeout" in marker.kwargs:
+        return float(marker.kwargs["timeout"])
+    return float(item.config.getini("timeout") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # before pytest-timeout reads the mark
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    idle_s = _idle_timeout_s(item)
+    if idle_s > 0:
+        marker = item.get_closest_marker("timeout")
+        kwargs = {k: v for k, v in (marker.kwargs if marker else {}).items() if k != "timeout"}
+        item.add_marker(pytest.mark.timeout(idle_s * time_scale(), **kwargs), append=False)
     os.environ[OWNER_ENV] = item.nodeid  # inherited by every process the test starts
     try:
         yield

@@ -3,13 +3,18 @@ the .proto contract.
 
 By default each server is ``python -m paramserver serve``. To run the suite against another
 implementation, set ``PARAMSERVER_CONFORMANCE_SERVE`` to its command line with the fields
-``{host}``, ``{port}``, ``{consistency}`` (bsp, ssp or asp) and ``{staleness}``, e.g.::
+``{host}``, ``{port}``, ``{consistency}`` (bsp, ssp or asp), ``{staleness}`` and ``{lease_ms}``,
+e.g.::
 
     PARAMSERVER_CONFORMANCE_SERVE='./my-ps --listen {host}:{port} --mode {consistency} \\
-        --staleness {staleness}' pytest tests/conformance
+        --staleness {staleness} --lease-ms {lease_ms}' pytest tests/conformance
+
+``{lease_ms}`` is :data:`SUITE_LEASE_MS` (10 minutes): the suite's raw workers heartbeat only
+where a test is about heartbeats, so on a loaded machine a short lease would evict them between
+two requests; the test of the default lease asks for 10000, the contract's default.
 
 The server must listen on the port it is given; the suite waits until a TCP connection to it
-succeeds (30 s at most).
+succeeds (30 s at most on an idle machine, scaled with the load: tests/harness/timing.py).
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.timing import scaled
+
 START_TIMEOUT_S = 30.0
+#: The lease the suite's servers grant (see the module docstring).
+SUITE_LEASE_MS = 600_000
+#: The contract's default lease (a server given no lease flag grants it).
+DEFAULT_LEASE_MS = 10_000
 
 
 @dataclass
@@ -49,12 +60,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _command(port: int, consistency: str, staleness: int) -> list[str]:
+def _command(port: int, consistency: str, staleness: int, lease_ms: int | None) -> list[str]:
+    """``lease_ms`` None: the server's default lease (a template is given DEFAULT_LEASE_MS)."""
     template = os.environ.get("PARAMSERVER_CONFORMANCE_SERVE")
     fields = {"host": "127.0.0.1", "port": port, "consistency": consistency}
     fields["staleness"] = staleness
+    fields["lease_ms"] = DEFAULT_LEASE_MS if lease_ms is None else lease_ms
     if template:
         return shlex.split(template.format(**fields))
+    lease = () if lease_ms is None else ("--lease-ms", str(lease_ms))
     return [
         sys.executable,
         "-m",
@@ -63,24 +77,29 @@ def _command(port: int, consistency: str, staleness: int) -> list[str]:
         *("--host", "127.0.0.1", "--port", str(port)),
         *("--consistency", consistency, "--staleness", str(staleness)),
         "--no-shared-memory",
+        *lease,
     ]
 
 
 @contextmanager
-def serve(tmp: Path, consistency: str, staleness: int = 0) -> Iterator[ServerUnderTest]:
-    """A server process; killed and reaped on exit, pass or fail."""
+def serve(
+    tmp: Path, consistency: str, staleness: int = 0, lease_ms: int | None = SUITE_LEASE_MS
+) -> Iterator[ServerUnderTest]:
+    """A server process; killed and reaped on exit, pass or fail. ``lease_ms`` None: the
+    server's default lease."""
     port = _free_port()
     log_path = tmp / f"conformance-{consistency}-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            _command(port, consistency, staleness),
+            _command(port, consistency, staleness, lease_ms),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     server = ServerUnderTest(f"127.0.0.1:{port}", consistency, staleness, proc, log_path)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        start_timeout_s = scaled(START_TIMEOUT_S)
+        deadline = time.monotonic() + start_timeout_s
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited ({proc.returncode}): {server.log()}")
@@ -89,7 +108,9 @@ def serve(tmp: Path, consistency: str, staleness: int = 0) -> Iterator[ServerUnd
                     break
             except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"not listening after 30 s: {server.log()}") from exc
+                    raise RuntimeError(
+                        f"not listening after {start_timeout_s:.0f} s: {server.log()}"
+                    ) from exc
                 time.sleep(0.02)
         yield server
     finally:
@@ -108,7 +129,7 @@ def asp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerUnder
 @pytest.fixture
 def fresh_server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerUnderTest]:
     """A server of its own for one test: ``@pytest.mark.parametrize("fresh_server",
-    [("ssp", 1)], indirect=True)``."""
-    consistency, staleness = request.param
-    with serve(tmp_path, consistency, staleness) as server:
+    [("ssp", 1)], indirect=True)``; a third item is the lease (None: the default)."""
+    consistency, staleness, *lease = request.param
+    with serve(tmp_path, consistency, staleness, *lease) as server:
         yield server

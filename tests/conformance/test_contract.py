@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tensor_pb2 as tpb
 
-from .conftest import ServerUnderTest
+from .conftest import DEFAULT_LEASE_MS, ServerUnderTest
 from .protowire import CHUNK_BYTES, ProtoWorker, frames, trailer_class
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,13 +49,17 @@ async def channel(asp_server: ServerUnderTest) -> Any:
 
 
 # ----------------------------------------------------------------------------- membership
-async def test_register_returns_an_id_the_default_lease_and_clock_zero(channel: Any) -> None:
-    w = ProtoWorker(channel)
-    resp = await w.register()
-    assert resp.worker_id and resp.lease_ms == 10_000 and resp.clock == 0
-    assert resp.view.consistency == pb.CONSISTENCY_ASP
-    hb = await w.stub.Heartbeat(pb.HeartbeatRequest(worker_id=w.worker_id), timeout=5)
-    assert hb.lease_ms == 10_000
+@pytest.mark.parametrize("fresh_server", [("asp", 0, None)], indirect=True)
+async def test_register_returns_an_id_the_default_lease_and_clock_zero(
+    fresh_server: ServerUnderTest,
+) -> None:
+    async with grpc.aio.insecure_channel(fresh_server.address) as channel:
+        w = ProtoWorker(channel)
+        resp = await w.register()
+        assert resp.worker_id and resp.lease_ms == DEFAULT_LEASE_MS and resp.clock == 0
+        assert resp.view.consistency == pb.CONSISTENCY_ASP
+        hb = await w.stub.Heartbeat(pb.HeartbeatRequest(worker_id=w.worker_id), timeout=5)
+        assert hb.lease_ms == DEFAULT_LEASE_MS
 
 
 async def test_a_live_name_is_already_exists_replace_fences_and_a_nonce_retry_is_idempotent(

@@ -36,6 +36,7 @@ from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.closing import Closing
 
 from .polling import eventually
+from .timing import scaled
 
 HERE = Path(__file__).resolve().parent
 #: The fault-injection suite's worker (``fault_worker.py MODE ARGS``).
@@ -46,7 +47,7 @@ FAILPOINT_SERVER = HERE / "failpoint_server.py"
 PLAN_WORKER = HERE / "plan_worker.py"
 #: A reduction-service worker (``reduce_worker.py``).
 REDUCE_WORKER = HERE / "reduce_worker.py"
-#: How long a server process gets to write its port file.
+#: How long a server process gets to write its port file on an idle machine (scaled).
 START_TIMEOUT_S = 60.0
 
 
@@ -143,14 +144,15 @@ class ServerProcess(Closing):
         with open(log_path, "wb") as log:  # the child holds its own descriptor
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.incarnations.append((proc, log_path))
-        deadline = self.spawned_at + START_TIMEOUT_S
+        start_timeout_s = scaled(START_TIMEOUT_S)
+        deadline = self.spawned_at + start_timeout_s
         try:
             while not port_file.exists() or not port_file.read_text().strip():
                 if proc.poll() is not None:
                     raise RuntimeError(f"server exited ({proc.returncode}): {self.log()}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"server did not start within {START_TIMEOUT_S} s: {self.log()}"
+                        f"server did not start within {start_timeout_s:.0f} s: {self.log()}"
                     )
                 time.sleep(0.005)
         except BaseException:  # a failed start (or a test timeout meanwhile) leaves nothing
@@ -206,7 +208,7 @@ async def status(address: str, timeout_s: float = 5.0) -> pb.StatusResponse:
     """The server's Status over a fresh channel (raises AioRpcError when it does not answer)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.ParameterServerStub(channel)
-        return await stub.Status(pb.StatusRequest(), timeout=timeout_s)
+        return await stub.Status(pb.StatusRequest(), timeout=scaled(timeout_s))
 
 
 async def wait_serving(address: str, timeout_s: float = 30.0) -> pb.StatusResponse:
@@ -236,6 +238,7 @@ class ScriptProcess(Closing):
         env: Extra environment of the process.
         group: Start it in its own process group, and kill the whole group on close (for a
             command that starts processes of its own, such as ``paramserver demo``).
+        cwd: Its working directory (default: this process's).
     """
 
     def __init__(
@@ -247,6 +250,7 @@ class ScriptProcess(Closing):
         text: bool = True,
         env: dict[str, str] | None = None,
         group: bool = False,
+        cwd: Path | None = None,
     ) -> None:
         self.name = name
         self.group = group
@@ -259,6 +263,7 @@ class ScriptProcess(Closing):
                 text=text,
                 env={**os.environ, **(env or {})},
                 start_new_session=group,
+                cwd=cwd,
             )
 
     @property
@@ -278,12 +283,13 @@ class ScriptProcess(Closing):
         """The next stdout line (off the event loop); AssertionError with the log when none
         comes within ``timeout_s`` (the process is killed then)."""
         assert self.proc.stdout is not None
+        timeout_s = scaled(timeout_s)
         try:
             return await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
         except TimeoutError:
             self.close()
             raise AssertionError(
-                f"{self.name}: no line within {timeout_s} s: {self.stderr()}"
+                f"{self.name}: no line within {timeout_s:.0f} s: {self.stderr()}"
             ) from None
 
     async def wait_exit(self, timeout_s: float = 30.0) -> int:
@@ -300,12 +306,13 @@ class ScriptProcess(Closing):
     def communicate(self, timeout_s: float) -> tuple[Any, str]:
         """Wait up to ``timeout_s`` for the process to exit on its own (it is killed after);
         returns (its whole stdout, its stderr)."""
+        timeout_s = scaled(timeout_s)
         try:
             out, _ = self.proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.close()
             raise AssertionError(
-                f"{self.name} still running after {timeout_s} s: {self.stderr()}"
+                f"{self.name} still running after {timeout_s:.0f} s: {self.stderr()}"
             ) from None
         return out, self.stderr()
 

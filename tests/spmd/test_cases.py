@@ -40,6 +40,7 @@ from paramserver.spmd import (
 from paramserver.spmd.layout import Layout
 from paramserver.spmd.rank_client import RankClient
 from tests.harness import ScriptProcess
+from tests.harness.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankServerClus
         c.spawn_instance("H", 4, env_per_rank={1: {FAULTS: "hang_commands"}})
         c.spawn_instance("K", 2, env_per_rank={1: {FAULTS: "io_delay_ms=150"}})
         c.spawn_instance("J", 2)
-        c.wait_ready(timeout_s=90)
+        c.wait_ready(timeout_s=scaled(90))
         yield c
     finally:
         c.stop()

@@ -39,6 +39,7 @@ from paramserver.spmd import (
 from paramserver.spmd.layout import Layout
 from paramserver.spmd.rank_client import RankClient
 from tests.harness import ScriptProcess
+from tests.harness.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +74,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankServerClus
     try:
         c.spawn_instance("A", 2, extra_args=["--loop", "uvloop"])
         c.spawn_instance("B", 2, extra_args=["--loop", "asyncio"])
-        c.wait_ready(timeout_s=60)
+        c.wait_ready(timeout_s=scaled(60))
         yield c
     finally:
         c.stop()

@@ -36,6 +36,7 @@ from paramserver.spmd.rank_server import (
     start_rank_server,
 )
 from tests.harness import ScriptProcess
+from tests.harness.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +68,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankServerClus
     try:
         c.spawn_instance("A", 2)
         c.spawn_instance("B", 2)
-        c.wait_ready(timeout_s=60)
+        c.wait_ready(timeout_s=scaled(60))
         yield c
     finally:
         c.stop()
