@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import parameter_server_pb2 as ps_pb2
-from paramserver.errors import DimensionMismatch, InvalidArgument
+from paramserver.errors import DimensionMismatch, InvalidArgument, ValueOutOfRange
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -57,6 +57,10 @@ __all__ = [
     "apply_update",
     "compute_dtype",
     "init_state",
+    "overflow_mask",
+    "overflowing_elements",
+    "range_refusal",
+    "storage_range",
     "thread_workspace",
 ]
 
@@ -730,7 +734,45 @@ def overflowing_elements(
                 st = {name: a[start:stop].copy() for name, a in flat_state.items()}
                 scratch = [np.empty_like(out), np.empty_like(out)]
                 _STEPS[rule.kind](rule, out, g.astype(np.float32), st, scratch, t)
-            stored = out.astype(param.dtype)
             inputs_finite = np.isfinite(p0) & np.isfinite(g)
-            bad += int(np.count_nonzero(inputs_finite & ~np.isfinite(stored)))
+            bad += int(np.count_nonzero(overflow_mask(out, param.dtype, inputs_finite)))
     return bad
+
+
+def overflow_mask(
+    result: Array, dtype: np.dtype[Any], inputs_finite: npt.NDArray[np.bool_]
+) -> npt.NDArray[np.bool_]:
+    """Where storing an update's ``result`` as ``dtype`` would give a non-finite element although
+    the update's inputs were finite: the one definition of an overflowing update, for dense keys
+    (:func:`overflowing_elements`) and embedding-table rows alike.
+
+    Args:
+        result: The updated values, computed wider than the storage (float32 or float64), any
+            shape.
+        dtype: The storage dtype.
+        inputs_finite: bool, ``result``'s shape: the parameter element (and gradient element)
+            the result was computed from were finite (an element already non-finite is not
+            blamed on the update).
+
+    Returns:
+        bool array of ``result``'s shape.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        stored = result.astype(dtype)
+    out: npt.NDArray[np.bool_] = inputs_finite & ~np.isfinite(stored)
+    return out
+
+
+def range_refusal(
+    subject: str, rule_kind: str, bad: int, dtype: np.dtype[Any], detail: str = ""
+) -> ValueOutOfRange:
+    """The refusal of an update that would put ``bad`` elements outside ``dtype``'s range.
+
+    The message names ``subject`` (the key, or the table), the rule, the count and the range,
+    then ``detail`` (where the first such element is), and says that nothing was applied.
+    """
+    limit = storage_range(dtype)
+    return ValueOutOfRange(
+        f"{subject} (rule {rule_kind!r}) would put {bad} element(s) outside the range of "
+        f"{dtype} [-{limit:g}, {limit:g}]{detail}; nothing applied"
+    )

@@ -28,7 +28,7 @@ from paramserver.core.optimizers import (
     apply_update,
     init_state,
     overflowing_elements,
-    storage_range,
+    range_refusal,
 )
 from paramserver.errors import (
     DimensionMismatch,
@@ -145,11 +145,7 @@ def out_of_range(entry: Entry, grad: Array) -> ValueOutOfRange | None:
     bad = overflowing_elements(entry.rule, entry.value, grad, entry.state)
     if not bad:
         return None
-    limit = storage_range(entry.value.dtype)
-    return ValueOutOfRange(
-        f"update of key {entry.key!r} (rule {entry.rule.kind!r}) would put {bad} element(s) "
-        f"outside the range of {entry.value.dtype} [-{limit:g}, {limit:g}]; nothing applied"
-    )
+    return range_refusal(f"update of key {entry.key!r}", entry.rule.kind, bad, entry.value.dtype)
 
 
 class ParameterStore:

@@ -17,10 +17,18 @@ a table only brings its own bound:
 A push is decided in two steps so that the caller can log it in between: :meth:`TableSet.prepare`
 validates everything and changes nothing; :meth:`TableSet.commit` applies (or queues) it and
 cannot fail. Retried pushes (same registration and request id) are answered as duplicates.
+
+A float16/bfloat16 table refuses a push whose result would overflow its dtype, as dense keys
+do: asp/ssp pushes in :meth:`TableSet.prepare` (ValueOutOfRange, before the push is logged;
+nothing applied); a closing bsp step whose mean would overflow is not applied to that table
+(its rows and state keep their values for the step; counted in
+:attr:`TableStats.out_of_range_steps` and logged), since its pushes were acknowledged when
+queued and there is no caller left to refuse.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paramserver.core.consistency import Admission, ClusterState
+from paramserver.core.optimizers import HALF_DTYPES
 from paramserver.core.tables import (
     EmbeddingTable,
     PushRowsResult,
@@ -36,7 +45,15 @@ from paramserver.core.tables import (
     TableSpec,
     coalesce,
 )
-from paramserver.errors import AlreadyExists, InvalidArgument, KeyNotFound, StaleUpdate
+from paramserver.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    KeyNotFound,
+    StaleUpdate,
+    ValueOutOfRange,
+)
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PreparedRowPush", "RowPushOutcome", "TableSet", "TableStats"]
 
@@ -72,6 +89,9 @@ class PreparedRowPush:
     ids: npt.NDArray[np.int64]
     grads: np.ndarray
     duplicate: RowPushOutcome | None = None
+    #: The distinct ids and their summed float32 gradients, when :meth:`TableSet.prepare`
+    #: already coalesced them (its range check of a half-precision table), for the apply.
+    coalesced: tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]] | None = None
 
 
 @dataclass
@@ -83,6 +103,8 @@ class TableStats:
     staleness_sum: int = 0
     applied_pushes: int = 0
     duplicate_pushes: int = 0
+    #: bsp steps not applied because their result would overflow the table's dtype.
+    out_of_range_steps: int = 0
     #: bsp: clock -> queued pushes (worker id, ids, float32 grads, server seconds).
     queued: dict[int, list[tuple[str, npt.NDArray[np.int64], np.ndarray, float]]] = field(
         default_factory=dict
@@ -174,6 +196,9 @@ class TableSet:
             KeyNotFound: unknown table (NOT_FOUND).
             WorkerNotFound: unknown or evicted worker (FAILED_PRECONDITION).
             InvalidArgument: bad ids or gradient rows, naming the table (INVALID_ARGUMENT).
+            ValueOutOfRange: asp/ssp float16/bfloat16 table: the push's result would overflow
+                the table's dtype, naming the table, the id and the column (INVALID_ARGUMENT,
+                :meth:`EmbeddingTable.check_range`).
             StaleUpdate: bsp push for a step that already closed, or a clock ahead of the
                 worker's (FAILED_PRECONDITION).
         """
@@ -195,7 +220,13 @@ class TableSet:
                 f"row push to bsp table {name!r} for clock {clock}: that step closed "
                 f"(min clock {cluster.min_clock()})"
             )
-        return PreparedRowPush(table, rec.worker_id, request_id, clock, checked, grads)
+        coalesced = None
+        if table.spec.consistency != "bsp" and table.spec.np_dtype in HALF_DTYPES:
+            coalesced = coalesce(checked, grads)
+            table.check_range(*coalesced)
+        return PreparedRowPush(
+            table, rec.worker_id, request_id, clock, checked, grads, coalesced=coalesced
+        )
 
     def commit(self, push: PreparedRowPush, *, now_s: float) -> RowPushOutcome:
         """Apply (asp/ssp) or queue (bsp) a prepared push; never fails."""
@@ -211,7 +242,10 @@ class TableSet:
             )
             outcome = RowPushOutcome(False, queued=True)
         else:
-            result = push.table.push(push.ids, push.grads, now_s=now_s, clock=push.clock)
+            if push.coalesced is None:
+                result = push.table.push(push.ids, push.grads, now_s=now_s, clock=push.clock)
+            else:
+                result = push.table.apply_coalesced(*push.coalesced, now_s=now_s, clock=push.clock)
             outcome = RowPushOutcome(
                 False, result=result, staleness=self._staleness(name, push.clock)
             )
@@ -242,7 +276,9 @@ class TableSet:
         of distinct workers that pushed in the step), then applied as one push, stamped with
         the latest server time of its pushes (expiry). The shard's core calls this whenever
         its minimum clock may have advanced (clock, leave, eviction), so the divisor is the
-        live count at that moment, on replay too.
+        live count at that moment, on replay too. A step whose result would overflow a
+        float16/bfloat16 table's dtype is not applied to that table (counted in
+        :attr:`TableStats.out_of_range_steps`, logged); the others go on.
         """
         closed = 0
         for name, stats in self.stats.items():
@@ -257,10 +293,16 @@ class TableSet:
                 grads = np.concatenate([p[2] for p in pushes])
                 uniq, summed = coalesce(ids, grads)
                 summed /= np.float32(workers)
+                closed += 1
+                try:
+                    table.check_range(uniq, summed)
+                except ValueOutOfRange as refusal:
+                    stats.out_of_range_steps += 1
+                    logger.warning("bsp step %d not applied: %s", step, refusal.message)
+                    continue
                 table.apply_coalesced(uniq, summed, now_s=now_s, clock=step)
                 for _ in pushes:
                     self._staleness(name, step)
-                closed += 1
         return closed
 
     # ------------------------------------------------------------------ memory policy

@@ -43,6 +43,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from paramserver.core.optimizers import HALF_DTYPES, overflow_mask, range_refusal
 from paramserver.errors import DimensionMismatch, InvalidArgument, NonFiniteGradient
 from paramserver.protocol.table_spec import (
     _GOLDEN,
@@ -290,7 +291,8 @@ class EmbeddingTable:
     """One table's stored rows, optimizer state and memory-policy bookkeeping.
 
     Not thread-safe: one owner (the shard's event loop). ``pull``/``push`` expect ids and
-    gradients already validated by :meth:`check_ids` / :meth:`check_push` (which change nothing).
+    gradients already validated by :meth:`check_ids` / :meth:`check_push` and, for a push,
+    :meth:`check_range` (which change nothing).
 
     Args:
         spec: The table's declaration.
@@ -448,6 +450,59 @@ class EmbeddingTable:
                 )
         return out
 
+    def check_range(self, uniq: npt.NDArray[np.int64], g: npt.NDArray[np.float32]) -> None:
+        """Refuse a push whose result would overflow the storage dtype (changes nothing).
+
+        A float16 or bfloat16 row is updated in float32 and rounded back once; a finite result
+        beyond the dtype's largest value (65504 for float16) would be stored as Inf. This
+        computes the rule on copies of the rows the push would change (stored rows, and the
+        initial rows of ids the frequency filter would admit now) and refuses the whole push
+        if any element would overflow (:func:`~paramserver.core.optimizers.overflow_mask`, the
+        dense keys' definition: an element already non-finite is not blamed). float32 tables
+        are not checked, as float32 dense keys are not.
+
+        Args:
+            uniq: Distinct ids, ascending (int64 (m,)), as from :func:`coalesce`.
+            g: Their summed gradients, float32 (m, dim).
+
+        Raises:
+            ValueOutOfRange: naming the table, the rule, the count, the range and the id and
+                column of the first such element (INVALID_ARGUMENT); nothing applied.
+        """
+        s = self.spec
+        if s.np_dtype not in HALF_DTYPES or uniq.shape[0] == 0 or s.dim == 0:
+            return
+        where = self.index.lookup(uniq)
+        new = where < 0
+        if new.any():
+            keep = ~new
+            keep[new] = self._would_admit(uniq[new])
+            uniq, g, where, new = uniq[keep], g[keep], where[keep], new[keep]
+        before = np.empty((uniq.shape[0], s.dim), s.np_dtype)
+        before[~new] = self._arrays["rows"][where[~new]]
+        before[new] = initial_rows(s.seed, uniq[new], s.dim, s.initializer).astype(s.np_dtype)
+        fields = self._fields()
+        state = {}
+        for name in self._state_names():
+            shape, dtype, fill = fields[name]
+            arr = np.full((uniq.shape[0], *shape), fill, dtype)
+            arr[~new] = self._arrays[name][where[~new]]
+            state[name] = arr
+        w = before.astype(F32)
+        with np.errstate(over="ignore", invalid="ignore"):  # what this check looks for
+            self._rule_step(w, g, state)
+        bad = overflow_mask(w, s.np_dtype, np.isfinite(before))
+        count = int(np.count_nonzero(bad))
+        if count:
+            row, col = (int(x) for x in np.argwhere(bad)[0])
+            raise range_refusal(
+                f"{self._where()}: row push",
+                s.rule.kind,
+                count,
+                s.np_dtype,
+                f", first at id {int(uniq[row])} column {col}",
+            )
+
     # ------------------------------------------------------------------ row ops
     def pull(self, ids: npt.NDArray[np.int64]) -> np.ndarray:
         """Rows of validated ``ids`` in the caller's order (duplicates allowed).
@@ -523,6 +578,17 @@ class EmbeddingTable:
             created=created,
         )
 
+    def _would_admit(self, new_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """Where :meth:`_filter` would admit ``new_ids`` (distinct, no stored row) now; pure."""
+        k = self.spec.min_pushes
+        if k <= 1:
+            return np.ones(new_ids.shape[0], bool)
+        slot = self._pending.lookup(new_ids)
+        seen = np.zeros(new_ids.shape[0], np.int64)
+        known = slot >= 0
+        seen[known] = self._pending_counts[slot[known]]
+        return seen + 1 >= k
+
     def _filter(self, new_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
         """Count one push of each id without a stored row; True where it is admitted now."""
         k = self.spec.min_pushes
@@ -560,33 +626,47 @@ class EmbeddingTable:
         self.n += m
         return rows
 
+    def _state_names(self) -> list[str]:
+        """The rule's per-row optimizer state arrays (``acc``; ``m``, ``v``, ``steps``)."""
+        return [n for n in self._fields() if n not in ("rows", "last_clock", "last_s")]
+
     def _apply_rule(self, where: npt.NDArray[np.int64], g: npt.NDArray[np.float32]) -> None:
         a = self._arrays
-        r = self.spec.rule
         w = a["rows"][where].astype(F32)
+        state = {name: a[name][where] for name in self._state_names()}
+        self._rule_step(w, g, state)
+        for name, arr in state.items():
+            a[name][where] = arr
+        a["rows"][where] = w.astype(self.spec.np_dtype)
+
+    def _rule_step(
+        self, w: npt.NDArray[np.float32], g: npt.NDArray[np.float32], state: dict[str, np.ndarray]
+    ) -> None:
+        """One step of the rule on gathered rows: ``w`` (m, dim) float32 and ``state`` (the
+        rows' :meth:`_state_names` arrays) are updated in place; nothing of the table changes.
+        The one copy of the rules' arithmetic, for :meth:`_apply_rule` and :meth:`check_range`.
+        """
+        r = self.spec.rule
         if r.kind == "sgd":
             w -= np.float32(r.lr) * g
         elif r.kind == "adagrad":
-            acc = a["acc"][where] + g * g
-            a["acc"][where] = acc
+            acc = state["acc"]
+            acc += g * g
             w -= np.float32(r.lr) * g / (np.sqrt(acc) + np.float32(r.eps))
         elif r.kind == "rowwise_adagrad":
-            acc_row = a["acc"][where] + np.mean(g * g, axis=1, dtype=F32)
-            a["acc"][where] = acc_row
+            acc_row = state["acc"]
+            acc_row += np.mean(g * g, axis=1, dtype=F32)
             w -= np.float32(r.lr) * g / (np.sqrt(acc_row) + np.float32(r.eps))[:, None]
         else:  # lazy adam (torch.optim.SparseAdam's arithmetic, step counted per row)
-            steps = a["steps"][where] + 1
-            a["steps"][where] = steps
-            m = a["m"][where]
-            v = a["v"][where]
+            steps = state["steps"]
+            steps += 1
+            m = state["m"]
+            v = state["v"]
             m += (g - m) * np.float32(1.0 - r.beta1)
             v += (g * g - v) * np.float32(1.0 - r.beta2)
-            a["m"][where] = m
-            a["v"][where] = v
             t = steps.astype(np.float64)
             step_size = (r.lr * np.sqrt(1.0 - r.beta2**t) / (1.0 - r.beta1**t)).astype(F32)
             w -= step_size[:, None] * (m / (np.sqrt(v) + np.float32(r.eps)))
-        a["rows"][where] = w.astype(self.spec.np_dtype)
 
     # ------------------------------------------------------------------ memory policy
     def _expiry_mask(self, now_s: float, clock: int) -> npt.NDArray[np.bool_]:
