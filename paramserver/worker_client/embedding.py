@@ -58,18 +58,46 @@ class RowPushAck:
     filtered: int
 
 
+#: Ids travel as int64 (tables.proto); a valid id lies in [0, ID_LIMIT).
+ID_LIMIT = 1 << 63
+
+
 def check_ids(ids: Any) -> npt.NDArray[np.int64]:
     """The ids as a native int64 (n,) array.
 
+    Ids are int64 on the wire and a valid id is >= 0, so an id of 2**63 or more (a uint64
+    array's upper half, or a Python int) cannot be sent: it is refused here, named as the
+    caller gave it, instead of wrapping to a negative int64 the server would name.
+
     Raises:
-        InvalidArgument: not a 1-D integer array-like (INVALID_ARGUMENT).
+        InvalidArgument: not a 1-D integer array-like, or an id >= 2**63, named with its
+            position (INVALID_ARGUMENT).
     """
     arr = np.asarray(ids)
+    if arr.dtype.kind in "fO" and isinstance(ids, (list, tuple)):
+        _refuse_large_id(ids)  # Python ints beyond int64 made numpy pick float64 or object
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidArgument(
             f"ids must be a 1-D integer array, got {arr.dtype} shape {tuple(arr.shape)}"
         )
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and arr.max() >= ID_LIMIT:
+        position = int(np.argmax(arr >= ID_LIMIT))
+        _refuse_large_id([int(arr[position])], position)
     return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _refuse_large_id(ids: Any, start: int = 0) -> None:
+    """Raise InvalidArgument naming the first integer id >= 2**63 (or < -2**63) as the caller
+    gave it, at its position counted from ``start``; return when there is none."""
+    for position, value in enumerate(ids, start):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            continue
+        v = int(value)
+        if not -ID_LIMIT <= v < ID_LIMIT:
+            raise InvalidArgument(
+                f"id {v} (position {position}) does not fit the int64 ids tables take: ids "
+                f"lie in [0, 2**63 - 1]"
+            )
 
 
 def check_rows(rows: Any, n: int) -> np.ndarray:

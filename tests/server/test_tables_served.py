@@ -137,6 +137,27 @@ async def test_bad_input_is_invalid_argument_naming_the_table_and_applies_nothin
             assert (await w.status()).tables[0].pushes == 2
 
 
+async def test_ids_from_2_63_are_refused_by_the_client_as_the_caller_gave_them() -> None:
+    """Ids are int64 >= 0 on the wire: a uint64 id >= 2**63 would wrap to a negative one,
+    which the server would name instead of the id the caller sent."""
+    async with running_server(consistency="asp") as d:
+        async with connect(d.address, "w") as w:
+            await w.init_table(_spec())
+            big = np.array([3, 2**63 + 5], np.uint64)
+            grads = np.ones((2, 8), np.float32)
+            for call in (w.pull_rows("emb", big), w.push_rows("emb", big, grads)):
+                with pytest.raises(InvalidArgument) as err:
+                    await call
+                assert "id 9223372036854775813 (position 1)" in str(err.value), err.value
+            for ids in ([1, 2**63], [1, 2**64], (-1, 2**63)):
+                with pytest.raises(InvalidArgument, match=f"id {ids[1]} "):
+                    await w.pull_rows("emb", ids)
+            info = (await w.status()).tables[0]
+            assert info.pulls == 0 and info.pushes == 0  # nothing was sent
+            top = np.array([2**63 - 1], np.uint64)  # the largest id still goes through
+            assert (await w.pull_rows("emb", top)).shape == (1, 8)
+
+
 async def test_checkpoint_restore_round_trips_rows_bit_exactly(tmp_path: Path) -> None:
     spec = _spec(rule=TableRule("adam", lr=0.05), dtype="float16", min_pushes=2)
     probe = np.arange(5000, dtype=np.int64)
