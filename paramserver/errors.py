@@ -10,11 +10,14 @@
     │   ├── NonFiniteGradient             NaN/Inf in a gradient (default policy)
     │   └── ValueOutOfRange               an update whose result overflows the key's dtype
     ├── KeyNotFound                       (NOT_FOUND)
+    │   └── TableNotFound                 an embedding table not declared on the shard
     ├── FailedPrecondition                (FAILED_PRECONDITION)
     │   ├── WorkerNotFound                unknown, evicted or fenced worker id
-    │   └── StaleUpdate                   stale, future or duplicate step
+    │   ├── StaleUpdate                   stale, future or duplicate step
+    │   └── WrongShard                    table row ids that another shard owns
     ├── AlreadyExists                     (ALREADY_EXISTS) a live worker name
-    │   └── KeyConflict                   a key re-declared with another dtype or shape
+    │   ├── KeyConflict                   a key re-declared with another dtype or shape
+    │   └── TableConflict                 a table re-declared with another declaration
     ├── Aborted                           (ABORTED) BSP step aborted by the fail_fast policy
     ├── WaitTimeout                       (DEADLINE_EXCEEDED) a consistency wait ran out
     ├── ResourceExhausted                 (RESOURCE_EXHAUSTED) retryable back-pressure
@@ -89,6 +92,11 @@ class KeyNotFound(ParamServerError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class TableNotFound(KeyNotFound):
+    """An embedding table not declared (``InitTable``) on the shard asked. NOT_FOUND (trailer
+    ``TableNotFound``); names the table."""
+
+
 class FailedPrecondition(ParamServerError):
     """The request is well-formed but the cluster state refuses it. FAILED_PRECONDITION."""
 
@@ -103,6 +111,14 @@ class StaleUpdate(FailedPrecondition):
     """An update for a step that is stale, in the future, or already contributed."""
 
 
+class WrongShard(FailedPrecondition):
+    """Row ids sent to a shard that does not own them (a row of id i lives on shard
+    ``hash64(table, i) mod S``). FAILED_PRECONDITION (trailer ``WrongShard``); names the
+    table, the shard's index, the shard count and an offending id; nothing applied. The
+    product's clients route every id to its owner, so this means a misrouting client or a
+    shard map out of date (a resharded cluster)."""
+
+
 class AlreadyExists(ParamServerError):
     """A worker name that is already registered and live. ALREADY_EXISTS."""
 
@@ -112,6 +128,11 @@ class AlreadyExists(ParamServerError):
 class KeyConflict(AlreadyExists):
     """An ``init`` of an existing key with another dtype or shape; names both declarations.
     ALREADY_EXISTS (trailer ``KeyConflict``). Nothing of the init was applied."""
+
+
+class TableConflict(AlreadyExists):
+    """An ``InitTable`` of an existing table with another declaration; names both.
+    ALREADY_EXISTS (trailer ``TableConflict``). Nothing was changed."""
 
 
 class Aborted(ParamServerError):

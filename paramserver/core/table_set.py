@@ -17,6 +17,8 @@ a table only brings its own bound:
 A push is decided in two steps so that the caller can log it in between: :meth:`TableSet.prepare`
 validates everything and changes nothing; :meth:`TableSet.commit` applies (or queues) it and
 cannot fail. Retried pushes (same registration and request id) are answered as duplicates.
+A push of no ids is validated like any other and then acknowledged without effect: nothing
+applied, queued or remembered, every count 0.
 
 A float16/bfloat16 table refuses a push whose result would overflow its dtype, as dense keys
 do: asp/ssp pushes in :meth:`TableSet.prepare` (ValueOutOfRange, before the push is logged;
@@ -46,10 +48,10 @@ from paramserver.core.tables import (
     coalesce,
 )
 from paramserver.errors import (
-    AlreadyExists,
     InvalidArgument,
-    KeyNotFound,
     StaleUpdate,
+    TableConflict,
+    TableNotFound,
     ValueOutOfRange,
 )
 
@@ -136,12 +138,13 @@ class TableSet:
             spec is a no-op.
 
         Raises:
-            AlreadyExists: the name is declared with a different spec (ALREADY_EXISTS).
+            TableConflict: the name is declared with a different spec; names both
+                (ALREADY_EXISTS).
         """
         have = self.tables.get(spec.name)
         if have is not None:
             if have.spec != spec:
-                raise AlreadyExists(
+                raise TableConflict(
                     f"table {spec.name!r} exists with a different declaration "
                     f"({have.spec.to_dict()}); got {spec.to_dict()}"
                 )
@@ -154,11 +157,11 @@ class TableSet:
         """The table ``name``.
 
         Raises:
-            KeyNotFound: no such table on this shard (NOT_FOUND).
+            TableNotFound: no such table on this shard (NOT_FOUND).
         """
         table = self.tables.get(name)
         if table is None:
-            raise KeyNotFound(f"table {name!r} is not declared on this shard (InitTable first)")
+            raise TableNotFound(f"table {name!r} is not declared on this shard (InitTable first)")
         return table
 
     # ------------------------------------------------------------------ pulls
@@ -166,7 +169,7 @@ class TableSet:
         """Whether a row pull by ``worker_id`` may read ``name`` now (its own bound).
 
         Raises:
-            KeyNotFound (NOT_FOUND), WorkerNotFound (FAILED_PRECONDITION).
+            TableNotFound (NOT_FOUND), WorkerNotFound (FAILED_PRECONDITION).
         """
         spec = self.get(name).spec
         return cluster.admit_read(
@@ -193,7 +196,7 @@ class TableSet:
         """Validate a row push completely; changes nothing.
 
         Raises:
-            KeyNotFound: unknown table (NOT_FOUND).
+            TableNotFound: unknown table (NOT_FOUND).
             WorkerNotFound: unknown or evicted worker (FAILED_PRECONDITION).
             InvalidArgument: bad ids or gradient rows, naming the table (INVALID_ARGUMENT).
             ValueOutOfRange: asp/ssp float16/bfloat16 table: the push's result would overflow
@@ -229,18 +232,25 @@ class TableSet:
         )
 
     def commit(self, push: PreparedRowPush, *, now_s: float) -> RowPushOutcome:
-        """Apply (asp/ssp) or queue (bsp) a prepared push; never fails."""
+        """Apply (asp/ssp) or queue (bsp) a prepared push; never fails.
+
+        A queued bsp push answers its count of distinct ids (``applied`` and ``filtered`` stay
+        0: they are known when the step closes). A push of no ids changes nothing.
+        """
         name = push.table.spec.name
         stats = self.stats[name]
         if push.duplicate is not None:
             stats.duplicate_pushes += 1
             return RowPushOutcome(True, push.duplicate.queued, push.duplicate.result)
+        if push.ids.shape[0] == 0:
+            return RowPushOutcome(False)
         if push.table.spec.consistency == "bsp":
             grads = np.array(push.grads, dtype=np.float32)  # own copy: buffers are not kept
             stats.queued.setdefault(push.clock, []).append(
                 (push.worker_name, push.ids.copy(), grads, now_s)
             )
-            outcome = RowPushOutcome(False, queued=True)
+            distinct = int(np.unique(push.ids).shape[0])
+            outcome = RowPushOutcome(False, queued=True, result=PushRowsResult(distinct, 0, 0, 0))
         else:
             if push.coalesced is None:
                 result = push.table.push(push.ids, push.grads, now_s=now_s, clock=push.clock)

@@ -44,7 +44,12 @@ import numpy as np
 import numpy.typing as npt
 
 from paramserver.core.optimizers import HALF_DTYPES, overflow_mask, range_refusal
-from paramserver.errors import DimensionMismatch, InvalidArgument, NonFiniteGradient
+from paramserver.errors import (
+    DimensionMismatch,
+    DTypeMismatch,
+    InvalidArgument,
+    NonFiniteGradient,
+)
 from paramserver.protocol.table_spec import (
     _GOLDEN,
     _U64,
@@ -413,6 +418,21 @@ class EmbeddingTable:
                     )
         return out
 
+    def check_grad_dtype(self, dtype: np.dtype[Any]) -> None:
+        """Refuse gradient rows of a dtype other than float32 or the storage dtype.
+
+        Raises:
+            DTypeMismatch: names the table, the dtype given and the dtypes taken
+                (INVALID_ARGUMENT).
+        """
+        if dtype in (F32, self.spec.np_dtype):
+            return
+        taken = "float32" if self.spec.dtype == "float32" else f"float32 or {self.spec.dtype}"
+        raise DTypeMismatch(
+            f"{self._where()}: gradient rows are {dtype}; this table (storage dtype "
+            f"{self.spec.dtype}) takes {taken}"
+        )
+
     def check_push(self, ids: np.ndarray, grads: np.ndarray) -> npt.NDArray[np.int64]:
         """Validate a push (changes nothing).
 
@@ -424,16 +444,12 @@ class EmbeddingTable:
             The ids as native int64.
 
         Raises:
-            InvalidArgument / DimensionMismatch / NonFiniteGradient: bad ids, wrong shape or
-                dtype, NaN/Inf in a row (INVALID_ARGUMENT, naming the table).
+            InvalidArgument / DTypeMismatch / DimensionMismatch / NonFiniteGradient: bad ids,
+                another dtype, wrong shape, NaN/Inf in a row (INVALID_ARGUMENT, naming the
+                table; a dtype refusal names both dtypes).
         """
         out = self.check_ids(ids)
-        allowed = (F32, self.spec.np_dtype)
-        if grads.dtype not in allowed:
-            names = "float32" if self.spec.dtype == "float32" else f"float32 or {self.spec.dtype}"
-            raise DimensionMismatch(
-                f"{self._where()}: gradient rows must be {names}, got {grads.dtype}"
-            )
+        self.check_grad_dtype(grads.dtype)
         if grads.shape != (out.shape[0], self.spec.dim):
             raise DimensionMismatch(
                 f"{self._where()}: gradient rows must have shape ({out.shape[0]}, "

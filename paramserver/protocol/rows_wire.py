@@ -170,8 +170,9 @@ class RowsReceiver:
         with_ids: Chunks carry ids.
 
     Raises (from :meth:`feed` / :meth:`finish`):
-        MalformedStream: a chunk's ids and rows disagree, or more or fewer ids than announced
-            (INVALID_ARGUMENT).
+        MalformedStream: a chunk's ids and rows disagree, a chunk carries what its stream does
+            not (rows in a pull request, ids in a pull reply), or more or fewer ids than
+            announced (INVALID_ARGUMENT).
     """
 
     def __init__(
@@ -187,6 +188,15 @@ class RowsReceiver:
         self.received = 0
 
     def feed(self, chunk: Any) -> None:
+        if self.with_ids and not self.dim and chunk.rows:
+            raise MalformedStream(
+                f"{self.what}: a chunk of a PullRows request carries {len(chunk.rows)} row "
+                "bytes; such chunks carry ids only"
+            )
+        if not self.with_ids and chunk.ids:
+            raise MalformedStream(
+                f"{self.what}: a chunk of a PullRows reply carries ids; such chunks carry rows only"
+            )
         if self.with_ids:
             if len(chunk.ids) % 8:
                 raise MalformedStream(f"{self.what}: a chunk's ids are not whole int64s")

@@ -1,7 +1,11 @@
 """Embedding-table specs both sides share: dtypes, update-rule kinds, initializers, the
-id -> shard placement (splitmix64) and :class:`TableSpec` (what ``InitTable`` declares).
+id -> shard placement (splitmix64; :func:`shard_of_ids`, :func:`check_owned`) and
+:class:`TableSpec` (what ``InitTable`` declares).
 
-The table itself (rows, id index, update rules) is :mod:`paramserver.core.tables`.
+The placement and the initial-row function (:func:`paramserver.core.tables.initial_rows`) are
+specified step by step, with test vectors, in ``docs/wire-contract.md``; existing checkpoints
+and clusters depend on their values, so they never change. The table itself (rows, id index,
+update rules) is :mod:`paramserver.core.tables`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from paramserver.errors import InvalidArgument
+from paramserver.errors import InvalidArgument, WrongShard
 
 F32 = np.dtype(np.float32)
 
@@ -51,7 +55,10 @@ def splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 
 
 def table_hash(name: str) -> int:
-    """A stable 64-bit hash of a table name (the first 8 bytes of BLAKE2b, little-endian)."""
+    """A stable 64-bit hash of a table name: BLAKE2b with an 8-byte digest (``digest_size=8``,
+    a parameter of the hash, not a truncated 64-byte digest; no key, salt or personalization)
+    of the name's UTF-8 bytes, the 8 bytes read as a little-endian unsigned integer (RFC 7693).
+    """
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
@@ -70,6 +77,34 @@ def shard_of_ids(table: str, ids: npt.NDArray[np.int64], num_shards: int) -> npt
     """
     h = splitmix64(ids.astype(np.int64, copy=False).view(np.uint64) ^ _U64(table_hash(table)))
     return (h % _U64(num_shards)).astype(np.int64)
+
+
+def check_owned(table: str, ids: npt.NDArray[np.int64], shard_index: int, num_shards: int) -> None:
+    """Refuse ids that another shard owns (changes nothing).
+
+    Args:
+        table: Table name.
+        ids: Validated int64 ids (n,), each >= 0.
+        shard_index: This shard's index in [0, num_shards).
+        num_shards: Shards in the cluster (1: every id is this shard's).
+
+    Raises:
+        WrongShard: an id with ``shard_of_ids(table, id, num_shards) != shard_index``; names
+            the table, the first such id, its owner, this shard's index and the shard count
+            (FAILED_PRECONDITION).
+    """
+    if num_shards <= 1 or ids.shape[0] == 0:
+        return
+    owner = shard_of_ids(table, ids, num_shards)
+    foreign = np.flatnonzero(owner != shard_index)
+    if foreign.shape[0]:
+        first = int(foreign[0])
+        raise WrongShard(
+            f"table {table!r}: id {int(ids[first])} belongs to shard {int(owner[first])}, "
+            f"not to this shard (index {shard_index} of {num_shards} shards); "
+            f"{foreign.shape[0]} of the request's {ids.shape[0]} ids are other shards'. "
+            f"Send each id to shard hash64(table, id) mod {num_shards}; nothing was applied"
+        )
 
 
 @dataclass(frozen=True)
@@ -91,39 +126,64 @@ class Initializer:
             raise InvalidArgument(f"initializer scale must be finite and >= 0, got {self.scale}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TableRule:
     """A row-wise update rule (resolved floats; see the module docstring for the sources).
+
+    ``eps`` left as ``None`` takes the kind's default (adagrad and rowwise_adagrad 1e-10,
+    adam 1e-8); an explicit value is used as given, so ``eps=0`` is refused, never replaced.
+    The attribute always holds the resolved float.
 
     Attributes:
         kind: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam`` (lazy).
         lr: Learning rate, finite and >= 0.
-        eps: Denominator epsilon (adagrad 1e-10 and adam 1e-8 by default), finite and > 0.
+        eps: Denominator epsilon, finite and > 0.
         beta1: Adam first-moment decay in [0, 1).
         beta2: Adam second-moment decay in [0, 1).
         initial_accumulator: Adagrad accumulator start value, >= 0.
+
+    Raises:
+        InvalidArgument: an unknown kind or a value out of range (INVALID_ARGUMENT).
     """
 
-    kind: str = "sgd"
-    lr: float = 0.01
-    eps: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    initial_accumulator: float = 0.0
+    kind: str
+    lr: float
+    eps: float
+    beta1: float
+    beta2: float
+    initial_accumulator: float
 
-    def __post_init__(self) -> None:
-        if self.kind not in TABLE_RULE_KINDS:
-            raise InvalidArgument(
-                f"table rule must be one of {TABLE_RULE_KINDS}, got {self.kind!r}"
-            )
-        if self.eps == 0.0:
-            object.__setattr__(self, "eps", 1e-8 if self.kind == "adam" else 1e-10)
+    def __init__(
+        self,
+        kind: str = "sgd",
+        lr: float = 0.01,
+        eps: float | None = None,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        initial_accumulator: float = 0.0,
+    ) -> None:
+        if kind not in TABLE_RULE_KINDS:
+            raise InvalidArgument(f"table rule must be one of {TABLE_RULE_KINDS}, got {kind!r}")
+        resolved = (1e-8 if kind == "adam" else 1e-10) if eps is None else eps
+        values = {
+            "kind": kind,
+            "lr": lr,
+            "eps": resolved,
+            "beta1": beta1,
+            "beta2": beta2,
+            "initial_accumulator": initial_accumulator,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
         for name in ("lr", "initial_accumulator"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise InvalidArgument(f"table rule {name} must be finite and >= 0, got {v}")
         if not (math.isfinite(self.eps) and self.eps > 0):
-            raise InvalidArgument(f"table rule eps must be finite and > 0, got {self.eps}")
+            raise InvalidArgument(
+                f"table rule {kind!r}: eps must be finite and > 0, got {self.eps} (leave it "
+                "unset for the default)"
+            )
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
@@ -143,7 +203,7 @@ class TableSpec:
         seed: Seed of the initial rows (any int >= 0, < 2**64).
         num_embeddings: When set, ids must lie in [0, num_embeddings); else any id >= 0.
         consistency: ``asp``, ``ssp`` or ``bsp``, independent of the server's dense keys.
-        staleness: SSP bound s in clocks (0 under bsp, ignored under asp).
+        staleness: SSP bound s in clocks (must be 0 under bsp; ignored under asp).
         expiry_clocks: Drop a stored row not pushed for this many clocks (0: never).
         expiry_s: Drop a stored row not pushed for this many seconds (0: never).
         min_pushes: Frequency filter k: an id gets a stored row at its k-th push (1: off).
@@ -184,8 +244,11 @@ class TableSpec:
             )
         if self.staleness < 0:
             raise InvalidArgument(f"{where}: staleness must be >= 0, got {self.staleness}")
-        if self.consistency == "bsp":
-            object.__setattr__(self, "staleness", 0)
+        if self.consistency == "bsp" and self.staleness != 0:
+            raise InvalidArgument(
+                f"{where}: a bsp table has staleness 0, got {self.staleness} (declare ssp "
+                "for a bound above 0)"
+            )
         if self.expiry_clocks < 0 or not (math.isfinite(self.expiry_s) and self.expiry_s >= 0):
             raise InvalidArgument(f"{where}: expiry_clocks and expiry_s must be >= 0")
         if self.min_pushes < 1:

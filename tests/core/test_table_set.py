@@ -19,7 +19,14 @@ from paramserver.core.tables import (
     initial_rows,
     shard_of_ids,
 )
-from paramserver.errors import AlreadyExists, KeyNotFound, StaleUpdate
+from paramserver.errors import (
+    AlreadyExists,
+    DimensionMismatch,
+    KeyNotFound,
+    StaleUpdate,
+    TableConflict,
+    TableNotFound,
+)
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
 from paramserver.server.reshard import reshard
@@ -99,10 +106,49 @@ def test_declaration_errors() -> None:
     ts = TableSet()
     assert ts.init(_spec("t", "asp")) == (True, _spec("t", "asp"))
     assert ts.init(_spec("t", "asp"))[0] is False
-    with pytest.raises(AlreadyExists, match="table 't'"):
+    with pytest.raises(TableConflict, match="table 't'") as conflict:
         ts.init(_spec("t", "bsp"))
-    with pytest.raises(KeyNotFound, match="table 'nope'"):
+    assert isinstance(conflict.value, AlreadyExists)  # ALREADY_EXISTS, as KeyConflict
+    with pytest.raises(TableNotFound, match="table 'nope'") as missing:
         ts.get("nope")
+    assert isinstance(missing.value, KeyNotFound)  # NOT_FOUND: callers of KeyNotFound catch it
+
+
+def test_a_queued_bsp_push_answers_its_distinct_count() -> None:
+    c, (a, _) = _cluster("a", "b")
+    ts = TableSet()
+    ts.init(_spec("t", "bsp"))
+    ids = np.array([5, 1, 5, 9, 1, 1], np.int64)
+    out = ts.commit(ts.prepare(c, a, 1, 0, "t", ids, np.ones((6, 2), np.float32)), now_s=0.0)
+    assert out.queued and not out.duplicate
+    assert (out.result.distinct, out.result.applied, out.result.filtered) == (3, 0, 0)
+    again = ts.commit(ts.prepare(c, a, 1, 0, "t", ids, np.ones((6, 2), np.float32)), now_s=0.0)
+    assert again.duplicate and again.queued and again.result.distinct == 3
+
+
+@pytest.mark.parametrize("consistency", ["asp", "bsp"])
+def test_a_push_of_no_ids_is_checked_then_changes_nothing(consistency: str) -> None:
+    c, (a,) = _cluster("a")
+    ts = TableSet()
+    ts.init(_spec("t", consistency))
+    empty_ids, empty_g = np.zeros(0, np.int64), np.zeros((0, 2), np.float32)
+    out = ts.commit(ts.prepare(c, a, 1, 0, "t", empty_ids, empty_g), now_s=0.0)
+    assert (out.duplicate, out.queued, out.result.distinct, out.result.applied) == (
+        False,
+        False,
+        0,
+        0,
+    )
+    stats = ts.stats["t"]
+    assert stats.queued_pushes() == 0 and ts.get("t").pushes == 0 and ts.get("t").n == 0
+    # not remembered: the request id still applies a real push once
+    ids, g = np.array([4], np.int64), np.ones((1, 2), np.float32)
+    assert not ts.commit(ts.prepare(c, a, 1, 0, "t", ids, g), now_s=0.0).duplicate
+    # still checked: another dim, or a clock ahead of the worker's
+    with pytest.raises(DimensionMismatch):
+        ts.prepare(c, a, 2, 0, "t", empty_ids, np.zeros((0, 3), np.float32))
+    with pytest.raises(StaleUpdate):
+        ts.prepare(c, a, 3, 5, "t", empty_ids, empty_g)
 
 
 def test_state_round_trip_with_queued_steps() -> None:

@@ -4,7 +4,9 @@ validation (docs/embedding-tables.md)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import grpc
 import ml_dtypes
 import numpy as np
 import pytest
@@ -20,7 +22,8 @@ from paramserver.core.tables import (
     initial_rows,
     shard_of_ids,
 )
-from paramserver.errors import InvalidArgument
+from paramserver.errors import DTypeMismatch, InvalidArgument, WrongShard
+from paramserver.protocol.table_spec import check_owned
 
 try:
     import torch
@@ -280,7 +283,7 @@ def test_expiry_by_clocks_and_seconds_closed_form() -> None:
         (np.array([1, -2]), np.zeros((2, 4), np.float32), "negative id -2"),
         (np.array([1, 100]), np.zeros((2, 4), np.float32), "out of range [0, 100)"),
         (np.array([1, 2]), np.zeros((2, 3), np.float32), "shape (2, 4)"),
-        (np.array([1, 2]), np.zeros((2, 4), np.float64), "must be float32, got float64"),
+        (np.array([1, 2]), np.zeros((2, 4), np.float64), "gradient rows are float64"),
         (np.array([1, 2]), np.array([[0, 0, 0, np.nan]] * 2, np.float32), "NaN/Inf"),
         (np.array([1, 2]), np.array([[0, np.inf, 0, 0]] * 2, np.float32), "NaN/Inf"),
         (np.arange(9), np.zeros((9, 4), np.float32), "limit of 8"),
@@ -301,6 +304,60 @@ def test_bad_input_names_the_table_and_changes_nothing(
     after = t.state_arrays()
     for k, v in before.items():
         assert after[k].tobytes() == v.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "grads", "taken"),
+    [
+        ("float32", np.float64, "takes float32"),
+        ("float32", np.float16, "takes float32"),
+        ("float16", np.float64, "takes float32 or float16"),
+        ("bfloat16", np.int32, "takes float32 or bfloat16"),
+    ],
+)
+def test_a_wrong_dtype_gradient_is_dtype_mismatch_naming_the_table_and_both_dtypes(
+    dtype: str, grads: Any, taken: str
+) -> None:
+    t = EmbeddingTable(TableSpec("clicks", 4, dtype))
+    with pytest.raises(DTypeMismatch) as err:
+        t.check_push(np.array([1, 2]), np.zeros((2, 4), grads))
+    text = str(err.value)
+    assert "table 'clicks'" in text and np.dtype(grads).name in text and taken in text, text
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_eps_unset_takes_the_kind_default_and_an_explicit_zero_is_refused() -> None:
+    assert TableRule("adagrad").eps == 1e-10 and TableRule("rowwise_adagrad").eps == 1e-10
+    assert TableRule("adam").eps == 1e-8 and TableRule("adam", eps=1e-3).eps == 1e-3
+    assert TableRule("adagrad") == TableRule("adagrad", eps=1e-10)  # same declaration
+    for kind in ("sgd", "adagrad", "rowwise_adagrad", "adam"):
+        with pytest.raises(InvalidArgument, match="eps must be finite and > 0, got 0"):
+            TableRule(kind, eps=0.0)
+    with pytest.raises(InvalidArgument, match="eps"):
+        TableRule("adam", eps=-1e-8)
+
+
+def test_a_bsp_table_declared_with_staleness_is_refused() -> None:
+    assert TableSpec("t", 2, consistency="bsp").staleness == 0
+    with pytest.raises(InvalidArgument, match=r"table 't'.*bsp.*staleness 0, got 2"):
+        TableSpec("t", 2, consistency="bsp", staleness=2)
+    assert TableSpec("t", 2, consistency="ssp", staleness=2).staleness == 2
+
+
+def test_check_owned_refuses_ids_of_other_shards_naming_index_count_and_id() -> None:
+    ids = np.arange(200, dtype=np.int64)
+    owner = shard_of_ids("emb", ids, 3)
+    for shard in range(3):
+        check_owned("emb", ids[owner == shard], shard, 3)  # its own: accepted
+        foreign = ids[owner != shard]
+        mixed = np.concatenate([ids[owner == shard][:5], foreign[:1]])
+        with pytest.raises(WrongShard) as err:
+            check_owned("emb", mixed, shard, 3)
+        text = str(err.value)
+        assert f"id {int(foreign[0])} " in text and f"index {shard} of 3" in text, text
+        assert "table 'emb'" in text and err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    check_owned("emb", ids, 0, 1)  # a single shard owns every id
+    check_owned("emb", np.zeros(0, np.int64), 2, 3)
 
 
 def test_byte_limit() -> None:

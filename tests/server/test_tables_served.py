@@ -7,6 +7,7 @@ import asyncio
 import signal
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -15,8 +16,17 @@ from paramserver.core.tables import (
     Initializer,
     TableRule,
     TableSpec,
+    shard_of_ids,
 )
-from paramserver.errors import InvalidArgument, KeyNotFound, WaitTimeout
+from paramserver.errors import (
+    DTypeMismatch,
+    InvalidArgument,
+    KeyNotFound,
+    TableConflict,
+    TableNotFound,
+    WaitTimeout,
+    WrongShard,
+)
 from paramserver.worker_client import UpdateRule, connect
 from tests.harness import ServerProcess, running_cluster, running_server
 
@@ -129,12 +139,33 @@ async def test_bad_input_is_invalid_argument_naming_the_table_and_applies_nothin
             for bad_ids, needle in [(np.array([-5]), "negative"), (np.arange(1001), "limit")]:
                 with pytest.raises(InvalidArgument, match=needle):
                     await w.pull_rows("emb", bad_ids)
-            with pytest.raises(KeyNotFound, match="table 'nope'"):
+            with pytest.raises(TableNotFound, match="table 'nope'"):
                 await w.pull_rows("nope", ids)
             after = await w.pull_rows("emb", np.arange(100))
             assert after.tobytes() == before.tobytes()
             await w.push_rows("emb", ids, g)  # still serving
             assert (await w.status()).tables[0].pushes == 2
+
+
+@pytest.mark.parametrize("session", [True, False])
+async def test_table_refusals_reach_the_client_as_their_classes(session: bool) -> None:
+    """Over the Session and over the PullRows/PushRows streams alike."""
+    async with running_server(consistency="asp") as d:
+        async with connect(d.address, "w", session=session) as w:
+            await w.init_table(_spec(dtype="float16"))
+            ids = np.array([1, 2], np.int64)
+            with pytest.raises(TableNotFound, match="table 'nope'") as missing:
+                await w.pull_rows("nope", ids)
+            assert isinstance(missing.value, KeyNotFound)  # still NOT_FOUND's class
+            with pytest.raises(TableNotFound, match="table 'nope'"):
+                await w.push_rows("nope", ids, np.ones((2, 8), np.float32))
+            with pytest.raises(TableConflict, match="table 'emb'"):
+                await w.init_table(_spec(dim=4))
+            with pytest.raises(DTypeMismatch) as wrong:
+                await w.push_rows("emb", ids, np.ones((2, 8), ml_dtypes.bfloat16))
+            text = str(wrong.value)
+            assert "table 'emb'" in text and "bfloat16" in text and "float32 or float16" in text
+            assert (await w.status()).tables[0].pushes == 0
 
 
 async def test_ids_from_2_63_are_refused_by_the_client_as_the_caller_gave_them() -> None:
@@ -156,6 +187,34 @@ async def test_ids_from_2_63_are_refused_by_the_client_as_the_caller_gave_them()
             assert info.pulls == 0 and info.pushes == 0  # nothing was sent
             top = np.array([2**63 - 1], np.uint64)  # the largest id still goes through
             assert (await w.pull_rows("emb", top)).shape == (1, 8)
+
+
+async def test_a_shard_refuses_ids_it_does_not_own_and_the_sharded_client_sends_none() -> None:
+    spec = _spec(rule=TableRule("sgd", lr=1.0))
+    ids = np.arange(600, dtype=np.int64)
+    grads = np.random.default_rng(9).normal(size=(600, 8)).astype(np.float32)
+    owner = shard_of_ids("emb", ids, 3)
+    async with running_cluster(3, consistency="asp") as daemons:
+        async with connect(daemons[0].address, "routed") as w:  # splits by shard
+            await w.init_table(spec)
+            await w.push_rows("emb", ids, grads)
+            routed = await w.pull_rows("emb", ids)
+            rows = [(await c.status()).tables[0].rows for c in w.shards]  # type: ignore[attr-defined]
+        assert rows == [int(np.count_nonzero(owner == s)) for s in range(3)]
+        oracle = EmbeddingTable(spec)
+        oracle.push(ids, grads, now_s=0.0, clock=0)
+        assert routed.tobytes() == oracle.pull(ids).tobytes()
+        async with connect(daemons[1].address, "direct", discover=False) as direct:
+            foreign = int(ids[owner != 1][0])
+            with pytest.raises(WrongShard) as err:
+                await direct.push_rows("emb", ids, grads)
+            text = str(err.value)
+            assert f"id {foreign} " in text and "index 1 of 3" in text and "'emb'" in text
+            with pytest.raises(WrongShard, match="index 1 of 3"):
+                await direct.pull_rows("emb", ids)
+            mine = ids[owner == 1]
+            assert (await direct.pull_rows("emb", mine)).tobytes() == routed[owner == 1].tobytes()
+            assert (await direct.status()).tables[0].pushes == 1  # the refused push: nothing
 
 
 async def test_checkpoint_restore_round_trips_rows_bit_exactly(tmp_path: Path) -> None:

@@ -442,6 +442,11 @@ class SessionService:
         tensors = [req.ids, req.grads] if req.push else [req.ids]
         if req.ids.key != "ids" or (req.push and req.grads.key != "grads"):
             raise MalformedStream("SessionRows tensors must be keyed 'ids' (and 'grads')")
+        if not req.push and req.HasField("grads"):
+            raise MalformedStream(
+                f"table {header.table!r}: a row pull (SessionRows with push = false) carries "
+                "no grads"
+            )
         ticket = InflightTicket(self.shard.engine.backpressure)
         try:
             if req.push:

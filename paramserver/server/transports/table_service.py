@@ -1,7 +1,10 @@
 """Embedding-table RPCs of a shard (InitTable, PullRows, PushRows): decode, call, encode.
 
-Kept apart from the dense push path. A row push follows the durable order: validate fully
-(:meth:`TableSet.prepare`, changes nothing), append its WAL record, apply it
+Kept apart from the dense push path. A shard serves only the ids it owns: a pull or push with
+an id of another shard (``hash64(table, id) mod S``, :func:`check_owned`) is refused
+(FAILED_PRECONDITION, WrongShard) before anything else happens. A row push follows the durable
+order: validate fully (:meth:`TableSet.prepare`, changes nothing), append its WAL record (none
+for a push of no ids, which changes nothing), apply it
 (:meth:`TableSet.commit`, no await in between, so the log order is the apply order), wait
 until the record is durable, then acknowledge. A refused request changes nothing, in memory or
 on disk. The servicer's error decorator turns refusals into status codes.
@@ -16,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from paramserver.api.v1 import tables_pb2 as tpb
+from paramserver.api.v1 import tensor_pb2
 from paramserver.core.tables import EmbeddingTable
 from paramserver.errors import (
     DimensionMismatch,
@@ -25,6 +29,7 @@ from paramserver.errors import (
     StorageFull,
 )
 from paramserver.protocol import rows_wire, tensor
+from paramserver.protocol.table_spec import check_owned
 from paramserver.security.tokens import check_worker_identity
 from paramserver.server.engine import ServerEngine
 from paramserver.server.table_wal import record_expire_rows, record_init_table, record_push_rows
@@ -43,6 +48,9 @@ class TableRpcs:
     def __init__(self, engine: ServerEngine) -> None:
         self.engine = engine
         self._last_sweep: dict[str, tuple[float, int]] = {}
+        #: This shard's index and the cluster's shard count (which ids it owns).
+        self.shard_index = int(engine.config.shard_index)
+        self.num_shards = int(engine.config.num_shards)
 
     @property
     def tables(self) -> Any:
@@ -86,6 +94,17 @@ class TableRpcs:
                     f"{where}: gradient rows of dim {header.dim}, the table's dim is {spec.dim}"
                 )
         return table
+
+    def _check_ids(self, table: EmbeddingTable, ids: np.ndarray) -> np.ndarray:
+        """Validated int64 ids that this shard owns (changes nothing).
+
+        Raises:
+            InvalidArgument: bad ids (INVALID_ARGUMENT). WrongShard: an id another shard owns
+                (FAILED_PRECONDITION).
+        """
+        checked = table.check_ids(ids)
+        check_owned(table.spec.name, checked, self.shard_index, self.num_shards)
+        return checked
 
     @staticmethod
     async def _read(
@@ -135,7 +154,7 @@ class TableRpcs:
         consistency wait, then the rows. Returns (PullRowsInfo, rows (n, dim))."""
         check_worker_identity(header.worker_id)
         table = self._check_header(header, push=False, n=int(ids.shape[0]))
-        checked = table.check_ids(ids)
+        checked = self._check_ids(table, ids)
         await self._wait_rows(header.worker_id, table.spec.name, int(header.timeout_ms))
         rows = table.pull(checked)
         spec = table.spec
@@ -152,11 +171,13 @@ class TableRpcs:
         header, it = await self._read(request_iterator)
         table = self._check_header(header, push=True)
         where = f"table {table.spec.name!r}"
-        dtype = tensor.dtype_from_wire(header.dtype, where) if header.dtype else np.dtype("f4")
-        if dtype not in (np.dtype(np.float32), table.spec.np_dtype):
-            raise DimensionMismatch(
-                f"{where}: gradient rows must be float32 or {table.spec.dtype}, got {dtype}"
+        if header.dtype == tensor_pb2.DTYPE_UNSPECIFIED:
+            raise InvalidArgument(
+                f"{where}: a PushRows header needs the gradient rows' dtype (FLOAT32 or the "
+                "table's dtype), got DTYPE_UNSPECIFIED"
             )
+        dtype = tensor.dtype_from_wire(header.dtype, where)
+        table.check_grad_dtype(dtype)
         receiver = rows_wire.RowsReceiver(where, int(header.num_ids), table.spec.dim, dtype)
         await self._chunks(it, receiver)
         ids, grads = receiver.finish()
@@ -167,6 +188,7 @@ class TableRpcs:
         apply, make durable, acknowledge. Returns the PushRowsResponse."""
         check_worker_identity(header.worker_id)
         table = self._check_header(header, push=True, n=int(ids.shape[0]))
+        self._check_ids(table, ids)
         engine = self.engine
         core = engine.core
         prepared = self.tables.prepare(
@@ -181,7 +203,7 @@ class TableRpcs:
         now = engine.now()
         seq = 0
         engine.check_serving()
-        if engine.wal is not None and prepared.duplicate is None:
+        if engine.wal is not None and prepared.duplicate is None and ids.shape[0]:
             # Refused (disk full, I/O error): nothing applied, the request id not recorded.
             seq = engine.log(record_push_rows(prepared, header.worker_id, now))
         outcome = self.tables.commit(prepared, now_s=now)  # no await since the append
