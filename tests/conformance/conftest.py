@@ -13,6 +13,12 @@ e.g.::
 where a test is about heartbeats, so on a loaded machine a short lease would evict them between
 two requests; the test of the default lease asks for 10000, the contract's default.
 
+The placement test starts one shard of a cluster (:func:`serve` with ``shard``): the
+template's fields ``{shard_index}`` and ``{shard_addresses}`` (``host:port,...``, one per
+shard; the other shards need not run) say which; a template without ``{shard_addresses}``
+skips that test. A plain server gets ``{shard_index}`` 0 and ``{shard_addresses}`` its own
+address.
+
 The server must listen on the port it is given; the suite waits until a TCP connection to it
 succeeds (30 s at most on an idle machine, scaled with the load: tests/harness/timing.py).
 """
@@ -60,15 +66,29 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _command(port: int, consistency: str, staleness: int, lease_ms: int | None) -> list[str]:
-    """``lease_ms`` None: the server's default lease (a template is given DEFAULT_LEASE_MS)."""
+def _command(
+    port: int,
+    consistency: str,
+    staleness: int,
+    lease_ms: int | None,
+    shard: tuple[int, list[str]] | None = None,
+) -> list[str]:
+    """``lease_ms`` None: the server's default lease (a template is given DEFAULT_LEASE_MS);
+    ``shard``: (index, every shard's address) of a shard of a cluster."""
     template = os.environ.get("PARAMSERVER_CONFORMANCE_SERVE")
-    fields = {"host": "127.0.0.1", "port": port, "consistency": consistency}
+    fields: dict[str, object] = {"host": "127.0.0.1", "port": port, "consistency": consistency}
     fields["staleness"] = staleness
     fields["lease_ms"] = DEFAULT_LEASE_MS if lease_ms is None else lease_ms
+    index, addresses = shard if shard is not None else (0, [f"127.0.0.1:{port}"])
+    fields["shard_index"] = index
+    fields["shard_addresses"] = ",".join(addresses)
     if template:
+        if shard is not None and "{shard_addresses}" not in template:
+            pytest.skip("PARAMSERVER_CONFORMANCE_SERVE has no {shard_addresses} field")
         return shlex.split(template.format(**fields))
     lease = () if lease_ms is None else ("--lease-ms", str(lease_ms))
+    sharding = () if shard is None else ("--shard-index", str(index))
+    sharding += () if shard is None else ("--shard-addresses", ",".join(addresses))
     return [
         sys.executable,
         "-m",
@@ -78,20 +98,32 @@ def _command(port: int, consistency: str, staleness: int, lease_ms: int | None) 
         *("--consistency", consistency, "--staleness", str(staleness)),
         "--no-shared-memory",
         *lease,
+        *sharding,
     ]
 
 
 @contextmanager
 def serve(
-    tmp: Path, consistency: str, staleness: int = 0, lease_ms: int | None = SUITE_LEASE_MS
+    tmp: Path,
+    consistency: str,
+    staleness: int = 0,
+    lease_ms: int | None = SUITE_LEASE_MS,
+    *,
+    shard: tuple[int, int] | None = None,
 ) -> Iterator[ServerUnderTest]:
     """A server process; killed and reaped on exit, pass or fail. ``lease_ms`` None: the
-    server's default lease."""
+    server's default lease. ``shard``: (index, count): the server is shard ``index`` of a
+    cluster of ``count`` (the other shards' addresses are placeholders; they do not run)."""
     port = _free_port()
+    placement = None
+    if shard is not None:
+        index, count = shard
+        addresses = [f"127.0.0.1:{port if k == index else _free_port()}" for k in range(count)]
+        placement = (index, addresses)
     log_path = tmp / f"conformance-{consistency}-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            _command(port, consistency, staleness, lease_ms),
+            _command(port, consistency, staleness, lease_ms, placement),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -19,6 +19,7 @@ import numpy as np
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.api.v1 import tables_pb2 as tbl
 from paramserver.api.v1 import tensor_pb2 as tpb
 
 #: The largest ``data`` of one frame the proto allows (1 MiB).
@@ -185,3 +186,73 @@ class ProtoWorker:
         )
         self.clock = resp.clock
         return resp
+
+
+# ----------------------------------------------------------------------------- tables
+#: Row storage dtypes of a table on the wire, and the unsigned type of their bit patterns.
+ROW_BITS: dict[int, np.dtype[Any]] = {
+    tpb.DTYPE_FLOAT32: np.dtype("<u4"),
+    tpb.DTYPE_FLOAT16: np.dtype("<u2"),
+    tpb.DTYPE_BFLOAT16: np.dtype("<u2"),
+}
+
+
+def row_chunks(
+    ids: Iterable[int], rows: np.ndarray | None = None, *, per_chunk: int = 4096
+) -> list[tbl.RowsChunk]:
+    """``RowsChunk`` messages of ``per_chunk`` ids (little-endian int64 bytes) and, for a push,
+    their rows (raw little-endian C-order bytes)."""
+    ids_le = np.asarray(list(ids), dtype="<i8")
+    out = []
+    for start in range(0, ids_le.shape[0], per_chunk):
+        chunk = tbl.RowsChunk(ids=ids_le[start : start + per_chunk].tobytes())
+        if rows is not None:
+            part = np.ascontiguousarray(rows[start : start + per_chunk])
+            chunk.rows = part.astype(part.dtype.newbyteorder("<"), copy=False).tobytes()
+        out.append(chunk)
+    return out
+
+
+class ProtoTables:
+    """Table calls spoken from tables.proto alone (plain stubs over one channel)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.stub = pb_grpc.ParameterServerStub(channel)
+
+    async def init_table(self, spec: tbl.TableSpec) -> tbl.InitTableResponse:
+        return await self.stub.InitTable(tbl.InitTableRequest(spec=spec), timeout=10)
+
+    async def pull_rows(
+        self, header: tbl.RowsHeader, chunks: list[tbl.RowsChunk]
+    ) -> tuple[tbl.PullRowsInfo, np.ndarray]:
+        """The reply's info and the rows' bit patterns (num_ids, dim) as unsigned integers,
+        checking the reply's frame rules (AssertionError otherwise)."""
+
+        def requests() -> Iterator[tbl.PullRowsRequest]:
+            yield tbl.PullRowsRequest(header=header)
+            for chunk in chunks:
+                yield tbl.PullRowsRequest(chunk=chunk)
+
+        info: tbl.PullRowsInfo | None = None
+        data: list[bytes] = []
+        async for msg in self.stub.PullRows(requests(), timeout=30):
+            if msg.WhichOneof("body") == "info":
+                assert info is None, "PullRowsInfo must come first and once"
+                info = msg.info
+            else:
+                assert info is not None, "PullRowsInfo must come before the rows"
+                assert not msg.chunk.ids, "reply chunks carry rows only"
+                data.append(msg.chunk.rows)
+        assert info is not None
+        bits = np.frombuffer(b"".join(data), ROW_BITS[info.dtype])
+        return info, bits.reshape(int(info.num_ids), int(info.dim))
+
+    async def push_rows(
+        self, header: tbl.RowsHeader, chunks: list[tbl.RowsChunk]
+    ) -> tbl.PushRowsResponse:
+        def requests() -> Iterator[tbl.PushRowsRequest]:
+            yield tbl.PushRowsRequest(header=header)
+            for chunk in chunks:
+                yield tbl.PushRowsRequest(chunk=chunk)
+
+        return await self.stub.PushRows(requests(), timeout=30)
