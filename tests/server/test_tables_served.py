@@ -189,12 +189,15 @@ async def test_ids_from_2_63_are_refused_by_the_client_as_the_caller_gave_them()
             assert (await w.pull_rows("emb", top)).shape == (1, 8)
 
 
-async def test_a_shard_refuses_ids_it_does_not_own_and_the_sharded_client_sends_none() -> None:
+async def test_a_shard_refuses_ids_it_does_not_own_and_the_sharded_client_sends_none(
+    tmp_path: Path,
+) -> None:
     spec = _spec(rule=TableRule("sgd", lr=1.0))
     ids = np.arange(600, dtype=np.int64)
     grads = np.random.default_rng(9).normal(size=(600, 8)).astype(np.float32)
     owner = shard_of_ids("emb", ids, 3)
-    async with running_cluster(3, consistency="asp") as daemons:
+    wal = [{"wal": True, "checkpoint_dir": str(tmp_path / f"shard-{i}")} for i in range(3)]
+    async with running_cluster(3, consistency="asp", per_shard=wal) as daemons:
         async with connect(daemons[0].address, "routed") as w:  # splits by shard
             await w.init_table(spec)
             await w.push_rows("emb", ids, grads)
@@ -205,6 +208,8 @@ async def test_a_shard_refuses_ids_it_does_not_own_and_the_sharded_client_sends_
         oracle.push(ids, grads, now_s=0.0, clock=0)
         assert routed.tobytes() == oracle.pull(ids).tobytes()
         async with connect(daemons[1].address, "direct", discover=False) as direct:
+            logged = (await direct.status()).wal_sequence
+            assert logged >= 2  # its init_table and the routed push
             foreign = int(ids[owner != 1][0])
             with pytest.raises(WrongShard) as err:
                 await direct.push_rows("emb", ids, grads)
@@ -214,7 +219,9 @@ async def test_a_shard_refuses_ids_it_does_not_own_and_the_sharded_client_sends_
                 await direct.pull_rows("emb", ids)
             mine = ids[owner == 1]
             assert (await direct.pull_rows("emb", mine)).tobytes() == routed[owner == 1].tobytes()
-            assert (await direct.status()).tables[0].pushes == 1  # the refused push: nothing
+            status = await direct.status()
+            assert status.tables[0].pushes == 1  # the refused push: nothing applied ...
+            assert status.wal_sequence == logged  # ... nor logged
 
 
 async def test_checkpoint_restore_round_trips_rows_bit_exactly(tmp_path: Path) -> None:
