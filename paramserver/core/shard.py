@@ -16,7 +16,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
 import numpy as np
 
@@ -70,6 +70,17 @@ class CoreObserver:
 
     def step_closed(self, step: int) -> None:
         """BSP step ``step`` closed (its aggregate was applied, or it was aborted)."""
+
+    def replaying_at(self, unix_s: float | None) -> None:
+        """Write-ahead-log replay: what follows happened at wall-clock time ``unix_s`` (the
+        record's); None ends the replay (time is the observer's own clock again)."""
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the observations (JSON-able); nothing here."""
+        return {}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take back :meth:`state` from a checkpoint (an empty mapping: nothing saved)."""
 
 
 #: Applies validated gradients of one push (see :meth:`ServerCore.push`).
@@ -137,6 +148,11 @@ class ServerCore:
             else None
         )
         self.applied_updates = 0
+        #: Applied gradients per registration (worker id; a BSP step counts each contributor
+        #: once), summing to :attr:`applied_updates` over the registrations remembered: what
+        #: ``paramserver status`` lists per worker. Counted where :attr:`applied_updates` is
+        #: (:meth:`_count_applied`), so WAL replay rebuilds it; checkpoints keep it.
+        self.applied_by_registration: dict[str, int] = {}
         self.duplicate_pushes = 0
         self.rejected_pushes = 0
         #: BSP aggregates not applied because their result would overflow the key's dtype.
@@ -191,7 +207,7 @@ class ServerCore:
                 seen = self._dedup.pop(resume_worker_id, None)
                 if seen is not None and rec.worker_id not in self._dedup:
                     self._dedup[rec.worker_id] = seen
-        self._forget_departed_dedup()
+        self._forget_departed()
         self._departed(fenced)
         if self.aggregator is not None:
             for old in (w for w in lost if not w.lost):
@@ -212,11 +228,14 @@ class ServerCore:
             self.aggregator.touch(worker_id, now)
         return rec
 
-    def _forget_departed_dedup(self) -> None:
-        """Drop the request ids of registrations the cluster no longer remembers."""
-        if len(self._dedup) > len(self.cluster.workers):
-            for wid in [w for w in self._dedup if w not in self.cluster.workers]:
-                del self._dedup[wid]
+    def _forget_departed(self) -> None:
+        """Drop the request ids and applied counts of registrations the cluster no longer
+        remembers."""
+        known = self.cluster.workers
+        for per_registration in (self._dedup, self.applied_by_registration):
+            if len(per_registration) > len(known):
+                for wid in [w for w in per_registration if w not in known]:
+                    del per_registration[wid]
 
     def leave(self, worker_id: str, *, log: Callable[[], None] | None = None) -> MembershipChange:
         change = self.cluster.leave(worker_id, log=log)
@@ -436,14 +455,15 @@ class ServerCore:
             self.store.apply_checked(checked)
         else:
             applier(checked)
-        self._observe_applied(rec.name, clock, base_version, rec.worker_id)
-        self.applied_updates += 1
+        self._count_applied(rec.name, clock, base_version, rec.worker_id)
         return PushResult(False, self.applied_updates)
 
-    def _observe_applied(
+    def _count_applied(
         self, name: str, clock: int, base_version: int | None, worker_id: str
     ) -> None:
-        """Report one applied gradient's staleness (definitions: :mod:`.observe`)."""
+        """Count one applied gradient, server-wide and for its registration, and report its
+        staleness (definitions: :mod:`paramserver.server.observability.hooks`). The one place
+        applied gradients are counted, live and in WAL replay alike."""
         self.observer.applied(
             name,
             max(0, self._newest_applied_clock - clock),
@@ -451,6 +471,9 @@ class ServerCore:
             worker_id=worker_id,
         )
         self._newest_applied_clock = max(self._newest_applied_clock, clock)
+        self.applied_updates += 1
+        by_reg = self.applied_by_registration
+        by_reg[worker_id] = by_reg.get(worker_id, 0) + 1
 
     def clock(self, worker_id: str, clock: int, *, log: Callable[[], None] | None = None) -> int:
         """End iteration ``clock``; closes BSP steps every live worker finished. ``log`` is
@@ -535,8 +558,7 @@ class ServerCore:
                     contributors = {w for agg in aggregates.values() for w in agg.worker_ids}
                     for wid in sorted(contributors):
                         rec = self.cluster.workers.get(wid)
-                        self._observe_applied(rec.name if rec else wid, step, None, wid)
-                    self.applied_updates += len(contributors)
+                        self._count_applied(rec.name if rec else wid, step, None, wid)
             closed = step
             self.observer.step_closed(step)
             for wid, wclock in list(self._release_after_step.items()):

@@ -5,7 +5,8 @@ Layout under the checkpoint directory::
     ckpt-00000007/                 # committed (sequence 7)
         tensors.safetensors        # "param/{key}" and "state/{key}/{name}" tensors, and
                                    # "queued/{n}": BSP gradients queued in the open step
-        manifest.json              # dtypes, shapes, rules, sha256 per tensor, clocks, dedup
+        manifest.json              # dtypes, shapes, rules, sha256 per tensor, clocks, dedup,
+                                   # applied counts per registration, barrier totals
     .tmp-ckpt-00000008-<pid>/      # being written; ignored and removed on start
 
 A checkpoint is written into a temporary directory, every file fsynced, then renamed into place
@@ -16,6 +17,14 @@ is single-threaded and saving runs without yielding, so no push lands half-way t
 
 bfloat16 tensors are stored as their uint16 bit patterns (safetensors' numpy API knows no
 ml_dtypes), with the true dtype in the manifest.
+
+The per-worker counts ``paramserver status`` shows are part of the state: the applied gradients
+per registration (``"applied_by_registration"``) and the observer's barrier totals per worker
+name with the clock times of the step still open (``"observations"``). A checkpoint written
+before they were saved restores what can be derived from it: under SSP/ASP each registration's
+applied count is the number of its remembered request ids whose push was applied (exact while
+its pushes fit the dedup window); under BSP (the ids do not say which step a push joined, and a
+worker may push several times in one step) the counts, like the barrier totals, start at 0.
 """
 
 from __future__ import annotations
@@ -241,6 +250,8 @@ class CheckpointManager:
             },
             "store": meta,
             "applied_updates": core.applied_updates,
+            "applied_by_registration": dict(core.applied_by_registration),
+            "observations": core.observer.state(),
             "bsp_step": core.bsp_step,
             "min_clock": cluster.min_clock(),
             "membership_epoch": cluster.epoch,
@@ -337,6 +348,13 @@ class CheckpointManager:
                 for rid, stale, queued in rows
             )
         core.restore_dedup(dedup)
+        if "applied_by_registration" in manifest:
+            core.applied_by_registration = {
+                str(wid): int(n) for wid, n in manifest["applied_by_registration"].items()
+            }
+        else:  # written before the counts were saved: what the dedup windows tell
+            core.applied_by_registration = _applied_counts_from_dedup(core, dedup)
+        core.observer.restore(manifest.get("observations") or {})
         queue = manifest.get("bsp_queue") or {"updates": [], "release_after_step": {}}
         core.restore_bsp_queue(
             [
@@ -353,3 +371,23 @@ class CheckpointManager:
             {wid: int(c) for wid, c in queue["release_after_step"].items()},
             now,
         )
+
+
+def _applied_counts_from_dedup(
+    core: ServerCore, dedup: dict[str, OrderedDict[int, PushResult]]
+) -> dict[str, int]:
+    """Applied gradients per registration as far as a checkpoint without the counts tells.
+
+    Under SSP/ASP a remembered request id whose push was neither dropped as stale nor queued
+    was applied once, so the count is exact while the registration's pushes fit the dedup
+    window (:data:`~paramserver.core.shard.DEDUP_WINDOW` ids; beyond it, a lower bound).
+    Under BSP nothing exact follows (the ids do not say which step a push joined, a worker may
+    push several times in one step, aborted steps dropped theirs): every count starts at 0.
+    """
+    if core.aggregator is not None:
+        return {}
+    counts = {
+        wid: sum(1 for r in seen.values() if not r.dropped_stale and not r.queued)
+        for wid, seen in dedup.items()
+    }
+    return {wid: n for wid, n in counts.items() if n}

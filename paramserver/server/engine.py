@@ -138,7 +138,8 @@ class ServerEngine(LeaseReaperBase):
         super().__init__(config, now=now)
         self.core = ServerCore(config)
         #: Staleness, drops, barrier waits, checkpoints (plain counters; status and metrics).
-        self.obs = ShardObservations(now, bsp=self.core.consistency is Consistency.BSP)
+        #: Barrier times are wall-clock (they carry over a restart in checkpoints and the log).
+        self.obs = ShardObservations(bsp=self.core.consistency is Consistency.BSP)
         self.core.observer = self.obs
         #: Push/pull bytes and latencies at the servicer seams (no-op without metrics).
         self.hooks = ServingHooks()

@@ -42,7 +42,7 @@ import time
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +50,9 @@ from paramserver.api.v1 import tensor_pb2
 from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.errors import ParamServerError, StorageError, storage_error
 from paramserver.protocol import tensor
+
+if TYPE_CHECKING:
+    from paramserver.core.shard import ServerCore
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +234,7 @@ class WriteAheadLog:
         if self._fd is None:
             raise WalError("write-ahead log is not open")
         record.sequence = self.next_sequence
+        record.unix_s = time.time()
         payload = record.SerializeToString()
         frame = _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
         view = memoryview(frame)
@@ -373,7 +377,11 @@ def replay_into(
 
     The core is deterministic given the sequence of mutations, so replaying them in order
     reproduces the state at the crash: parameters, optimizer state, clocks, BSP queues, worker
-    ids (incarnations) and dedup ids (a client retry after the crash is a duplicate).
+    ids (incarnations), dedup ids (a client retry after the crash is a duplicate) and the
+    applied counts per registration, each counted where the live push counted it. The core's
+    observer is told each record's write time (:meth:`CoreObserver.replaying_at`), so the BSP
+    barrier waits of replayed steps are those measured live (records without a time, written
+    before it was logged, replay at the time the replay started: waits of 0).
 
     Returns:
         The number of records replayed.
@@ -381,23 +389,37 @@ def replay_into(
     Raises:
         WalError: a record that does not re-apply (the log and the checkpoint disagree).
     """
-    from paramserver.core.optimizers import UpdateRule
     from paramserver.core.shard import ServerCore
-    from paramserver.server.table_wal import TABLE_RECORDS, replay_table_record
 
     assert isinstance(core, ServerCore)
     t = time.monotonic() if now is None else now
+    started_unix_s = time.time()
+    try:
+        return _replay(core, records, t, started_unix_s)
+    finally:
+        core.observer.replaying_at(None)
+
+
+def _replay(
+    core: ServerCore, records: Iterator[wal_pb.WalRecord], t: float, started_unix_s: float
+) -> int:
+    from paramserver.core.optimizers import UpdateRule
+    from paramserver.server.table_wal import TABLE_RECORDS, replay_table_record
+
+    observer = core.observer
     count = 0
     evictions: list[str] = []  # consecutive evictions are one lease sweep: replay them together
     for record in records:
         which = record.WhichOneof("body")
         if which == "depart" and record.depart.why == "evicted":
             evictions.append(record.depart.worker_id)
+            observer.replaying_at(record.unix_s or started_unix_s)
             count += 1
             continue
         if evictions:
             _replay_evictions(core, evictions)
             evictions = []
+        observer.replaying_at(record.unix_s or started_unix_s)
         try:
             if which == "register":
                 r = record.register

@@ -140,28 +140,34 @@ class BarrierTotals:
 class ShardObservations(CoreObserver):
     """The engine's observer: counters, staleness histograms, barrier waits, checkpoints.
 
+    The per-worker barrier totals (and the clock times of the steps still open) are part of a
+    checkpoint (:meth:`state` / :meth:`restore`), and WAL replay rebuilds those of the steps it
+    replays at the times its records were written (:meth:`replaying_at`), so they survive a
+    restart as the clocks do. Applied gradients per registration are counted by the core
+    (:attr:`~paramserver.core.shard.ServerCore.applied_by_registration`).
+
     Args:
-        now: Monotonic clock in seconds (the engine's, injectable for tests).
+        now: Clock of barrier times in seconds: wall-clock (Unix) time, so that the times a
+            checkpoint or the write-ahead log keeps compare with those of the restarted
+            server (injectable for tests).
         bsp: Whether BSP barrier waits are recorded (clock times are kept until a step closes).
         max_workers: Worker names tracked for barrier waits; later names are not tracked
             (bounds memory and Prometheus label cardinality).
     """
 
     def __init__(
-        self, now: Callable[[], float] = time.monotonic, *, bsp: bool, max_workers: int = 1024
+        self, now: Callable[[], float] = time.time, *, bsp: bool, max_workers: int = 1024
     ) -> None:
         self.now = now
         self.bsp = bsp
         self.max_workers = max_workers
         self.staleness_clocks = BucketCounts(STALENESS_CLOCK_BOUNDS)
         self.staleness_versions = BucketCounts(STALENESS_VERSION_BOUNDS)
-        self.applied_by_worker: dict[str, int] = {}
-        #: Applied gradients per registration (worker id): what ``paramserver status`` lists,
-        #: so its rows sum to the server's total even after a worker registered again.
-        self.applied_by_registration: dict[str, int] = {}
         self.dropped_by_reason: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self.barrier: dict[str, BarrierTotals] = {}
         self._clocked_at: dict[int, dict[str, float]] = {}
+        #: During WAL replay: the wall-clock time of the record being replayed.
+        self._replay_at: float | None = None
         self.checkpoint_seconds = BucketCounts(CHECKPOINT_SECONDS_BOUNDS)
         #: Wall-clock time (Unix seconds) the newest checkpoint committed; None before one.
         self.last_checkpoint_unix_s: float | None = None
@@ -182,21 +188,19 @@ class ShardObservations(CoreObserver):
         self.staleness_clocks.observe(staleness_clocks)
         if staleness_versions is not None:
             self.staleness_versions.observe(staleness_versions)
-        if worker_name in self.applied_by_worker or len(self.applied_by_worker) < self.max_workers:
-            self.applied_by_worker[worker_name] = self.applied_by_worker.get(worker_name, 0) + 1
-        by_reg = self.applied_by_registration
-        if worker_id and (worker_id in by_reg or len(by_reg) < 4 * self.max_workers):
-            by_reg[worker_id] = by_reg.get(worker_id, 0) + 1
 
     def dropped(self, reason: str, count: int = 1) -> None:
         self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + count
 
+    def _time(self) -> float:
+        return self.now() if self._replay_at is None else self._replay_at
+
     def clocked(self, worker_name: str, clock: int) -> None:
         if self.bsp:
-            self._clocked_at.setdefault(clock, {})[worker_name] = self.now()
+            self._clocked_at.setdefault(clock, {})[worker_name] = self._time()
 
     def step_closed(self, step: int) -> None:
-        close = self.now()
+        close = self._time()
         for old in [s for s in self._clocked_at if s < step]:  # steps skipped (aborted, restored)
             del self._clocked_at[old]
         times = self._clocked_at.pop(step, {})
@@ -212,6 +216,30 @@ class ShardObservations(CoreObserver):
             totals.wait_s += max(0.0, close - at)
             totals.lag_s += at - first
             totals.steps += 1
+
+    def replaying_at(self, unix_s: float | None) -> None:
+        self._replay_at = unix_s
+
+    # ------------------------------------------------------------------ durable part
+    def state(self) -> dict[str, Any]:
+        """The barrier totals per worker name and the clock times of the BSP steps still
+        open (JSON-able; a checkpoint's ``"observations"``)."""
+        return {
+            "barrier": {n: [b.wait_s, b.lag_s, b.steps] for n, b in self.barrier.items()},
+            "clocked_at": {
+                str(step): dict(times) for step, times in self._clocked_at.items() if times
+            },
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.barrier = {
+            str(n): BarrierTotals(float(wait), float(lag), int(steps))
+            for n, (wait, lag, steps) in state.get("barrier", {}).items()
+        }
+        self._clocked_at = {
+            int(step): {str(n): float(at) for n, at in times.items()}
+            for step, times in state.get("clocked_at", {}).items()
+        }
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_written(self, duration_s: float, name: str = "") -> None:

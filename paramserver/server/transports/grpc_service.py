@@ -328,7 +328,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
                     barrier_wait_ms=int(barrier.wait_s * 1000) if barrier else 0,
                     barrier_lag_ms=int(barrier.lag_s * 1000) if barrier else 0,
                     barrier_steps=barrier.steps if barrier else 0,
-                    applied_updates=obs.applied_by_registration.get(w.worker_id, 0),
+                    applied_updates=core.applied_by_registration.get(w.worker_id, 0),
                 )
             )
         keys = []
