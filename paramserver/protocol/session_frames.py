@@ -1,18 +1,20 @@
-"""The ``Session`` stream's tensor encoding that both ends share: sizes, slot layout, decoding.
+"""The ``Session`` stream's one tensor encoding, which both ends share: sizes, layout, decoding.
 
-A pushed or pulled tensor goes inline in a ``SessionRequest``/``SessionResponse`` up to these
-sizes; a larger one travels in a shared-memory slot (:mod:`paramserver.protocol.shm`) or in
-the frames of the Push and Pull streams. Slots are laid out from offset 0 of a region, each at
-an :func:`~paramserver.protocol.shm.align_up` boundary, and described either by one
-``SlotBatch`` (packed arrays: keys, wire dtypes, ranks, dims, offsets) or by one
-``SessionTensor`` per key. :func:`place_slot_batch` / :func:`place_slot_tensors` write the
-descriptions and return the destination views; :func:`slot_batch_entries` reads a batch back
-(checked), as the pushing client's server and the pulling client both do.
+Every request or answer of the Session stream carries its tensors (one or many) as one
+``SlotBatch``: packed arrays (keys, wire dtypes, ranks, dims, offsets) describing slots laid
+out from offset 0 of a region, each at an :func:`~paramserver.protocol.shm.align_up` boundary.
+The region is one of two carriers, with this one encoding each:
 
-A *packed inline batch* is the same ``SlotBatch`` layout with the bytes in its own ``data``
-field instead of a shared-memory region (:func:`pack_slot_batch`; read back through
-:func:`inline_region`): many small keys in one message without one ``SessionTensor`` each,
-on the network path as on the same host.
+- **inline**: the batch's own ``data`` field (set, even when empty) holds the bytes, zero-padded
+  between slots (:func:`pack_slot_batch`; read back through :func:`inline_region`), up to
+  :data:`MAX_INLINE_BYTES` a message;
+- **shared memory**: ``data`` unset, the slots lie in the push or pull region of the session's
+  segment (:mod:`paramserver.protocol.shm`; :func:`place_slot_batch` returns the destination
+  views).
+
+:func:`slot_batch_views` reads a batch back against its region (checked), as the pushing
+client's server and the pulling client both do; :func:`batch_bytes` is a batch's region size.
+A tensor too large for either carrier travels in the frames of the Push and Pull streams.
 """
 
 from __future__ import annotations
@@ -32,21 +34,20 @@ __all__ = [
     "SMALL_INLINE_BYTES",
     "RegionView",
     "SlotEntry",
-    "inline_array",
+    "batch_bytes",
     "inline_region",
-    "pack_inline",
     "pack_slot_batch",
     "place_slot_batch",
-    "place_slot_tensors",
     "slot_batch_entries",
     "slot_batch_views",
     "slot_span",
 ]
 
-#: Pulled values up to this many bytes in total go inline even when a segment is mapped.
+#: Requests and answers up to this many bytes (:func:`batch_bytes`) go inline even when a
+#: segment is mapped.
 SMALL_INLINE_BYTES = 64 << 10
-#: Largest inline payload (bytes) of one message: well under a 4 MiB receive limit and under
-#: the ~1 MiB frame size of the streams (docs/semantics.md).
+#: Largest inline ``data`` (bytes, padding included) of one message: well under a 4 MiB receive
+#: limit and under the ~1 MiB frame size of the streams (docs/semantics.md).
 MAX_INLINE_BYTES = (1 << 20) - (32 << 10)
 
 #: ``region.view(offset_bytes, size_bytes, dtype, shape)`` of a mapped shared-memory region.
@@ -54,6 +55,14 @@ RegionView = Callable[[int, int, Any, tuple[int, ...]], np.ndarray]
 
 #: One slot of a ``SlotBatch``: (key, dtype, shape, offset_bytes, size_bytes).
 SlotEntry = tuple[str, np.dtype[Any], tuple[int, ...], int, int]
+
+
+def batch_bytes(sizes: Iterable[int]) -> int:
+    """Bytes a batch of tensors of these payload sizes (bytes, in order) spans in its region:
+    each slot rounded up to the next :func:`~paramserver.protocol.shm.align_up` boundary. For
+    the inline carrier this is ``len(data)`` exactly."""
+    align = shm.align_up
+    return sum(align(n) for n in sizes)
 
 
 class _Placed:
@@ -75,7 +84,7 @@ class _Placed:
         self.view = view
         self.keys = keys
         self.signature = signature
-        #: (packed inline batches) zero bytes after each slot, up to the next one's offset
+        #: (inline batches) zero bytes after each slot, up to the next one's offset
         self.pads: list[bytes] = []
         self.dsts: list[np.ndarray] = []
         self.dtypes: list[int] = []
@@ -163,9 +172,10 @@ def pack_slot_batch(
     datas: Sequence[bytes] | None = None,
     memo: dict[str, Any] | None = None,
 ) -> int:
-    """Describe ``values`` in ``batch`` as a packed inline batch: the :func:`place_slot_batch`
+    """Describe ``values`` in ``batch`` for the inline carrier: the :func:`place_slot_batch`
     layout (each slot at an :func:`~paramserver.protocol.shm.align_up` boundary from 0) with
-    the bytes, zero-padded between slots, in ``batch.data``, joined in one copy.
+    the bytes, zero-padded between slots, in ``batch.data`` (set even when empty), joined in
+    one copy.
 
     Args:
         batch: The message's ``SlotBatch`` field (filled in place).
@@ -229,26 +239,6 @@ def pack_slot_batch(
     return len(data)
 
 
-def pack_inline(
-    batch: pb.SlotBatch,
-    keys: Sequence[str],
-    values: Sequence[np.ndarray],
-    limit: int,
-    *,
-    datas: Sequence[bytes] | None = None,
-    memo: dict[str, Any] | None = None,
-) -> bool:
-    """:func:`pack_slot_batch` where it pays and fits: more than one key, some bytes, and the
-    packed bytes (padding included) at most ``limit``. True when ``batch`` was filled; False
-    leaves it empty (the caller clears the field and sends one ``SessionTensor`` per key)."""
-    if len(keys) < 2 or not any(v.nbytes for v in values):
-        return False
-    if pack_slot_batch(batch, keys, values, datas=datas, memo=memo) <= limit:
-        return True
-    batch.Clear()  # (the padding took it over the limit)
-    return False
-
-
 def _little_contiguous(value: np.ndarray) -> np.ndarray:
     """``value``'s elements as a C-contiguous little-endian array (the wire's byte order)."""
     dtype = value.dtype.newbyteorder("<") if value.dtype.byteorder == ">" else value.dtype
@@ -256,32 +246,10 @@ def _little_contiguous(value: np.ndarray) -> np.ndarray:
 
 
 def inline_region(data: bytes | bytearray, name: str) -> shm.Region:
-    """A :class:`~paramserver.protocol.shm.Region` over a packed inline batch's ``data`` (its
-    views are read-only for ``bytes``, writeable for a ``bytearray``), so the batch is read
-    and checked exactly as one in a shared-memory region is."""
+    """A :class:`~paramserver.protocol.shm.Region` over an inline batch's ``data`` (its views
+    are read-only for ``bytes``, writeable for a ``bytearray``), so the batch is read and
+    checked exactly as one in a shared-memory region is."""
     return shm.Region(data, 0, len(data), name)
-
-
-def place_slot_tensors(
-    tensors: Any, view: RegionView, keys: Iterable[str], values: Sequence[Any]
-) -> list[np.ndarray]:
-    """:func:`place_slot_batch` for a peer that reads one ``SessionTensor`` per key:
-    ``tensors`` is the message's repeated ``SessionTensor`` field."""
-    dsts: list[np.ndarray] = []
-    add = tensors.add  # (fields set in place: no per-key message objects)
-    to_wire = tensor.dtype_to_wire
-    offset = 0
-    for key, value in zip(keys, values, strict=True):
-        size = value.nbytes
-        dsts.append(view(offset, size, value.dtype, value.shape))
-        add(
-            key=key,
-            dtype=to_wire(value.dtype),
-            shape=value.shape,
-            slot={"offset_bytes": offset, "size_bytes": size},
-        )
-        offset = shm.align_up(offset + size)
-    return dsts
 
 
 def _packed(batch: pb.SlotBatch) -> tuple[list[Any], ...]:
@@ -347,26 +315,6 @@ def _entries(packed: tuple[list[Any], ...]) -> list[SlotEntry]:
                 raise InvalidArgument(f"tensor {key!r}: {problem}")
         out.append((key, dtype, shape, offset, nbytes))
     return out
-
-
-def inline_array(t: pb.SessionTensor) -> np.ndarray:
-    """A writeable copy of an inline ``SessionTensor``'s value.
-
-    Raises:
-        MalformedStream: the bytes do not match the shape and dtype.
-        InvalidArgument: a dtype the wire does not carry (INVALID_ARGUMENT).
-    """
-    key = t.key
-    dtype = tensor.dtype_from_wire(t.dtype, key)
-    shape = tuple(t.shape)  # (int64 field: already Python ints)
-    nbytes = tensor.checked_nbytes(key, shape, dtype)
-    data = t.data
-    if len(data) != nbytes:
-        raise MalformedStream(
-            f"tensor {key!r}: {len(data)} inline bytes != prod(shape {shape}) * "
-            f"itemsize {dtype.itemsize} = {nbytes}"
-        )
-    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
 
 
 def slot_batch_views(

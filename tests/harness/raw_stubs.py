@@ -66,11 +66,11 @@ def random_values(
 
 
 def slot_batch(
-    entries: Iterable[tuple[str, np.dtype[Any], tuple[int, ...], int]], data: bytes = b""
+    entries: Iterable[tuple[str, np.dtype[Any], tuple[int, ...], int]], data: bytes | None = None
 ) -> pb.SlotBatch:
     """A Session ``SlotBatch`` written field by field: one ``(key, dtype, shape, offset_bytes)``
-    per slot; with ``data`` a packed inline batch, without it slots in shared memory."""
-    batch = pb.SlotBatch(data=data)
+    per slot; with ``data`` (even empty) the inline carrier, without it slots in shared memory."""
+    batch = pb.SlotBatch() if data is None else pb.SlotBatch(data=data)
     for key, dtype, shape, offset in entries:
         batch.keys.append(key)
         batch.dtypes.append(_TO_WIRE[np.dtype(dtype)])

@@ -21,7 +21,9 @@ def _message(seq: int, payload: bytes) -> pb.SessionRequest:
         seq=seq,
         push=pb.SessionPush(
             header=pb.PushHeader(worker_id="w", request_id=seq),
-            tensors=[pb.SessionTensor(key=f"k{seq}", shape=[len(payload)], data=payload)],
+            slots=pb.SlotBatch(
+                keys=[f"k{seq}"], ndims=[1], dims=[len(payload)], offsets=[0], data=payload
+            ),
         ),
     )
 

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
-from paramserver.protocol import link, tensor
+from paramserver.protocol import link
 from paramserver.server.shard_daemon import ParameterServerDaemon
 from paramserver.server.transports import link_service as local_link
 from paramserver.worker_client import UpdateRule, WorkerClient
 from tests.harness import eventually, running_server
+from tests.harness.raw_stubs import slot_batch
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -193,14 +194,10 @@ async def test_many_requests_in_one_write_are_answered_in_order() -> None:
             for seq in range(2, 12):
                 push = pb.SessionPush(
                     header=pb.PushHeader(worker_id=worker_id, request_id=seq),
-                    tensors=[
-                        pb.SessionTensor(
-                            key="w",
-                            dtype=tensor.dtype_to_wire(np.dtype(np.float32)),
-                            shape=[3],
-                            data=np.full(3, seq, np.float32).tobytes(),
-                        )
-                    ],
+                    slots=slot_batch(
+                        [("w", np.dtype(np.float32), (3,), 0)],
+                        np.full(3, seq, np.float32).tobytes() + bytes(52),  # (to 64 bytes)
+                    ),
                 )
                 frames.append(_frame(pb.SessionRequest(seq=seq, push=push)))
             stream = b"".join(frames)
@@ -270,7 +267,7 @@ async def test_a_burst_read_late_is_answered_in_full() -> None:
         assert [a.seq for a in answers if a is not None] == list(range(1, 42))
         for a in answers[1:]:
             assert a is not None and a.HasField("pull")
-            got = np.frombuffer(a.pull.tensors[0].data, np.float32)
+            got = np.frombuffer(a.pull.slots.data, np.float32, value.size)
             np.testing.assert_array_equal(got, value)
 
 

@@ -29,7 +29,7 @@ from paramserver.errors import (
     ParamServerError,
     StaleUpdate,
 )
-from paramserver.protocol import shm, tensor
+from paramserver.protocol import shm
 from paramserver.protocol.session_frames import SMALL_INLINE_BYTES
 from paramserver.server.shard_daemon import ParameterServerDaemon
 from paramserver.worker_client import UpdateRule, WorkerClient
@@ -217,22 +217,16 @@ async def test_malicious_slot_is_invalid_argument_and_the_stream_keeps_serving()
                 call, opened = await _raw_session(stub, seg.offer())
                 assert opened.shm.accepted, opened.shm.reason
                 assert _segments_of(os.getpid()) == []  # the server unlinked it
-                bad_slots = [
-                    pb.ShmSlot(offset_bytes=seg.push.size_bytes, size_bytes=16),  # past the end
-                    pb.ShmSlot(offset_bytes=(1 << 64) - 8, size_bytes=16),  # wraps around
-                    pb.ShmSlot(offset_bytes=0, size_bytes=12),  # disagrees with the shape
+                f32 = np.dtype(np.float32)
+                bad_offsets = [
+                    seg.push.size_bytes,  # past the end
+                    seg.push.size_bytes - 8,  # half past the end
+                    (1 << 64) - 8,  # wraps around
                 ]
-                for i, slot in enumerate(bad_slots):
+                for i, offset in enumerate(bad_offsets):
                     push = pb.SessionPush(
                         header=pb.PushHeader(worker_id=reg.worker_id, request_id=i, clock=0),
-                        tensors=[
-                            pb.SessionTensor(
-                                key="w",
-                                dtype=tensor.dtype_to_wire(np.float32),
-                                shape=[4],
-                                slot=slot,
-                            )
-                        ],
+                        slots=slot_batch([("w", f32, (4,), offset)]),
                     )
                     await call.write(pb.SessionRequest(seq=10 + i, push=push))
                     resp = await call.read()
@@ -244,21 +238,16 @@ async def test_malicious_slot_is_invalid_argument_and_the_stream_keeps_serving()
                 seg.push.view(0, 16, np.dtype(np.float32), (4,))[:] = [1, 2, 3, 4]
                 good = pb.SessionPush(
                     header=pb.PushHeader(worker_id=reg.worker_id, request_id=99, clock=0),
-                    tensors=[
-                        pb.SessionTensor(
-                            key="w",
-                            dtype=tensor.dtype_to_wire(np.float32),
-                            shape=[4],
-                            slot=pb.ShmSlot(offset_bytes=0, size_bytes=16),
-                        )
-                    ],
+                    slots=slot_batch([("w", f32, (4,), 0)]),
                 )
                 await call.write(pb.SessionRequest(seq=20, push=good))
                 assert (await call.read()).WhichOneof("body") == "push"
                 await call.write(pb.SessionRequest(seq=21, pull=pb.PullRequest(keys=["w"])))
                 pulled = (await call.read()).pull
+                # small: answered inline, one slot at offset 0 of the batch's own bytes
+                assert list(pulled.slots.keys) == ["w"] and list(pulled.slots.offsets) == [0]
                 np.testing.assert_array_equal(
-                    np.frombuffer(pulled.tensors[0].data, np.float32), [1, 2, 3, 4]
+                    np.frombuffer(pulled.slots.data, np.float32, 4), [1, 2, 3, 4]
                 )
                 assert daemon.servicer is not None
                 assert daemon.servicer.sessions.mapped_segments == 1
@@ -746,11 +735,11 @@ async def test_slot_batches_round_trip_and_bad_ones_apply_nothing() -> None:
                 stub = pb_grpc.ParameterServerStub(channel)
                 reg = await stub.Register(pb.RegisterRequest(worker_name="raw"))
                 call = stub.Session()
-                opening = pb.SessionOpen(worker_id="", slot_batches=True)
+                opening = pb.SessionOpen(worker_id="")
                 opening.shm.CopyFrom(seg.offer())
                 await call.write(pb.SessionRequest(seq=1, open=opening))
                 opened = (await call.read()).opened
-                assert opened.shm.accepted and opened.slot_batches
+                assert opened.shm.accepted
                 a = np.arange(6, dtype=np.float32).reshape(2, 3)
                 b = np.linspace(-1, 1, n_big, dtype=np.float32)
                 seg.push.view(0, a.nbytes, f32, a.shape)[:] = a
@@ -780,7 +769,8 @@ async def test_slot_batches_round_trip_and_bad_ones_apply_nothing() -> None:
                 resp = await call.read()
                 assert resp.WhichOneof("body") == "push_pull", resp
                 pulled = resp.push_pull.pull
-                assert len(pulled.tensors) == 0 and list(pulled.slots.keys) == ["a", "b"]
+                assert not pulled.slots.HasField("data")  # (the shared-memory carrier)
+                assert list(pulled.slots.keys) == ["a", "b"]
                 dims = list(pulled.slots.dims)
                 assert list(pulled.slots.ndims) == [2, 1] and dims == [2, 3, n_big]
                 offs = list(pulled.slots.offsets)
@@ -812,7 +802,7 @@ async def test_client_batches_many_keys_through_shared_memory() -> None:
                 out = await ps.push_pull(grads)
                 out = await ps.push_pull(grads)
                 fp = ps.fastpath
-                assert fp is not None and fp.shm_active and fp.slot_batches
+                assert fp is not None and fp.shm_active
                 assert fp.on_local_link is link
                 for k in keys:
                     np.testing.assert_array_equal(out[k], grads[k] + grads[k])

@@ -1,5 +1,5 @@
-"""Packed inline batches: many keys' bytes in one ``SlotBatch.data`` instead of one
-``SessionTensor`` per key, against real servers on 127.0.0.1.
+"""The Session's inline carrier: every request's and answer's bytes in one ``SlotBatch.data``
+(one key or many, the only inline encoding), against real servers on 127.0.0.1.
 
 Expected values come from numpy: every key uses the ``add`` rule (w += g) from known initial
 values, so each pulled value is ``init + sum(g)`` computed by numpy in the key's dtype (one
@@ -21,10 +21,10 @@ import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.api.v1 import tensor_pb2
 from paramserver.errors import NonFiniteGradient
-from paramserver.protocol import shm, tensor
+from paramserver.protocol import shm
 from paramserver.protocol.session_frames import pack_slot_batch, slot_batch_entries
-from paramserver.server.transports.session_service import SessionService
 from paramserver.worker_client import UpdateRule, WorkerClient
 from paramserver.worker_client.transport.session_stream import SessionTransport
 from tests.harness import address_of, running_server
@@ -116,19 +116,68 @@ async def test_many_small_keys_travel_packed_and_match_numpy(
                     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
                     assert got[k].flags.writeable
             fp = ps.fastpath
-            assert fp is not None and fp.packed_inline and not fp.shm_active
+            assert fp is not None and not fp.shm_active
             assert fp.on_local_link is server_shm  # (same host: on the local-link socket)
         pushes = [p for p in (_push_of(r) for r, _ in seen) if p is not None]
         pulls = [p for p in (_pulled_of(r) for _, r in seen) if p is not None]
-        # every many-key push and pull (the init's read-back too) went as one packed batch,
-        # no SessionTensor each
+        # every many-key push and pull (the init's read-back too) went as one inline batch
         assert len(pushes) == 3 and len(pulls) >= 3
         for push in pushes:
-            assert len(push.tensors) == 0 and list(push.slots.keys) == keys
+            assert push.slots.HasField("data") and list(push.slots.keys) == keys
             assert len(push.slots.data) >= sum(init[k].nbytes for k in keys)
         for pulled in pulls:
-            assert len(pulled.tensors) == 0 and list(pulled.slots.keys) == keys
+            assert pulled.slots.HasField("data") and list(pulled.slots.keys) == keys
             assert pulled.slots.data
+
+
+@pytest.mark.parametrize(
+    ("server_shm", "n", "inline"),
+    [(False, 5, True), (False, 100_000, True), (True, 5, True), (True, 100_000, False)],
+    ids=["net-small", "net-mid", "same-host-small", "same-host-large"],
+)
+async def test_one_key_takes_the_one_encoding_of_its_carrier(
+    monkeypatch: pytest.MonkeyPatch, server_shm: bool, n: int, inline: bool
+) -> None:
+    # A single key is a one-slot batch like many keys: inline (data set, the slot at offset 0)
+    # or in the shared-memory regions (data unset), each way; values match numpy.
+    rng = np.random.default_rng(4)
+    init = rng.standard_normal(n).astype(F32)
+    async with running_server(consistency="asp", shared_memory=server_shm) as daemon:
+        async with (
+            _recording(monkeypatch) as seen,
+            WorkerClient(address_of(daemon), "w0", heartbeat=False) as ps,
+        ):
+            await ps.init({"w": init}, rule=ADD)
+            g1, g2 = (rng.standard_normal(n).astype(F32) for _ in range(2))
+            await ps.push({"w": g1})
+            got1 = await ps.pull(["w"])
+            got2 = await ps.push_pull({"w": g2})
+            assert ps.fastpath is not None and ps.fastpath.shm_active is not inline
+        np.testing.assert_array_equal(got1["w"], init + g1)
+        np.testing.assert_array_equal(got2["w"], init + g1 + g2)
+        pushes = [p for p in (_push_of(r) for r, _ in seen) if p is not None]
+        pulls = [p for p in (_pulled_of(r) for _, r in seen) if p is not None]
+        assert len(pushes) == 2 and len(pulls) >= 2
+        # (the init's read-back, before any segment was offered, may come inline)
+        for batch in [p.slots for p in pushes] + [p.slots for p in pulls[-2:]]:
+            assert list(batch.keys) == ["w"] and list(batch.offsets) == [0]
+            assert list(batch.dims) == [n] and batch.dtypes[0] == tensor_pb2.DTYPE_FLOAT32
+            assert batch.HasField("data") is inline
+            if inline:
+                assert len(batch.data) == shm.align_up(4 * n)
+
+
+def test_the_session_messages_have_one_encoding_and_no_flags() -> None:
+    # Pushed and pulled tensors travel only as a SlotBatch; the open negotiates no encoding.
+    fields = {
+        m.DESCRIPTOR.name: set(m.DESCRIPTOR.fields_by_name)
+        for m in (pb.SessionOpen, pb.SessionOpened, pb.SessionPush, pb.SessionPulled)
+    }
+    assert fields["SessionOpen"] == {"worker_id", "shm", "want_local_link", "local_ticket"}
+    assert fields["SessionOpened"] == {"shm", "max_inline_bytes", "local_link"}
+    assert fields["SessionPush"] == {"header", "slots"}
+    assert fields["SessionPulled"] == {"info", "needed_bytes", "slots"}
+    assert not hasattr(pb, "SessionTensor")
 
 
 async def _push_then_pull(ps: WorkerClient, grads: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -154,16 +203,16 @@ async def test_bsp_queued_packed_gradients_survive_the_next_packed_push() -> Non
             for ps, first, second in zip((w0, w1), ab, cd, strict=True):
                 await ps.push(first)
                 await ps.push(second)  # same size: the same receive buffer, overwritten
-                assert ps.fastpath is not None and ps.fastpath.packed_inline
+                assert ps.fastpath is not None and not ps.fastpath.shm_active
             await asyncio.gather(w0.clock(), w1.clock())
             got = await w0.pull(["a", "b", "c", "d"])
             for k, base in (("a", 1.0), ("b", 2.0), ("c", 10.0), ("d", 20.0)):
                 np.testing.assert_array_equal(got[k], np.full(33, (base + 3 * base) / 2, F32))
 
 
-async def _raw_open(stub: Any, *, packed: bool) -> tuple[Any, pb.SessionOpened]:
+async def _raw_open(stub: Any) -> tuple[Any, pb.SessionOpened]:
     call = stub.Session()
-    await call.write(pb.SessionRequest(seq=1, open=pb.SessionOpen(packed_inline=packed)))
+    await call.write(pb.SessionRequest(seq=1, open=pb.SessionOpen()))
     return call, (await call.read()).opened
 
 
@@ -187,8 +236,7 @@ async def test_bad_packed_batches_apply_nothing_and_the_stream_keeps_serving() -
         async with grpc.aio.insecure_channel(address_of(daemon)) as channel:
             stub = pb_grpc.ParameterServerStub(channel)
             reg = await stub.Register(pb.RegisterRequest(worker_name="raw"))
-            call, opened = await _raw_open(stub, packed=True)
-            assert opened.packed_inline
+            call, _opened = await _raw_open(stub)
             good = _batch([("a", a0), ("b", b0)])
             b_end = shm.align_up(a0.nbytes) + b0.nbytes  # (then padding to the boundary)
             short = _batch([("a", a0), ("b", b0)], data=good.data[: b_end - 4])
@@ -222,7 +270,7 @@ async def test_bad_packed_batches_apply_nothing_and_the_stream_keeps_serving() -
             resp = await call.read()
             assert resp.WhichOneof("body") == "push_pull", resp
             pulled = resp.push_pull.pull
-            assert len(pulled.tensors) == 0 and pulled.slots.data
+            assert pulled.slots.HasField("data") and pulled.slots.data
             entries = slot_batch_entries(pulled.slots)
             data = pulled.slots.data
             got = {
@@ -238,64 +286,18 @@ async def test_bad_packed_batches_apply_nothing_and_the_stream_keeps_serving() -
             call.cancel()
 
 
-async def test_a_client_that_did_not_ask_gets_one_tensor_per_key() -> None:
-    # An older client's open (no packed_inline) is answered with one SessionTensor per key.
-    async with running_server(consistency="asp", shared_memory=False) as daemon:
-        async with WorkerClient(address_of(daemon), "w0", heartbeat=False) as ps:
-            await ps.init({"a": np.ones(3, F32), "b": np.full(2, 2.0, F32)}, rule=ADD)
-        async with grpc.aio.insecure_channel(address_of(daemon)) as channel:
-            stub = pb_grpc.ParameterServerStub(channel)
-            call, _opened = await _raw_open(stub, packed=False)
-            await call.write(pb.SessionRequest(seq=2, pull=pb.PullRequest(keys=["a", "b"])))
-            pulled = (await call.read()).pull
-            assert not pulled.HasField("slots")
-            assert [t.key for t in pulled.tensors] == ["a", "b"]
-            np.testing.assert_array_equal(np.frombuffer(pulled.tensors[0].data, F32), [1, 1, 1])
-            np.testing.assert_array_equal(np.frombuffer(pulled.tensors[1].data, F32), [2, 2])
-            assert pulled.tensors[0].dtype == tensor.dtype_to_wire(F32)
-            call.cancel()
-
-
-async def test_a_server_that_does_not_announce_it_gets_one_tensor_per_key(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # An older server (no packed_inline in its opened): the client pushes one SessionTensor
-    # per key, and the values still match numpy.
-    original = SessionService._open
-
-    def old_open(self: SessionService, session: Any, req: pb.SessionRequest) -> Any:
-        resp = original(self, session, req)
-        resp.opened.packed_inline = False
-        return resp
-
-    monkeypatch.setattr(SessionService, "_open", old_open)
-    async with running_server(consistency="asp", shared_memory=False) as daemon:
-        async with (
-            _recording(monkeypatch) as seen,
-            WorkerClient(address_of(daemon), "w0", heartbeat=False) as ps,
-        ):
-            await ps.init({"a": np.zeros(3, F32), "b": np.zeros(2, F32)}, rule=ADD)
-            got = await ps.push_pull({"a": np.full(3, 1.5, F32), "b": np.full(2, -2.0, F32)})
-            np.testing.assert_array_equal(got["a"], [1.5, 1.5, 1.5])
-            np.testing.assert_array_equal(got["b"], [-2.0, -2.0])
-            assert ps.fastpath is not None and not ps.fastpath.packed_inline
-        pushes = [p for p in (_push_of(r) for r, _ in seen) if p is not None]
-        assert pushes and all(not p.HasField("slots") and len(p.tensors) == 2 for p in pushes)
-
-
 async def test_hostile_shapes_and_trailing_bytes_are_invalid_argument_naming_the_key() -> None:
     # Shapes no numpy array can have (70 dimensions; a zero-size shape whose other dimensions
-    # multiply past any size), packed or as one inline tensor, and a packed batch with bytes
-    # after its last slot: INVALID_ARGUMENT naming what was wrong, nothing applied, the stream
-    # serving. A batch of empty tensors only (no bytes at all) on a session with no segment
-    # is read as packed and applied.
+    # multiply past any size), and an inline batch with bytes after its last slot:
+    # INVALID_ARGUMENT naming what was wrong, nothing applied, the stream serving. An inline
+    # batch of empty tensors only (its data set, but empty) is applied.
     async with running_server(consistency="asp", shared_memory=False) as daemon:
         async with WorkerClient(address_of(daemon), "w0", heartbeat=False) as ps:
             await ps.init({"a": np.zeros(4, F32), "z": np.zeros((0, 3), F32)}, rule=ADD)
         async with grpc.aio.insecure_channel(address_of(daemon)) as channel:
             stub = pb_grpc.ParameterServerStub(channel)
             reg = await stub.Register(pb.RegisterRequest(worker_name="raw"))
-            call, _opened = await _raw_open(stub, packed=True)
+            call, _opened = await _raw_open(stub)
             four = np.ones(4, F32).tobytes()
             rank70 = (1,) * 70
             huge_zero = (0, 2**62, 2**62)
@@ -304,16 +306,6 @@ async def test_hostile_shapes_and_trailing_bytes_are_invalid_argument_naming_the
                 (
                     pb.SessionPush(slots=slot_batch([("a", F32, huge_zero, 0)], four)),
                     "larger than any array",
-                ),
-                (
-                    pb.SessionPush(
-                        tensors=[
-                            pb.SessionTensor(
-                                key="a", dtype=tensor.dtype_to_wire(F32), shape=rank70, data=four
-                            )
-                        ]
-                    ),
-                    "70 dimensions",
                 ),
                 (
                     pb.SessionPush(slots=slot_batch([("a", F32, (4,), 0)], four + bytes(64))),
@@ -327,7 +319,7 @@ async def test_hostile_shapes_and_trailing_bytes_are_invalid_argument_naming_the
                 assert resp.WhichOneof("body") == "error", resp
                 assert resp.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], resp.error
                 assert words in resp.error.message, resp.error.message
-                if i < 3:
+                if i < 2:
                     assert "'a'" in resp.error.message, resp.error.message
             empty = pb.SessionPush(
                 header=pb.PushHeader(worker_id=reg.worker_id, request_id=50, clock=0),
@@ -339,5 +331,5 @@ async def test_hostile_shapes_and_trailing_bytes_are_invalid_argument_naming_the
             assert resp.push.applied_updates == 1
             await call.write(pb.SessionRequest(seq=31, pull=pb.PullRequest(keys=["a"])))
             pulled = (await call.read()).pull
-            np.testing.assert_array_equal(np.frombuffer(pulled.tensors[0].data, F32), [0] * 4)
+            np.testing.assert_array_equal(np.frombuffer(pulled.slots.data, F32, 4), [0] * 4)
             call.cancel()

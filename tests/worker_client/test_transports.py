@@ -17,7 +17,6 @@ from paramserver.errors import InvalidArgument, MalformedStream
 from paramserver.protocol import shm
 from paramserver.protocol.session_frames import (
     place_slot_batch,
-    place_slot_tensors,
     slot_batch_entries,
     slot_batch_views,
 )
@@ -163,16 +162,6 @@ def test_slot_batch_round_trip_at_aligned_offsets() -> None:
     for (_, dtype, shape, off, nbytes), value in zip(entries, VALUES.values(), strict=True):
         assert (dtype, shape, nbytes) == (value.dtype, value.shape, value.nbytes)
         np.testing.assert_array_equal(view(off, nbytes, dtype, shape), value)
-
-
-def test_slot_tensors_lay_out_the_same_slots() -> None:
-    _, view = _region(1 << 16)
-    batch, msg = pb.SlotBatch(), pb.SessionPulled()
-    place_slot_batch(batch, view, VALUES, list(VALUES.values()))
-    place_slot_tensors(msg.tensors, view, VALUES, list(VALUES.values()))
-    assert [t.slot.offset_bytes for t in msg.tensors] == list(batch.offsets)
-    assert [t.slot.size_bytes for t in msg.tensors] == [v.nbytes for v in VALUES.values()]
-    assert [tuple(t.shape) for t in msg.tensors] == [v.shape for v in VALUES.values()]
 
 
 def test_a_slot_batch_whose_arrays_disagree_is_malformed() -> None:

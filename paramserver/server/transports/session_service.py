@@ -10,17 +10,19 @@ Push stream, so dedup, the WAL commit and every error code are those of the ordi
 refused request is answered with a ``SessionError`` (status code, message, exact error class)
 and the stream keeps serving; only a protocol violation (no open first, a second open) ends it.
 
-Tensor bytes travel inline (small tensors) or through the client's shared-memory segment
-(:mod:`paramserver.protocol.shm`): gradients are read from the push region in place, pulled values
-are
-copied once into the pull region.
+Every request and answer carries its tensors as one ``SlotBatch``
+(:mod:`paramserver.protocol.session_frames`), on one of two carriers: inline (the batch's
+``data``: small requests, or any that fits one message when no segment is mapped) or the client's
+shared-memory segment (:mod:`paramserver.protocol.shm`): gradients are read from the push region
+in place, pulled values are copied once into the pull region. Compressed gradients take the Push
+stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -30,21 +32,19 @@ from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.core.store import count_non_finite
 from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError
-from paramserver.protocol import shm, tensor
+from paramserver.protocol import shm
 from paramserver.protocol.session_frames import (
     MAX_INLINE_BYTES,
     SMALL_INLINE_BYTES,
+    batch_bytes,
     inline_region,
-    pack_inline,
+    pack_slot_batch,
     place_slot_batch,
-    place_slot_tensors,
-    slot_batch_entries,
     slot_batch_views,
     slot_span,
 )
 from paramserver.security.tokens import check_worker_identity
 from paramserver.server.engine import InflightTicket
-from paramserver.server.slicing import SLICE_KEYS
 
 if TYPE_CHECKING:
     from paramserver.server.shard_service import ShardService
@@ -72,25 +72,21 @@ class _Session:
     def __init__(self) -> None:
         self.worker_id = ""
         self.mapping: shm.ServerMapping | None = None
-        #: The client reads pulled shared-memory values as one SlotBatch (its open asked).
-        self.slot_batches = False
-        #: The client reads pulled inline values of many keys as a packed inline batch.
-        self.packed_inline = False
-        #: Where a pushed packed inline batch is copied to (writeable, reused while its size
-        #: repeats), and the layout memo of that region and of the packed pulls.
+        #: Where a pushed inline batch is copied to (writeable, reused while its size repeats),
+        #: and the layout memo of that region and of the inline pulls.
         self._received: shm.Region | None = None
         self._received_bytes = bytearray()
         self.received_layouts: dict[str, Any] = {}
         self.packed_layouts: dict[str, Any] = {}
 
     def receive(self, data: bytes) -> shm.Region:
-        """The session's region holding a copy of a packed inline batch's ``data``: one
+        """The session's region holding a copy of an inline batch's ``data``: one
         writeable buffer per size, so a model's every round reuses its views (as a mapped
         push region's), and the gradients handed on never alias the message."""
         region = self._received
         if region is None or region.size_bytes != len(data):
             self._received_bytes = bytearray(len(data))
-            region = self._received = inline_region(self._received_bytes, "packed push")
+            region = self._received = inline_region(self._received_bytes, "inline push")
             self.received_layouts = {}
         self._received_bytes[:] = data  # (same length: one copy, the views stay valid)
         return region
@@ -193,15 +189,11 @@ class SessionService:
             self._unmap(session)
             self.open_sessions -= 1
 
-    # ------------------------------------------------------------------ negotiation
+    # ------------------------------------------------------------------ open
     def _open(self, session: _Session, req: pb.SessionRequest) -> pb.SessionResponse:
         check_worker_identity(req.open.worker_id)
         session.worker_id = req.open.worker_id
-        session.slot_batches = req.open.slot_batches
-        session.packed_inline = req.open.packed_inline
-        opened = pb.SessionOpened(
-            max_inline_bytes=self.max_inline_bytes, slot_batches=True, packed_inline=True
-        )
+        opened = pb.SessionOpened(max_inline_bytes=self.max_inline_bytes)
         if req.open.HasField("shm"):
             opened.shm.CopyFrom(self._attach(session, req.open.shm))
         link = self.local_link
@@ -265,92 +257,56 @@ class SessionService:
             err = ParamServerError(f"internal error in Session: {exc!r}")
             return error_response(req.seq, err)
 
-    async def _decode(
-        self, session: _Session, tensors: Sequence[pb.SessionTensor], ticket: Any
-    ) -> dict[str, np.ndarray]:
-        """Gradients of a push: inline bytes copied into writeable arrays, shared-memory slots
-        as views of the push region (checked against it first). Yields to the event loop
-        every :data:`~paramserver.server.slicing.SLICE_KEYS` tensors, so a push of many keys
-        never holds the loop (heartbeats, other workers) for long."""
-        out: dict[str, np.ndarray] = {}
-        limit = self.shard.engine.config.max_tensor_bytes
-        keep_copies = self.shard.core.aggregator is not None  # BSP queues the arrays
-        for i, t in enumerate(tensors):
-            if i and not i % SLICE_KEYS:
-                await asyncio.sleep(0)
-            key = t.key
-            if not key:
-                raise MalformedStream("Session tensor with an empty key")
-            if key in out:
-                raise MalformedStream(f"key {key!r} appears twice in one push")
-            dtype = tensor.dtype_from_wire(t.dtype, key)
-            shape = tuple(t.shape)  # (int64 field: already Python ints)
-            nbytes = tensor.checked_nbytes(key, shape, dtype)
-            if limit is not None and nbytes > limit:
-                raise InvalidArgument(
-                    f"tensor {key!r}: size_bytes {nbytes} exceeds max_tensor_bytes {limit}"
-                )
-            ticket.reserve(nbytes)
-            which = t.WhichOneof("payload")
-            if which == "slot":
-                if session.mapping is None:
-                    raise InvalidArgument(
-                        f"tensor {key!r}: shared-memory slot but no segment is mapped"
-                    )
-                try:
-                    view = session.mapping.push.view(
-                        t.slot.offset_bytes, t.slot.size_bytes, dtype, shape
-                    )
-                except InvalidArgument as exc:
-                    raise InvalidArgument(f"tensor {key!r}: {exc.message}") from None
-                out[key] = view.copy() if keep_copies else view
-                continue
-            data = t.data
-            if len(data) != nbytes:
-                raise MalformedStream(
-                    f"tensor {key!r}: {len(data)} inline bytes != prod(shape {shape}) * "
-                    f"itemsize {dtype.itemsize} = {nbytes}"
-                )
-            out[key] = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
-        return out
-
-    def _decode_slots(
-        self, session: _Session, batch: pb.SlotBatch, ticket: Any, out: dict[str, np.ndarray]
+    def _decode(
+        self,
+        session: _Session,
+        batch: pb.SlotBatch,
+        ticket: Any,
+        out: dict[str, np.ndarray],
+        *,
+        reuse: bool = True,
     ) -> bool:
-        """Gradients of a push's :class:`SlotBatch`, added to ``out``: views of the push
-        region, or of the session's copy of a packed inline batch's bytes (copies when BSP
-        queues them), each checked as :meth:`_decode` checks a slot.
+        """The tensors of a request's :class:`SlotBatch`, added to ``out``: views of the push
+        region, or of a copy of an inline batch's bytes (the session's buffer when ``reuse``,
+        else a fresh one), copies when BSP queues them; each checked (key, size limit, slot
+        inside its region) and reserved on ``ticket`` before anything is handed on.
 
         Returns:
             True when one scan of the bytes the slots span found no NaN/Inf (so none of the
-            gradients holds any); False when that was not tried or found some (padding
+            tensors holds any); False when that was not tried or found some (padding
             between slots may hold anything: then the core scans each gradient).
+
+        Raises:
+            MalformedStream: an empty or repeated key, arrays that disagree (INVALID_ARGUMENT).
+            InvalidArgument: a slot outside its region, of a shape no array can have, over
+                ``max_tensor_bytes``, in shared memory with no segment mapped, or an inline
+                batch with bytes after its last slot (INVALID_ARGUMENT), naming the key.
         """
         mapping = session.mapping
-        data = batch.data
-        if not data and mapping is None:
-            # no bytes and no segment: a packed batch of empty tensors only, or slots with
-            # nowhere to be
-            for key, _dtype, _shape, _offset, nbytes in slot_batch_entries(batch):
-                if nbytes:
-                    raise InvalidArgument(
-                        f"tensor {key!r}: shared-memory slot but no segment is mapped"
-                    )
-            if not batch.keys:
-                return False
-        if data or mapping is None:
-            region = session.receive(data)
-            layouts = session.received_layouts
+        inline = batch.HasField("data")
+        layouts: dict[str, Any] | None
+        if inline:
+            data = batch.data
+            if reuse:
+                region, layouts = session.receive(data), session.received_layouts
+            else:
+                region, layouts = inline_region(bytearray(data), "inline request"), None
+        elif mapping is None:
+            if batch.keys:
+                raise InvalidArgument(
+                    f"tensor {batch.keys[0]!r}: shared-memory slot but no segment is mapped"
+                )
+            return False
         else:
             region, layouts = mapping.push, mapping.layouts
         limit = self.shard.engine.config.max_tensor_bytes
-        keep_copies = self.shard.core.aggregator is not None
+        keep_copies = self.shard.core.aggregator is not None  # BSP queues the arrays
         entries, views = slot_batch_views(batch, region, layouts)
-        if data:
+        if inline:
             end = shm.align_up(max(e[3] + e[4] for e in entries)) if entries else 0
-            if len(data) > end:
+            if region.size_bytes > end:
                 raise InvalidArgument(
-                    f"packed batch carries {len(data)} bytes, but its slots end at {end}"
+                    f"inline batch carries {region.size_bytes} bytes, but its slots end at {end}"
                 )
         for (key, _dtype, _shape, _offset, nbytes), view in zip(entries, views, strict=True):
             if not key:
@@ -380,12 +336,8 @@ class SessionService:
         ticket = InflightTicket(self.shard.engine.backpressure)
         try:
             ticket.enter(header.worker_id)
-            grads = await self._decode(session, push.tensors, ticket)
-            finite = False
-            if push.HasField("slots"):
-                finite = self._decode_slots(session, push.slots, ticket, grads) and not (
-                    push.tensors
-                )
+            grads: dict[str, np.ndarray] = {}
+            finite = self._decode(session, push.slots, ticket, grads)
             return await self.shard.apply_push_header(header, grads, finite=finite)
         finally:
             ticket.release()
@@ -400,58 +352,43 @@ class SessionService:
         info.version = shard.core.version
         store = shard.core.store
         values = [store.get(key).value for key in keys]
-        total = sum(v.nbytes for v in values)
+        needed = batch_bytes(v.nbytes for v in values)
         mapping = session.mapping
-        if total <= SMALL_INLINE_BYTES or (mapping is None and total <= self.max_inline_bytes):
+        if needed <= SMALL_INLINE_BYTES or (mapping is None and needed <= self.max_inline_bytes):
             # dtype and shape are fixed per key; the bytes are a consistent snapshot of each.
             datas = await shard.pull_snapshots_bytes(keys)
-            if session.packed_inline and pack_inline(
-                out.slots,
-                keys,
-                values,
-                self.max_inline_bytes,
-                datas=datas,
-                memo=session.packed_layouts,
-            ):
-                return
-            out.ClearField("slots")  # (one tensor each instead)
-            add = out.tensors.add
-            to_wire = tensor.dtype_to_wire
-            for key, value, data in zip(keys, values, datas, strict=True):
-                add(key=key, dtype=to_wire(value.dtype), shape=value.shape, data=data)
+            pack_slot_batch(out.slots, keys, values, datas=datas, memo=session.packed_layouts)
             return
-        needed = sum(shm.align_up(v.nbytes) for v in values)
         if mapping is None or needed > mapping.pull.size_bytes:
             out.needed_bytes = needed
             return
         # One pass for the whole request: the destinations, then one consistent copy of every
         # key (inline when all are small and idle, else one reservation and one worker-thread
         # hop for the big ones), then the response's slots (no per-key message objects).
-        if session.slot_batches:
-            dsts = place_slot_batch(
-                out.slots, mapping.pull.view, keys, values, memo=mapping.layouts
-            )
-        else:
-            dsts = place_slot_tensors(out.tensors, mapping.pull.view, keys, values)
+        dsts = place_slot_batch(out.slots, mapping.pull.view, keys, values, memo=mapping.layouts)
         await shard.pull_snapshots_into(keys, dsts)
 
     async def _rows(self, session: _Session, req: pb.SessionRows, out: pb.SessionRowsDone) -> None:
         """An embedding-table row pull or push (the servicer's table handlers decide)."""
         rpcs = self.table_rpcs
         header = req.header
-        tensors = [req.ids, req.grads] if req.push else [req.ids]
-        if req.ids.key != "ids" or (req.push and req.grads.key != "grads"):
-            raise MalformedStream("SessionRows tensors must be keyed 'ids' (and 'grads')")
-        if not req.push and req.HasField("grads"):
+        keys = list(req.tensors.keys)
+        if not req.push and keys == ["ids", "grads"]:
             raise MalformedStream(
                 f"table {header.table!r}: a row pull (SessionRows with push = false) carries "
                 "no grads"
+            )
+        if keys != (["ids", "grads"] if req.push else ["ids"]):
+            raise MalformedStream(
+                "SessionRows tensors must be keyed 'ids' (and, on a push, 'grads'), in order"
             )
         ticket = InflightTicket(self.shard.engine.backpressure)
         try:
             if req.push:
                 ticket.enter(header.worker_id)
-            arrays = await self._decode(session, tensors, ticket)
+            arrays: dict[str, np.ndarray] = {}
+            # (a fresh copy of inline bytes: a table may keep the arrays past this request)
+            self._decode(session, req.tensors, ticket, arrays, reuse=False)
             ids = arrays["ids"]
             if ids.dtype != np.int64 or ids.ndim != 1:
                 raise InvalidArgument(
@@ -470,25 +407,13 @@ class SessionService:
             ticket.release()
         info, rows = await rpcs.pull_decoded(header, ids)
         out.info.CopyFrom(info)
-        nbytes = int(rows.nbytes)
+        needed = shm.align_up(int(rows.nbytes))
         mapping = session.mapping
-        wire_dtype = tensor.dtype_to_wire(rows.dtype)
-        if nbytes <= SMALL_INLINE_BYTES or (mapping is None and nbytes <= self.max_inline_bytes):
-            out.rows.CopyFrom(
-                pb.SessionTensor(
-                    key="rows", dtype=wire_dtype, shape=rows.shape, data=rows.tobytes()
-                )
-            )
+        if needed <= SMALL_INLINE_BYTES or (mapping is None and needed <= self.max_inline_bytes):
+            pack_slot_batch(out.tensors, ["rows"], [rows])
             return
-        if mapping is None or shm.align_up(nbytes) > mapping.pull.size_bytes:
-            out.needed_bytes = shm.align_up(nbytes)
+        if mapping is None or needed > mapping.pull.size_bytes:
+            out.needed_bytes = needed
             return
-        np.copyto(mapping.pull.view(0, nbytes, rows.dtype, rows.shape), rows)
-        out.rows.CopyFrom(
-            pb.SessionTensor(
-                key="rows",
-                dtype=wire_dtype,
-                shape=rows.shape,
-                slot=pb.ShmSlot(offset_bytes=0, size_bytes=nbytes),
-            )
-        )
+        (dst,) = place_slot_batch(out.tensors, mapping.pull.view, ["rows"], [rows])
+        np.copyto(dst, rows)

@@ -9,19 +9,17 @@ a ``SessionError`` and is raised as the :class:`grpc.aio.AioRpcError` the ordina
 have raised (same status code, same error-class trailer), so the funnel maps it to the same
 :mod:`paramserver.errors` class and retries exactly what it retries there.
 
-Where tensor bytes go:
+Every request and answer carries its tensors (one key or many) as one ``SlotBatch``
+(:mod:`paramserver.protocol.session_frames`), on one of two carriers:
 
-- pushes of at most :data:`SMALL_INLINE_BYTES` in total: inline;
+- requests of at most :data:`SMALL_INLINE_BYTES` (slots rounded up to their 64-byte boundary):
+  inline, the bytes in the batch's ``data``;
 - larger ones, same host: the segment's push region (offered on first need, grown on the same
   stream when a tensor does not fit);
 - larger ones, no shared memory (another host, declined, or switched off): inline up to the
   server's ``max_inline_bytes`` (~1 MiB), else the request is declined
   (:class:`~paramserver.worker_client.transport.base.Declined`, nothing sent) and the client
   sends it by the chunked Push/Pull streams.
-
-Inline requests and answers of many keys go as one packed inline batch (one ``SlotBatch``
-whose ``data`` holds every key's bytes) when both ends announce it, not one ``SessionTensor``
-per key.
 
 Pulls are answered inline, in the pull region, or with ``needed_bytes`` (the client grows the
 segment and asks again, or declines: the Pull stream carries it). A server without the Session
@@ -45,16 +43,15 @@ import numpy.typing as npt
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import ERROR_CLASS_METADATA_KEY, InvalidArgument, MalformedStream
-from paramserver.protocol import link, shm, tensor
+from paramserver.protocol import link, shm
 from paramserver.protocol.session_frames import (
     MAX_INLINE_BYTES,
     SMALL_INLINE_BYTES,
     SlotEntry,
-    inline_array,
+    batch_bytes,
     inline_region,
-    pack_inline,
+    pack_slot_batch,
     place_slot_batch,
-    place_slot_tensors,
     slot_batch_entries,
     slot_batch_views,
 )
@@ -95,26 +92,8 @@ def _round_region(n: int) -> int:
     return (n + _REGION_STEP_BYTES - 1) // _REGION_STEP_BYTES * _REGION_STEP_BYTES
 
 
-def _need(sizes: Mapping[str, int] | list[int]) -> int:
-    values = sizes.values() if isinstance(sizes, Mapping) else sizes
-    return sum(shm.align_up(n) for n in values)
-
-
 #: Compressed gradients travel as several parts per key: only the Push stream carries them.
 _COMPRESSED = Declined("compressed gradients take the Push stream")
-
-
-def _set_tensor(t: pb.SessionTensor, key: str, arr: np.ndarray, offset: int | None) -> None:
-    """Describe ``arr`` in ``t``: in the push-region slot at ``offset``, or inline (None)."""
-    t.key = key
-    t.dtype = tensor.dtype_to_wire(arr.dtype)
-    t.shape.extend(arr.shape)
-    if offset is None:
-        t.data = arr.tobytes()
-    else:
-        t.slot.SetInParent()
-        t.slot.offset_bytes = offset
-        t.slot.size_bytes = arr.nbytes
 
 
 class SessionTransport:
@@ -154,11 +133,7 @@ class SessionTransport:
         #: The server has no Session RPC (an older server): every call uses the streams.
         self.disabled = False
         self.max_inline_bytes = MAX_INLINE_BYTES
-        #: The server takes pushed shared-memory gradients as one SlotBatch (its open said so).
-        self.slot_batches = False
-        #: The server takes pushed inline gradients of many keys as a packed inline batch.
-        self.packed_inline = False
-        #: Layout memos of the packed inline batches this client sends and reads.
+        #: Layout memos of the inline batches this client sends and reads.
         self._packed_sent: dict[str, Any] = {}
         self._packed_read: dict[str, Any] = {}
         self.sessions_opened = 0
@@ -260,12 +235,7 @@ class SessionTransport:
         try:
             resp = await self._roundtrip(
                 pb.SessionRequest(
-                    open=pb.SessionOpen(
-                        worker_id=worker_id,
-                        want_local_link=want_link,
-                        slot_batches=True,
-                        packed_inline=True,
-                    )
+                    open=pb.SessionOpen(worker_id=worker_id, want_local_link=want_link)
                 )
             )
         except grpc.aio.AioRpcError as err:
@@ -278,8 +248,6 @@ class SessionTransport:
             self._drop()
             raise MalformedStream("session stream did not answer open with opened")
         self.max_inline_bytes = resp.opened.max_inline_bytes or MAX_INLINE_BYTES
-        self.slot_batches = resp.opened.slot_batches
-        self.packed_inline = resp.opened.packed_inline
         self.sessions_opened += 1
         if want_link and resp.opened.HasField("local_link"):
             await self._move_to_local_link(resp.opened.local_link, worker_id)
@@ -304,12 +272,7 @@ class SessionTransport:
             await link.write(
                 pb.SessionRequest(
                     seq=self._seq,
-                    open=pb.SessionOpen(
-                        worker_id=worker_id,
-                        local_ticket=offer.ticket,
-                        slot_batches=True,
-                        packed_inline=True,
-                    ),
+                    open=pb.SessionOpen(worker_id=worker_id, local_ticket=offer.ticket),
                 )
             )
             answer = await asyncio.wait_for(link.read(), _LINK_CONNECT_TIMEOUT_S)
@@ -382,74 +345,50 @@ class SessionTransport:
         """Write the push into ``msg`` (the request's own field: no nested-message copies);
         declined when it is too large to go inline and shared memory is off."""
         sizes = {k: a.nbytes for k, a in arrays.items()}
-        total = sum(sizes.values())
+        need = batch_bytes(sizes.values())
         msg.header.CopyFrom(header)
-        if total > SMALL_INLINE_BYTES and await self._ensure_segment(_need(sizes), pull_bytes):
+        values = list(arrays.values())
+        if need > SMALL_INLINE_BYTES and await self._ensure_segment(need, pull_bytes):
             seg = self._segment
             assert seg is not None
-            values = list(arrays.values())
-            if self.slot_batches:  # one header for every key: packed arrays
-                dsts = place_slot_batch(msg.slots, seg.push.view, arrays, values, memo=seg.layouts)
-            else:
-                dsts = place_slot_tensors(msg.tensors, seg.push.view, arrays, values)
+            dsts = place_slot_batch(msg.slots, seg.push.view, arrays, values, memo=seg.layouts)
             for dst, arr in zip(dsts, values, strict=True):
                 np.copyto(dst, arr)
-        elif total <= self.max_inline_bytes:
-            if self.packed_inline and pack_inline(
-                msg.slots,
-                list(arrays),
-                list(arrays.values()),
-                self.max_inline_bytes,
-                memo=self._packed_sent,
-            ):
-                self.known_nbytes.update(sizes)
-                return None
-            msg.ClearField("slots")  # (one tensor each instead)
-            add = msg.tensors.add
-            for key, arr in arrays.items():
-                add(
-                    key=key,
-                    dtype=tensor.dtype_to_wire(arr.dtype),
-                    shape=arr.shape,
-                    data=arr.tobytes(),
-                )
+        elif need <= self.max_inline_bytes:
+            pack_slot_batch(msg.slots, list(arrays), values, memo=self._packed_sent)
         else:
-            return Declined(f"push of {total} bytes without shared memory")
+            return Declined(f"push of {need} bytes without shared memory")
         self.known_nbytes.update(sizes)
         return None
 
     def _decode(self, pulled: pb.SessionPulled, copy: bool) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
-        if pulled.HasField("slots"):
-            if pulled.slots.data:
-                self._decode_packed(pulled.slots, out)
-            else:
-                self._decode_slots(pulled.slots, copy, out)
-        for t in pulled.tensors:
-            key = t.key
-            if t.WhichOneof("payload") == "slot":
-                arr = self._from_pull_region(t, copy)
-            else:
-                arr = inline_array(t)
-            out[key] = arr
-            self.known_nbytes[key] = arr.nbytes
+        batch = pulled.slots
+        if batch.HasField("data"):
+            self._decode_packed(batch, out)
+        else:
+            self._decode_slots(batch, copy, out)
         return out
 
-    def _from_pull_region(self, t: pb.SessionTensor, copy: bool) -> np.ndarray:
-        """The value of a tensor in a pull-region slot: a copy (into the key's recycled
-        buffer) or, ``copy`` False, the region's view."""
-        key = t.key
-        dtype = tensor.dtype_from_wire(t.dtype, key)
-        shape = tuple(t.shape)  # (int64 field: already Python ints)
-        if self._segment is None:
-            raise MalformedStream(f"tensor {key!r} in shared memory, but none is mapped")
-        view = self._segment.pull.view(t.slot.offset_bytes, t.slot.size_bytes, dtype, shape)
-        if not copy:
-            return view
-        arr = self.pull_buffers.empty(key, dtype, shape)
-        np.copyto(arr, view, casting="no")
-        self.pull_buffers.keep(key, arr)
-        return arr
+    def _pulled_rows(self, batch: pb.SlotBatch) -> np.ndarray:
+        """A fresh array of the rows of a row pull's answer (its one slot, keyed "rows").
+
+        Raises:
+            MalformedStream: not one slot keyed "rows", or a slot outside its region.
+        """
+        if batch.HasField("data"):
+            region = inline_region(batch.data, "inline rows")
+        elif self._segment is not None:
+            region = self._segment.pull
+        else:
+            raise MalformedStream("rows in shared memory, but none is mapped")
+        try:
+            entries, views = slot_batch_views(batch, region)
+        except InvalidArgument as exc:
+            raise MalformedStream(f"pulled rows: {exc.message}") from None
+        if [e[0] for e in entries] != ["rows"]:
+            raise MalformedStream(f"a row pull answered with tensors {[e[0] for e in entries]}")
+        return views[0].copy()
 
     def _decode_slots(self, batch: pb.SlotBatch, copy: bool, out: dict[str, np.ndarray]) -> None:
         """The values of a pulled :class:`SlotBatch` (pull-region slots), into ``out``."""
@@ -478,19 +417,19 @@ class SessionTransport:
             known[key] = nbytes
 
     def _decode_packed(self, batch: pb.SlotBatch, out: dict[str, np.ndarray]) -> None:
-        """The values of a pulled packed inline batch, into ``out``: copied out of the
-        message's bytes in one pass (:meth:`_decode_arena`), writeable whatever ``copy``.
+        """The values of a pulled inline batch, into ``out``: copied out of the message's
+        bytes (many keys in one pass, :meth:`_decode_arena`), writeable whatever ``copy``.
 
         Raises:
             MalformedStream: a slot outside the batch's bytes, or arrays that disagree.
         """
-        region = inline_region(batch.data, "packed pull")
+        region = inline_region(batch.data, "inline pull")
         try:
             entries = slot_batch_entries(batch, self._packed_read)
             if len(entries) > 1 and self._decode_arena(region, entries, out):
                 return
         except InvalidArgument as exc:
-            raise MalformedStream(f"packed pull: {exc.message}") from None
+            raise MalformedStream(f"inline pull: {exc.message}") from None
         known = self.known_nbytes
         for key, dtype, shape, offset, nbytes in entries:
             try:
@@ -646,37 +585,31 @@ class SessionTransport:
             msg.header.CopyFrom(header)
             msg.push = grads is not None
             arrays = {"ids": ids} if grads is None else {"ids": ids, "grads": grads}
-            sizes = {k: a.nbytes for k, a in arrays.items()}
-            total = sum(sizes.values())
+            keys, values = list(arrays), list(arrays.values())
+            need = batch_bytes(a.nbytes for a in values)
             row_bytes = self.row_bytes.get(header.table)
             pull_bytes = 0 if grads is not None or row_bytes is None else ids.shape[0] * row_bytes
-            big = total > SMALL_INLINE_BYTES or pull_bytes > SMALL_INLINE_BYTES
-            if big and await self._ensure_segment(_need(sizes), pull_bytes):
+            big = need > SMALL_INLINE_BYTES or pull_bytes > SMALL_INLINE_BYTES
+            if big and await self._ensure_segment(need, pull_bytes):
                 seg = self._segment
                 assert seg is not None
-                offset = 0
-                for key, arr in arrays.items():
-                    np.copyto(seg.push.view(offset, arr.nbytes, arr.dtype, arr.shape), arr)
-                    _set_tensor(getattr(msg, key), key, arr, offset)
-                    offset = shm.align_up(offset + arr.nbytes)
-            elif total <= self.max_inline_bytes:
-                for key, arr in arrays.items():
-                    _set_tensor(getattr(msg, key), key, arr, None)
+                dsts = place_slot_batch(msg.tensors, seg.push.view, keys, values)
+                for dst, arr in zip(dsts, values, strict=True):
+                    np.copyto(dst, arr)
+            elif need <= self.max_inline_bytes:
+                pack_slot_batch(msg.tensors, keys, values)
             else:
-                return Declined(f"row request of {total} bytes without shared memory")
+                return Declined(f"row request of {need} bytes without shared memory")
             done = (await self._roundtrip(request)).rows
             if grads is not None:
                 return done, ids
             if done.needed_bytes:  # a pull changes nothing: ask again with a bigger region
-                if not await self._ensure_segment(_need(sizes), done.needed_bytes):
+                if not await self._ensure_segment(need, done.needed_bytes):
                     return Declined(f"row pull of {done.needed_bytes} bytes without shared memory")
                 done = (await self._roundtrip(request)).rows
                 if done.needed_bytes:
                     return Declined(f"row pull of {done.needed_bytes} bytes still does not fit")
-            t = done.rows
-            if t.WhichOneof("payload") == "slot":
-                return done, self._from_pull_region(t, copy=False).copy()
-            return done, inline_array(t)
+            return done, self._pulled_rows(done.tensors)
 
     async def push_pull(
         self, push: PushPayload, pull: PullSpec
@@ -703,7 +636,7 @@ class SessionTransport:
             keys = list(request.keys)
             pull_bytes = self._pull_bytes(keys)
             if pull_bytes is None:
-                pull_bytes = _need({k: a.nbytes for k, a in arrays.items() if k in keys})
+                pull_bytes = batch_bytes(a.nbytes for k, a in arrays.items() if k in keys)
             req = pb.SessionRequest()
             both = req.push_pull
             declined = await self._fill_push(both.push, header, arrays, pull_bytes)
