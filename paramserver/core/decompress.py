@@ -4,7 +4,9 @@ The worker side (:mod:`paramserver.worker_client.compression`) sends a gradient 
 a narrower float dtype (``TENSOR_ROLE_CAST``) or as top-k (index, value) pairs
 (``TENSOR_ROLE_SPARSE_INDICES`` then ``_VALUES``). Both become dense gradients of the key's own
 dtype and shape here, before validation, aggregation and the update rule, so every consistency
-model and update rule works unchanged.
+model and update rule works unchanged. Transports hand the compressed gradients on as received
+(:class:`Encoded`); the shard's push path decodes them
+(``paramserver.server.shard_service.ShardService.apply_push_header``), one place for all.
 """
 
 from __future__ import annotations

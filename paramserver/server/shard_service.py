@@ -19,6 +19,7 @@ import numpy as np
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.core.consistency import Consistency
+from paramserver.core.decompress import Encoded, decode
 from paramserver.core.optimizers import HALF_DTYPES, UpdateRule
 from paramserver.errors import InvalidArgument
 from paramserver.protocol import tensor
@@ -193,9 +194,28 @@ class ShardService:
         return pb.InitResponse(keys=[pb.KeyInit(key=k, created=c) for k, c in created.items()])
 
     async def apply_push_header(
-        self, header: pb.PushHeader, grads: dict[str, np.ndarray], *, finite: bool = False
+        self,
+        header: pb.PushHeader,
+        grads: dict[str, np.ndarray],
+        *,
+        encoded: dict[str, Encoded] | None = None,
+        finite: bool = False,
     ) -> pb.PushResponse:
-        """:meth:`apply_push` with its arguments taken from a wire ``PushHeader``."""
+        """:meth:`apply_push` of a push as a transport hands it: its wire ``PushHeader``, its
+        dense gradients, and its compressed ones as received.
+
+        Args:
+            encoded: key -> compressed gradient (cast or top-k; keys not in ``grads``), decoded
+                here, the one place for every transport, into a dense gradient of the key's
+                dtype and shape (:func:`paramserver.core.decompress.decode`).
+
+        Raises:
+            KeyNotFound, InvalidArgument, DimensionMismatch, MalformedStream: a compressed
+                gradient that does not fit its key (see ``decode``); then as :meth:`apply_push`.
+        """
+        if encoded:
+            store = self.core.store
+            grads = {**grads, **{key: decode(store, key, enc) for key, enc in encoded.items()}}
         return await self.apply_push(
             worker_id=header.worker_id,
             request_id=header.request_id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from typing import Any
 
 import grpc
 import ml_dtypes
@@ -16,6 +17,7 @@ from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.api.v1 import tensor_pb2
 from paramserver.errors import InvalidArgument
 from paramserver.protocol import tensor
+from paramserver.server.shard_service import ShardService
 from paramserver.worker_client import UpdateRule, connect
 from paramserver.worker_client.compression import Cast, TopK
 from tests.harness import running_server
@@ -47,6 +49,40 @@ async def test_cast_and_top_k_pushes_apply_the_decoded_gradients() -> None:
     sent2[second] = carried[second]
     np.testing.assert_allclose(got["b"], sent1 + sent2, rtol=0, atol=1e-6)
     assert ratio < 0.5
+
+
+async def test_the_transport_hands_compressed_gradients_on_and_the_shard_decodes_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The Push stream passes a compressed gradient on as it came (its wire dtype, its indices);
+    # the shard's push path decodes it against the key, one place for every transport.
+    seen: list[tuple[list[str], dict[str, Any]]] = []
+    real = ShardService.apply_push_header
+
+    async def recording(self: ShardService, header: Any, grads: Any, **kwargs: Any) -> Any:
+        seen.append((list(grads), dict(kwargs.get("encoded") or {})))
+        return await real(self, header, grads, **kwargs)
+
+    monkeypatch.setattr(ShardService, "apply_push_header", recording)
+    g = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    dense = np.arange(5, dtype=np.float32)
+    schemes = {"a": Cast("float16"), "b": TopK(0.25)}
+    async with running_server(consistency="asp") as srv:
+        async with connect(srv.address, "w0", compression=schemes) as ps:
+            await ps.init({"a": np.zeros((3, 4), np.float32)}, UpdateRule("add"))
+            await ps.init({"b": np.zeros(8, np.float32)}, UpdateRule("add"))
+            await ps.init({"c": np.zeros(5, np.float32)}, UpdateRule("add"))
+            b = np.array([0, 3, 0, 0, -4, 0, 0, 1], np.float32)  # top 2 of 8: 3 and -4
+            await ps.push({"a": g, "b": b, "c": dense})
+            got = await ps.pull(["a", "b", "c"])
+    (dense_keys, encoded) = seen[-1]
+    assert dense_keys == ["c"] and sorted(encoded) == ["a", "b"]
+    assert encoded["a"].values.dtype == np.float16 and encoded["a"].indices is None
+    assert encoded["b"].dense_shape == (8,)
+    np.testing.assert_array_equal(np.sort(encoded["b"].indices), [1, 4])
+    np.testing.assert_array_equal(got["a"], g.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(got["b"], [0, 3, 0, 0, -4, 0, 0, 0])
+    np.testing.assert_array_equal(got["c"], dense)
 
 
 async def test_malformed_sparse_push_is_refused_and_changes_nothing() -> None:

@@ -22,7 +22,7 @@ from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.api.v1 import tensor_pb2
 from paramserver.core.consistency import Consistency
-from paramserver.core.decompress import Encoded, decode
+from paramserver.core.decompress import Encoded
 from paramserver.core.sharding import shard_map_to_proto
 from paramserver.errors import (
     DimensionMismatch,
@@ -146,7 +146,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         ticket: InflightTicket | None = None,
         *,
         allow_encoded: bool = False,
-    ) -> tuple[Any, dict[str, np.ndarray]]:
+    ) -> tuple[Any, dict[str, np.ndarray], dict[str, Encoded]]:
+        """The stream's header, its dense tensors and (pushes only) its compressed gradients
+        as received (the shard decodes those against their keys)."""
         stream = tensor.HeadedStream(
             request_iterator,
             header_field,
@@ -190,12 +192,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             raise MalformedStream(
                 f"sparse indices without values for keys {sorted(sparse_indices)}"
             )
-        if encoded:
-            if header_field != "header" or not allow_encoded:
-                raise MalformedStream("compressed tensors are accepted in pushes only")
-            for key, enc in encoded.items():
-                tensors[key] = decode(self.core.store, key, enc)
-        return header, tensors
+        if encoded and (header_field != "header" or not allow_encoded):
+            raise MalformedStream("compressed tensors are accepted in pushes only")
+        return header, tensors, encoded
 
     def _check_push_size(self, header: tensor_pb2.TensorHeader) -> None:
         """Refuse a pushed tensor's claimed size before anything is allocated for it.
@@ -235,7 +234,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
     async def Init(
         self, request_iterator: AsyncIterator[pb.InitRequest], context: Any
     ) -> pb.InitResponse:
-        header, tensors = await self._read_tensors(request_iterator, "header")
+        header, tensors, _ = await self._read_tensors(request_iterator, "header")
         return await self.shard.init(header, tensors)
 
     @grpc_errors
@@ -248,12 +247,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
     async def _push(
         self, request_iterator: AsyncIterator[pb.PushRequest], ticket: InflightTicket
     ) -> pb.PushResponse:
-        header, grads = await self._read_tensors(
+        header, grads, encoded = await self._read_tensors(
             request_iterator, "header", ticket, allow_encoded=True
         )
         if header.require_keys:  # push_pull over the streams: its pull keys, checked first
             self.core.require_keys(header.require_keys)
-        return await self.shard.apply_push_header(header, grads)
+        return await self.shard.apply_push_header(header, grads, encoded=encoded)
 
     @grpc_errors
     async def Pull(
