@@ -23,6 +23,8 @@
     ├── ResourceExhausted                 (RESOURCE_EXHAUSTED) retryable back-pressure
     │   └── MessageTooLarge               gRPC's own refusal of a message over the receive limit
     ├── StorageFull                       (RESOURCE_EXHAUSTED) WAL/checkpoint disk full (ENOSPC)
+    ├── CapacityExceeded                  (RESOURCE_EXHAUSTED) table memory budget, table count
+    │                                     or process memory exhausted; nothing applied
     ├── Unavailable                       (UNAVAILABLE) server unreachable or shutting down
     │   └── StorageError                  WAL/checkpoint I/O failed (EIO); see the message
     ├── Unauthenticated                   (UNAUTHENTICATED) missing or unknown bearer token
@@ -169,6 +171,18 @@ class StorageFull(ParamServerError):
     RESOURCE_EXHAUSTED with the trailer ``StorageFull``. Nothing of the request was applied.
     Not retried by the product's clients: an operator must free space (the message names the
     path)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class CapacityExceeded(ParamServerError):
+    """The request needs more than the shard has room for: its table memory budget
+    (``--table-memory-bytes``), its table count (``--table-max-tables``), or memory the process
+    could not get (a MemoryError).
+
+    RESOURCE_EXHAUSTED with the trailer ``CapacityExceeded``. Nothing of the request was
+    applied or logged. Not retried by the product's clients: the same request needs the same
+    room (raise the budget, add shards, or expire rows)."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -73,6 +73,8 @@ def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "max_staleness": args.max_staleness,
         "max_receive_message_bytes": args.max_receive_message_bytes,
         "max_tensor_bytes": args.max_tensor_bytes,
+        "table_max_tables": args.table_max_tables,
+        "table_memory_bytes": args.table_memory_bytes,
         "offload_min_bytes": args.offload_min_bytes,
         "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every_steps": args.checkpoint_every_steps,
@@ -217,6 +219,17 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--max-staleness", type=int, help="ASP: drop gradients older than N versions")
     p.add_argument("--max-receive-message-bytes", type=int)
     p.add_argument("--max-tensor-bytes", type=int)
+    p.add_argument(
+        "--table-max-tables",
+        type=int,
+        help="most embedding tables this shard holds (default 1024)",
+    )
+    p.add_argument(
+        "--table-memory-bytes",
+        type=int,
+        help="budget of stored table rows and optimizer state; a push past it is refused "
+        "(RESOURCE_EXHAUSTED, CapacityExceeded). Default 0: 90%% of physical memory",
+    )
     p.add_argument(
         "--offload-min-bytes",
         type=int,

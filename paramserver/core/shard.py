@@ -13,6 +13,7 @@ SSP and ASP apply each push on arrival (updates commute).
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -29,9 +30,10 @@ from paramserver.core.consistency import (
     RegisterOptions,
     WorkerRecord,
 )
+from paramserver.core.dedup import DedupWindows
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.store import Checked, ParameterStore, out_of_range
-from paramserver.core.table_set import TableSet
+from paramserver.core.table_set import ROW_PUSH, TableSet
 from paramserver.core.tables import TableLimits
 from paramserver.errors import (
     InvalidArgument,
@@ -86,8 +88,8 @@ class CoreObserver:
 #: Applies validated gradients of one push (see :meth:`ServerCore.push`).
 Applier = Callable[[list[Checked]], None]
 
-#: Request ids remembered per worker name for deduplication of retried pushes.
-DEDUP_WINDOW = 8192
+#: The dedup kind of dense pushes (:class:`~paramserver.core.dedup.DedupWindows`).
+DENSE_PUSH = "push"
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,14 @@ def _drop_reason(exc: Exception) -> str:
     return next((why for cls, why in _DROP_REASONS if isinstance(exc, cls)), "rejected")
 
 
+def default_table_memory_bytes() -> int:
+    """90% of the machine's physical memory (0 where it cannot be read: no budget)."""
+    try:
+        return int(0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (OSError, ValueError):  # pragma: no cover - not POSIX
+        return 0
+
+
 class ServerCore:
     """One shard's parameters, membership, clocks and BSP aggregation.
 
@@ -139,8 +149,16 @@ class ServerCore:
         )
         self.store = ParameterStore()
         #: Sparse embedding tables, each with its own consistency (docs/embedding-tables.md).
+        #: Request ids remembered per registration, dense and row pushes alike.
+        self.dedup = DedupWindows((DENSE_PUSH, ROW_PUSH))
         self.tables = TableSet(
-            TableLimits(max_ids=config.table_max_ids, max_bytes=config.table_max_request_bytes)
+            TableLimits(
+                max_ids=config.table_max_ids,
+                max_bytes=config.table_max_request_bytes,
+                max_tables=config.table_max_tables,
+                memory_bytes=config.table_memory_bytes or default_table_memory_bytes(),
+            ),
+            self.dedup,
         )
         self.aggregator: DistributedOptimizer | None = (
             DistributedOptimizer(Synchronous(), method=config.aggregation)
@@ -158,7 +176,6 @@ class ServerCore:
         #: BSP aggregates not applied because their result would overflow the key's dtype.
         self.rejected_aggregates = 0
         self.dropped_stale = 0
-        self._dedup: dict[str, OrderedDict[int, PushResult]] = {}
         self._release_after_step: dict[str, int] = {}
         self._progress = 0
         #: Called with the new progress mark (closed BSP steps, or the live minimum clock
@@ -204,9 +221,7 @@ class ServerCore:
         if resume_worker_id and rec.worker_id != resume_worker_id:
             prior = self.cluster.workers.get(resume_worker_id)
             if prior is not None and prior.name == name and not prior.live:
-                seen = self._dedup.pop(resume_worker_id, None)
-                if seen is not None and rec.worker_id not in self._dedup:
-                    self._dedup[rec.worker_id] = seen
+                self.dedup.carry_over(resume_worker_id, rec.worker_id)  # every kind
         self._forget_departed()
         self._departed(fenced)
         if self.aggregator is not None:
@@ -232,16 +247,24 @@ class ServerCore:
         """Drop the request ids and applied counts of registrations the cluster no longer
         remembers."""
         known = self.cluster.workers
-        for per_registration in (self._dedup, self.applied_by_registration):
-            if len(per_registration) > len(known):
-                for wid in [w for w in per_registration if w not in known]:
-                    del per_registration[wid]
+        self.dedup.forget_except(known)
+        applied = self.applied_by_registration
+        if len(applied) > len(known):
+            for wid in [w for w in applied if w not in known]:
+                del applied[wid]
 
     def leave(self, worker_id: str, *, log: Callable[[], None] | None = None) -> MembershipChange:
         change = self.cluster.leave(worker_id, log=log)
         self._departed([change])
         self._advance()
         return change
+
+    def lapsed(self, now: float) -> list[str]:
+        """Ids of the live workers whose lease lapsed at or before ``now`` (changes nothing;
+        :meth:`evict` them together, as one sweep)."""
+        return [
+            w.worker_id for w in self.cluster.workers.values() if w.live and w.lease_expiry_s <= now
+        ]
 
     def expire(self, now: float) -> list[MembershipChange]:
         """Evict workers whose lease lapsed; closes BSP steps they no longer hold back."""
@@ -371,13 +394,10 @@ class ServerCore:
                 one step (FAILED_PRECONDITION).
         """
         rec = self.cluster.require_live(worker_id)
-        seen = self._dedup.get(rec.worker_id)
-        if seen is None:  # (not setdefault: no new OrderedDict per push)
-            seen = self._dedup[rec.worker_id] = OrderedDict()
-        if request_id in seen:
+        prior = self.dedup.get(DENSE_PUSH, rec.worker_id, request_id)
+        if prior is not None:
             self.duplicate_pushes += 1
             self.observer.dropped("duplicate")
-            prior = seen[request_id]
             return PushResult(True, self.applied_updates, prior.dropped_stale, prior.queued)
         try:
             checked = self.store.check_many(
@@ -394,9 +414,7 @@ class ServerCore:
             if isinstance(exc, InvalidArgument):  # name the pushing worker too, same class
                 raise type(exc)(f"push from worker {rec.worker_id!r}: {exc.message}") from exc
             raise
-        seen[request_id] = result
-        if len(seen) > DEDUP_WINDOW:
-            seen.popitem(last=False)
+        self.dedup.remember(DENSE_PUSH, rec.worker_id, request_id, result)
         return result
 
     def _apply_or_queue(
@@ -492,11 +510,11 @@ class ServerCore:
                 self.on_progress(mark)
 
     def dedup_state(self) -> dict[str, OrderedDict[int, PushResult]]:
-        """Request ids seen per registration (worker id), for checkpoints."""
-        return self._dedup
+        """Dense-push request ids seen per registration (worker id), for checkpoints."""
+        return self.dedup.of(DENSE_PUSH)
 
     def restore_dedup(self, dedup: dict[str, OrderedDict[int, PushResult]]) -> None:
-        self._dedup = dedup
+        self.dedup.restore(DENSE_PUSH, dedup)
 
     def bsp_queue_state(self) -> tuple[list[GradientUpdate], dict[str, int]]:
         """BSP gradients queued in the open step (acknowledged, not applied yet) and the

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paramserver.core.consistency import Admission, ClusterState
+from paramserver.core.dedup import DedupWindows
 from paramserver.core.optimizers import HALF_DTYPES
 from paramserver.core.tables import (
     EmbeddingTable,
@@ -48,19 +50,21 @@ from paramserver.core.tables import (
     coalesce,
 )
 from paramserver.errors import (
+    CapacityExceeded,
     InvalidArgument,
     StaleUpdate,
     TableConflict,
     TableNotFound,
     ValueOutOfRange,
 )
+from paramserver.protocol.limits import shown
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PreparedRowPush", "RowPushOutcome", "TableSet", "TableStats"]
 
-#: Row-push request ids remembered per worker name (deduplication of retries).
-ROW_DEDUP_WINDOW = 8192
+#: The dedup kind of row pushes (:class:`~paramserver.core.dedup.DedupWindows`).
+ROW_PUSH = "push_rows"
 
 
 @dataclass(frozen=True)
@@ -121,17 +125,27 @@ class TableSet:
 
     Args:
         limits: Per-request bounds applied to every table.
+        dedup: The shard's request-id windows (kind ``"push_rows"``), shared with its dense
+            pushes so a resumed or replacing registration carries both over (default: own).
     """
 
-    def __init__(self, limits: TableLimits | None = None) -> None:
+    def __init__(
+        self, limits: TableLimits | None = None, dedup: DedupWindows | None = None
+    ) -> None:
         self.limits = limits or TableLimits()
         self.tables: dict[str, EmbeddingTable] = {}
         self.stats: dict[str, TableStats] = {}
-        self._dedup: dict[str, OrderedDict[int, RowPushOutcome]] = {}
+        self.dedup = dedup if dedup is not None else DedupWindows((ROW_PUSH,))
 
     # ------------------------------------------------------------------ declaration
-    def init(self, spec: TableSpec) -> tuple[bool, TableSpec]:
+    def init(
+        self, spec: TableSpec, *, log: Callable[[], None] | None = None
+    ) -> tuple[bool, TableSpec]:
         """Declare a table; first writer wins.
+
+        The table is built (its first storage allocated) and checked against the limits
+        before ``log`` is called, so a logged declaration always replays; ``log`` is not
+        called for a no-op.
 
         Returns:
             (created, the stored spec). A later declaration of the same name with the same
@@ -140,18 +154,59 @@ class TableSet:
         Raises:
             TableConflict: the name is declared with a different spec; names both
                 (ALREADY_EXISTS).
+            CapacityExceeded: the shard holds ``limits.max_tables`` tables already, or the
+                table's first storage would pass ``limits.memory_bytes`` or cannot be
+                allocated (RESOURCE_EXHAUSTED).
         """
         have = self.tables.get(spec.name)
         if have is not None:
             if have.spec != spec:
                 raise TableConflict(
-                    f"table {spec.name!r} exists with a different declaration "
+                    f"table {shown(spec.name)!r} exists with a different declaration "
                     f"({have.spec.to_dict()}); got {spec.to_dict()}"
                 )
             return False, have.spec
-        self.tables[spec.name] = EmbeddingTable(spec, self.limits)
+        if len(self.tables) >= self.limits.max_tables:
+            raise CapacityExceeded(
+                f"table {shown(spec.name)!r}: this shard holds {len(self.tables)} tables, its "
+                f"limit (--table-max-tables {self.limits.max_tables})"
+            )
+        try:
+            table = EmbeddingTable(spec, self.limits)
+        except MemoryError:
+            raise CapacityExceeded(
+                f"table {shown(spec.name)!r}: the shard could not allocate its first rows "
+                f"(dim {spec.dim}, {spec.dtype}, rule {spec.rule.kind})"
+            ) from None
+        if log is not None:
+            log()
+        self.tables[spec.name] = table
         self.stats[spec.name] = TableStats()
         return True, spec
+
+    def memory_used(self) -> int:
+        """Bytes of every table's stored rows and state (what ``limits.memory_bytes`` bounds)."""
+        return sum(t.n * t.row_bytes for t in self.tables.values())
+
+    def _check_push_budget(self, table: EmbeddingTable, ids: npt.NDArray[np.int64]) -> None:
+        """Refuse a push whose new rows would pass ``limits.memory_bytes`` (changes nothing;
+        counts the new ids only when the push could pass it at all)."""
+        budget = self.limits.memory_bytes
+        if budget <= 0:
+            return
+        used = self.memory_used()
+        row_bytes = table.row_bytes
+        if used + ids.shape[0] * row_bytes <= budget:
+            return
+        distinct = np.unique(ids)
+        more_bytes = int((table.index.lookup(distinct) < 0).sum()) * row_bytes
+        if used + more_bytes > budget:
+            name = table.spec.name
+            raise CapacityExceeded(
+                f"table {shown(name)!r}: {more_bytes} bytes of new rows and state would pass "
+                f"the shard's table memory budget ({used} of {budget} bytes used; "
+                "--table-memory-bytes)"
+            )
 
     def get(self, name: str) -> EmbeddingTable:
         """The table ``name``.
@@ -207,12 +262,13 @@ class TableSet:
         """
         table = self.get(name)
         rec = cluster.require_live(worker_id)
-        seen = self._dedup.get(rec.worker_id)  # request ids are scoped to one registration
-        if seen is not None and request_id in seen:
+        prior = self.dedup.get(ROW_PUSH, rec.worker_id, request_id)  # scoped to a registration
+        if prior is not None:
             return PreparedRowPush(
-                table, rec.worker_id, request_id, clock, ids, grads, duplicate=seen[request_id]
+                table, rec.worker_id, request_id, clock, ids, grads, duplicate=prior
             )
         checked = table.check_push(ids, grads)
+        self._check_push_budget(table, checked)
         if clock > rec.clock:
             raise StaleUpdate(
                 f"row push to table {name!r} for clock {clock}, but worker {rec.name!r} is at "
@@ -259,7 +315,7 @@ class TableSet:
             outcome = RowPushOutcome(
                 False, result=result, staleness=self._staleness(name, push.clock)
             )
-        self._remember(push.worker_name, push.request_id, outcome)
+        self.dedup.remember(ROW_PUSH, push.worker_name, push.request_id, outcome)
         return outcome
 
     def _staleness(self, name: str, clock: int) -> int:
@@ -270,14 +326,6 @@ class TableSet:
         stats.staleness_sum += stale
         stats.applied_pushes += 1
         return stale
-
-    def _remember(self, worker_name: str, request_id: int, outcome: RowPushOutcome) -> None:
-        seen = self._dedup.get(worker_name)
-        if seen is None:
-            seen = self._dedup[worker_name] = OrderedDict()
-        seen[request_id] = outcome
-        if len(seen) > ROW_DEDUP_WINDOW:
-            seen.popitem(last=False)
 
     def close_steps(self, min_clock: int, live_workers: int) -> int:
         """Apply every queued bsp step t < ``min_clock``, in step order; returns steps closed.
@@ -353,7 +401,8 @@ class TableSet:
                 "queued": queued,
             }
         manifest["dedup"] = {
-            w: [[rid, o.queued] for rid, o in seen.items()] for w, seen in self._dedup.items()
+            w: [[rid, o.queued] for rid, o in seen.items()]
+            for w, seen in self.dedup.of(ROW_PUSH).items()
         }
         return arrays, manifest
 
@@ -385,10 +434,13 @@ class TableSet:
                         float(now_s),
                     )
                 )
-        self._dedup = {
-            w: OrderedDict((int(rid), RowPushOutcome(True, queued=bool(q))) for rid, q in seen)
-            for w, seen in manifest.get("dedup", {}).items()
-        }
+        self.dedup.restore(
+            ROW_PUSH,
+            {
+                w: OrderedDict((int(rid), RowPushOutcome(True, queued=bool(q))) for rid, q in seen)
+                for w, seen in manifest.get("dedup", {}).items()
+            },
+        )
 
 
 # ------------------------------------------------------------------------------ reshard

@@ -137,10 +137,16 @@ class TableLimits:
     Attributes:
         max_ids: Most ids one pull or push may carry (default 1,048,576).
         max_bytes: Most bytes of rows one pull reply or push request may carry (default 256 MiB).
+        max_tables: Most tables one shard holds (default 1,024; over it: CapacityExceeded).
+        memory_bytes: Budget of the shard's stored rows and optimizer state over all tables
+            (:meth:`EmbeddingTable.stored_bytes`); a declaration or push that would pass it is
+            refused with CapacityExceeded (RESOURCE_EXHAUSTED). 0: no budget.
     """
 
     max_ids: int = 1 << 20
     max_bytes: int = 256 << 20
+    max_tables: int = 1024
+    memory_bytes: int = 0
 
 
 class IdIndex:
@@ -356,6 +362,14 @@ class EmbeddingTable:
     def _ensure(self, n: int) -> None:
         if n > self._cap:
             self._alloc(max(n, 2 * self._cap))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one stored row takes with its optimizer state and bookkeeping."""
+        return sum(
+            int(np.dtype(dtype).itemsize) * int(np.prod(shape, dtype=np.int64))
+            for shape, dtype, _ in self._fields().values()
+        )
 
     def stored_bytes(self) -> int:
         """Bytes of the stored rows and their optimizer state (the used part of each array)."""

@@ -2,7 +2,9 @@
 
 Every limit here is also stated in the .proto comments (``protos/paramserver/api/v1``):
 
-- a key is 1 to :data:`MAX_KEY_BYTES` bytes of UTF-8;
+- a key is 1 to :data:`MAX_KEY_BYTES` bytes of UTF-8, and so is a table name
+  (:data:`MAX_TABLE_NAME_BYTES`);
+- a table's rows are 1 to :data:`MAX_TABLE_DIM` values wide;
 - a worker name is 1 to :data:`MAX_WORKER_NAME_BYTES` bytes of UTF-8 (a worker id, which the
   server makes as ``"{name}#{registration}"``, at most :data:`MAX_WORKER_ID_BYTES`);
 - an error's details are cut to :data:`MAX_ERROR_DETAILS_BYTES`, far below gRPC's 16 KiB limit
@@ -21,6 +23,11 @@ from paramserver.errors import InvalidArgument
 
 #: Longest key, in bytes of UTF-8 (TensorFlow variable paths stay far below it).
 MAX_KEY_BYTES: Final = 1024
+#: Longest table name, in bytes of UTF-8 (as keys).
+MAX_TABLE_NAME_BYTES: Final = 1024
+#: Widest table row, in values (TorchRec and DLRM dimensions stay far below it; a row of it in
+#: float32 with adam's two moments is 768 KiB).
+MAX_TABLE_DIM: Final = 65536
 #: Longest worker name, in bytes of UTF-8.
 MAX_WORKER_NAME_BYTES: Final = 256
 #: Longest worker id: a name, ``#`` and a decimal registration number.
@@ -61,6 +68,15 @@ def check_key(key: str) -> None:
         InvalidArgument: (INVALID_ARGUMENT) naming the (shortened) key and the limit.
     """
     _check_length("key", key, MAX_KEY_BYTES, "key must be a non-empty string")
+
+
+def check_table_name(name: str) -> None:
+    """Refuse an empty table name or one over :data:`MAX_TABLE_NAME_BYTES`.
+
+    Raises:
+        InvalidArgument: (INVALID_ARGUMENT) naming the (shortened) name and the limit.
+    """
+    _check_length("table name", name, MAX_TABLE_NAME_BYTES, "a table needs a non-empty name")
 
 
 def check_worker_name(name: str) -> None:

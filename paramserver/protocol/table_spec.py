@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paramserver.errors import InvalidArgument, WrongShard
+from paramserver.protocol.limits import MAX_TABLE_DIM, check_table_name, shown
 
 F32 = np.dtype(np.float32)
 
@@ -195,8 +196,8 @@ class TableSpec:
     """One table's declaration (first writer wins; later identical declarations are no-ops).
 
     Attributes:
-        name: Non-empty table name (shares no namespace with dense keys).
-        dim: Row width, >= 1.
+        name: Table name, 1 to 1,024 bytes of UTF-8 (shares no namespace with dense keys).
+        dim: Row width, 1 to 65,536 values.
         dtype: Storage dtype name: ``float32``, ``float16`` or ``bfloat16``.
         rule: The row-wise update rule.
         initializer: How initial rows are drawn.
@@ -223,11 +224,14 @@ class TableSpec:
     min_pushes: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
+        if not isinstance(self.name, str):
             raise InvalidArgument("a table needs a non-empty name")
-        where = f"table {self.name!r}"
-        if not isinstance(self.dim, int) or self.dim < 1:
-            raise InvalidArgument(f"{where}: dim must be an int >= 1, got {self.dim!r}")
+        check_table_name(self.name)
+        where = f"table {shown(self.name)!r}"
+        if not isinstance(self.dim, int) or not 1 <= self.dim <= MAX_TABLE_DIM:
+            raise InvalidArgument(
+                f"{where}: dim must be an int in [1, {MAX_TABLE_DIM}], got {self.dim!r}"
+            )
         if self.dtype not in TABLE_DTYPES:
             raise InvalidArgument(
                 f"{where}: dtype must be one of {sorted(TABLE_DTYPES)}, got {self.dtype!r}"

@@ -380,7 +380,7 @@ def _applied_counts_from_dedup(
 
     Under SSP/ASP a remembered request id whose push was neither dropped as stale nor queued
     was applied once, so the count is exact while the registration's pushes fit the dedup
-    window (:data:`~paramserver.core.shard.DEDUP_WINDOW` ids; beyond it, a lower bound).
+    window (:data:`~paramserver.core.dedup.DEDUP_WINDOW` ids; beyond it, a lower bound).
     Under BSP nothing exact follows (the ids do not say which step a push joined, a worker may
     push several times in one step, aborted steps dropped theirs): every count starts at 0.
     """

@@ -48,6 +48,10 @@ class ServerConfig(MetricsEndpointConfig):
         table_max_ids: Most ids one embedding-table pull or push may carry.
         table_max_request_bytes: Most row bytes (ids x dim x itemsize) one embedding-table
             pull or push may carry.
+        table_max_tables: Most embedding tables one shard holds (CapacityExceeded beyond).
+        table_memory_bytes: Budget of the shard's stored table rows and their optimizer state;
+            a push whose new rows would pass it is refused with CapacityExceeded
+            (RESOURCE_EXHAUSTED). 0: 90% of the machine's physical memory.
         offload_min_bytes: Pushes, pull snapshots and NaN scans of at least this many bytes
             run in a worker thread (off the event loop); smaller ones inline, where a thread
             hand-off (~0.1 ms each) would cost more than the numpy work it moves.
@@ -122,6 +126,8 @@ class ServerConfig(MetricsEndpointConfig):
     max_tensor_bytes: int | None = None
     table_max_ids: int = 1 << 20
     table_max_request_bytes: int = 256 << 20
+    table_max_tables: int = 1024
+    table_memory_bytes: int = 0
     offload_min_bytes: int = 8 << 20
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int = 0
@@ -191,6 +197,7 @@ class ServerConfig(MetricsEndpointConfig):
         for name in (
             "staleness",
             "checkpoint_every_steps",
+            "table_memory_bytes",
             "staleness_threshold",
             "offload_min_bytes",
         ):
@@ -206,6 +213,7 @@ class ServerConfig(MetricsEndpointConfig):
             "max_inflight_push_bytes",
             "table_max_ids",
             "table_max_request_bytes",
+            "table_max_tables",
         ):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)}")

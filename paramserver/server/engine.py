@@ -1,8 +1,16 @@
 """The one place that waits: asyncio around the pure :class:`~paramserver.core.shard.ServerCore`.
 
-Every mutation of the core is followed by :meth:`ServerEngine.notify`, which wakes the pulls that
-wait for a consistency condition; a lease reaper evicts workers whose lease lapsed. Every wait
-has a deadline, and a wait that runs out names the workers it waited for.
+Every state change of the shard (register, leave, lease eviction, init, push, clock,
+init_table, push_rows, expire_rows) passes one funnel, :meth:`ServerEngine.mutate`::
+
+    validate completely -> log -> apply -> wake waiters -> durable -> acknowledge
+
+so a refused request changes nothing, in memory or on disk; a logged record always replays; an
+acknowledged one survives a crash; and a retry answered as a duplicate waits until its original
+is durable. The records it logs, in order, are the shard's mutation stream
+(:mod:`paramserver.server.wal_records`). A lease reaper evicts workers whose lease lapsed
+through the same funnel. Every wait has a deadline, and a wait that runs out names the workers
+it waited for.
 """
 
 from __future__ import annotations
@@ -11,7 +19,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
 
 from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.core.consistency import Admission, Consistency
@@ -24,6 +33,7 @@ from paramserver.errors import (
     Unavailable,
     WaitTimeout,
 )
+from paramserver.server import wal_records
 from paramserver.server.apply_threads import Offload
 from paramserver.server.config import ServerConfig
 from paramserver.server.observability.hooks import ServingHooks, ShardObservations
@@ -31,6 +41,10 @@ from paramserver.server.wakeups import LeaseReaperBase
 from paramserver.server.wal import WriteAheadLog
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+#: Appends one decided mutation's record to the log (see :meth:`ServerEngine.mutate`).
+LogFn = Callable[[wal_pb.WalRecord], None]
 
 
 class Backpressure:
@@ -172,28 +186,77 @@ class ServerEngine(LeaseReaperBase):
     async def _reap(self) -> None:
         if self.storage_failure is not None:
             return  # serving nothing; a restart replays the log
-        changes = self.core.expire(self.now())
-        if changes:
-            self.notify()
-            if self.wal is not None:
-                # One sweep, logged as consecutive records (replayed together). The evictions
-                # are already applied (a lease decision, not a request): a log that cannot
-                # take them leaves memory ahead of it, so the server stops mutating.
-                last = 0
-                try:
-                    for ch in changes:
-                        last = self.wal.append(
-                            wal_pb.WalRecord(
-                                depart=wal_pb.WalDepart(worker_id=ch.worker.worker_id, why=ch.why)
-                            )
-                        )
-                except StorageFull as exc:
-                    self._storage_failed(StorageError(exc.message))
-                    return
-                except StorageError as exc:
-                    self._storage_failed(exc)
-                    return
-                await self.durable(last)
+        lapsed = self.core.lapsed(self.now())
+        if not lapsed:
+            return
+
+        def evict(log: LogFn) -> None:
+            for worker_id in lapsed:  # one sweep: consecutive records, replayed together
+                log(wal_records.depart(worker_id, "evicted"))
+            for ch in self.core.evict(lapsed):
+                logger.warning(
+                    "evicted worker %s (clock %d): lease of %d ms lapsed",
+                    ch.worker.worker_id,
+                    ch.worker.clock,
+                    self.config.lease_ms,
+                )
+
+        try:
+            await self.mutate(evict)
+        except (StorageFull, StorageError) as exc:
+            # Part of the sweep may be in the log and not applied: stop mutating rather than
+            # log the same evictions again (a restart replays the log, which is the truth).
+            self._storage_failed(
+                exc if isinstance(exc, StorageError) else StorageError(exc.message)
+            )
+
+    # ------------------------------------------------------------------ the mutation funnel
+    async def mutate(
+        self,
+        decide: Callable[[LogFn], T],
+        *,
+        settle: Callable[[T], Awaitable[None]] | None = None,
+        duplicate: Callable[[T], bool] | None = None,
+    ) -> T:
+        """Run one state change through the funnel: validate -> log -> apply -> durable.
+
+        Args:
+            decide: Runs synchronously (no await inside): validates everything the mutation
+                needs (limits and memory included; raising refuses the request with nothing
+                changed and nothing logged), then calls ``log(record)`` with the record(s) of
+                the decided mutation (records from :mod:`~paramserver.server.wal_records`)
+                before it changes anything, then applies it and returns the answer. A
+                ``log`` that raises (disk full, I/O error) leaves the log as it was; ``decide``
+                lets the error propagate with nothing applied.
+            settle: Awaits what the apply scheduled off the event loop (big push applies in
+                worker threads), shielded from cancellation, before durability.
+            duplicate: Tells whether the answer is that of a retried request already applied;
+                such an answer waits until everything logged before it (its original) is
+                durable.
+
+        Returns:
+            ``decide``'s answer, once its record (or its original's) is durable.
+
+        Raises:
+            StorageError (UNAVAILABLE): the log failed earlier or now (its fsync); StorageFull
+                (RESOURCE_EXHAUSTED): the disk is full (nothing applied); whatever ``decide``
+                raises.
+        """
+        self.check_serving()
+        seq = 0
+
+        def log(record: wal_pb.WalRecord) -> None:
+            nonlocal seq
+            seq = self.log(record)
+
+        answer = decide(log)
+        if settle is not None:
+            await asyncio.shield(settle(answer))  # applied exactly once even if cancelled
+        self.notify()
+        if seq == 0 and self.wal is not None and duplicate is not None and duplicate(answer):
+            seq = self.wal.next_sequence - 1  # the original was logged before: wait for it
+        await self.durable(seq)
+        return answer
 
     # ------------------------------------------------------------------ durability
     def check_serving(self) -> None:

@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from paramserver.closing import AsyncClosing
-from paramserver.errors import ERROR_CLASS_METADATA_KEY, ParamServerError
+from paramserver.errors import ERROR_CLASS_METADATA_KEY, CapacityExceeded, ParamServerError
 from paramserver.protocol.keepalive import SERVER_KEEPALIVE_OPTIONS
 from paramserver.protocol.limits import cut_details
 from paramserver.security.tls import ServerSecurity, bind
@@ -43,7 +43,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
-    """End the call with ``exc``'s status (a :class:`ParamServerError`), or a logged INTERNAL."""
+    """End the call with ``exc``'s status (a :class:`ParamServerError`; a MemoryError becomes
+    :class:`~paramserver.errors.CapacityExceeded`, RESOURCE_EXHAUSTED), or a logged INTERNAL."""
+    if isinstance(exc, MemoryError):
+        logger.error("%s ran out of memory", method, exc_info=exc)
+        exc = CapacityExceeded(f"{method}: the server could not allocate the memory it needs")
     if isinstance(exc, ParamServerError):
         details = cut_details(exc.message)
         logger.debug("%s refused: %s", method, details)

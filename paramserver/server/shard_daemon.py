@@ -47,7 +47,8 @@ from paramserver.server.serving import ServingDaemon, start_grpc_server
 from paramserver.server.shard_service import ShardService
 from paramserver.server.transports import link_service as local_link
 from paramserver.server.transports.grpc_service import ParameterServerServicer, add_to_server
-from paramserver.server.wal import WriteAheadLog, replay_into
+from paramserver.server.wal import WriteAheadLog
+from paramserver.server.wal_records import replay_into
 
 logger = logging.getLogger(__name__)
 

@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
-from paramserver.api.v1 import wal_pb2 as wal_pb
-from paramserver.core.consistency import Consistency
+from paramserver.core.consistency import Consistency, WorkerRecord
 from paramserver.core.decompress import Encoded, decode
 from paramserver.core.optimizers import HALF_DTYPES, UpdateRule
+from paramserver.core.shard import PushResult
 from paramserver.errors import InvalidArgument
 from paramserver.protocol import tensor
 from paramserver.security.tokens import check_worker_identity
-from paramserver.server import wal
-from paramserver.server.engine import ServerEngine
+from paramserver.server import wal_records
+from paramserver.server.engine import LogFn, ServerEngine
 from paramserver.server.observability.hooks import (
     observed_admit,
     observed_push,
@@ -100,31 +100,26 @@ class ShardService:
             AlreadyExists (ALREADY_EXISTS), InvalidArgument (INVALID_ARGUMENT), Unavailable.
         """
         check_worker_identity(request.worker_name)  # (per-worker tokens: docs/security.md)
-        self.engine.check_serving()
-        seq = 0
 
-        def log(worker_id: str) -> None:
-            nonlocal seq
-            seq = self.engine.log(
-                wal.record_register(
-                    request.worker_name,
-                    request.replace,
-                    request.client_nonce,
-                    worker_id,
-                    request.resume_worker_id,
-                )
+        def decide(log: LogFn) -> WorkerRecord:
+            return self.core.register(
+                request.worker_name,
+                self.engine.now(),
+                replace=request.replace,
+                client_nonce=request.client_nonce,
+                resume_worker_id=request.resume_worker_id,
+                log=lambda worker_id: log(
+                    wal_records.register(
+                        request.worker_name,
+                        request.replace,
+                        request.client_nonce,
+                        worker_id,
+                        request.resume_worker_id,
+                    )
+                ),
             )
 
-        rec = self.core.register(
-            request.worker_name,
-            self.engine.now(),
-            replace=request.replace,
-            client_nonce=request.client_nonce,
-            resume_worker_id=request.resume_worker_id,
-            log=log,
-        )
-        self.engine.notify()
-        await self.engine.durable(seq)
+        rec = await self.engine.mutate(decide)
         logger.info("registered %s at clock %d", rec.worker_id, rec.clock)
         return pb.RegisterResponse(
             worker_id=rec.worker_id,
@@ -145,19 +140,11 @@ class ShardService:
 
     async def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
         """A worker leaves; logged and durable before the answer."""
-        seq = 0
-
-        def log() -> None:
-            nonlocal seq
-            seq = self.engine.log(
-                wal_pb.WalRecord(depart=wal_pb.WalDepart(worker_id=request.worker_id, why="left"))
-            )
-
         check_worker_identity(request.worker_id)
-        self.engine.check_serving()
-        change = self.core.leave(request.worker_id, log=log)
-        self.engine.notify()
-        await self.engine.durable(seq)
+        record = wal_records.depart(request.worker_id, "left")
+        change = await self.engine.mutate(
+            lambda log: self.core.leave(request.worker_id, log=lambda: log(record))
+        )
         logger.info("worker %s left at clock %d", change.worker.worker_id, change.worker.clock)
         return pb.LeaveResponse(view=self.view())
 
@@ -169,28 +156,18 @@ class ShardService:
             KeyConflict (ALREADY_EXISTS), InvalidArgument (INVALID_ARGUMENT).
         """
         rule = UpdateRule.from_proto(header.rule) if header.HasField("rule") else UpdateRule()
-        seq = 0
+        logging_on = self.engine.wal is not None
 
-        def log(will_create: dict[str, bool]) -> None:
-            nonlocal seq
-            self.engine.check_serving()
-            if self.engine.wal is None or not any(will_create.values()):
-                return
-            seq = self.engine.log(
-                wal_pb.WalRecord(
-                    init=wal_pb.WalInit(
-                        rule=rule.to_proto(),
-                        tensors=wal.tensors_to_wal(
-                            {k: tensors[k] for k, c in will_create.items() if c}
-                        ),
-                    )
-                )
-            )
+        def decide(log: LogFn) -> dict[str, bool]:
+            def log_created(will_create: dict[str, bool]) -> None:
+                if logging_on and any(will_create.values()):
+                    created = {k: tensors[k] for k, c in will_create.items() if c}
+                    log(wal_records.init(rule, created))
 
-        # Receive buffers: stored, not copied.
-        created = self.core.init(tensors, rule, take=True, log=log)
-        self.engine.notify()
-        await self.engine.durable(seq)
+            # Receive buffers: stored, not copied.
+            return self.core.init(tensors, rule, take=True, log=log_created)
+
+        created = await self.engine.mutate(decide)
         return pb.InitResponse(keys=[pb.KeyInit(key=k, created=c) for k, c in created.items()])
 
     async def apply_push_header(
@@ -272,44 +249,39 @@ class ShardService:
                 await offload.admit_writer()
             else:
                 await offload.settled(ranged)
-        self.engine.check_serving()
         applied: list[asyncio.Future[None]] = []
-        seq = 0
+        logging_on = self.engine.wal is not None
 
-        def log() -> None:  # decided: the record goes to the log before anything is applied
-            nonlocal seq
-            if self.engine.wal is None:
-                return
-            seq = self.engine.log(
-                wal_pb.WalRecord(
-                    push=wal_pb.WalPush(
-                        worker_id=worker_id,
-                        request_id=request_id,
-                        clock=clock,
-                        num_samples=num_samples,
-                        base_version=base_version,
-                        grads=wal.tensors_to_wal(grads),
+        def decide(log: LogFn) -> PushResult:
+            def log_push() -> None:  # decided: the record goes to the log before any apply
+                if logging_on:
+                    log(
+                        wal_records.push(
+                            worker_id, request_id, clock, num_samples, base_version, grads
+                        )
                     )
-                )
+
+            return self.core.push(
+                worker_id,
+                request_id,
+                clock,
+                grads,
+                self.engine.now(),
+                num_samples=num_samples,
+                base_version=base_version,
+                applier=lambda checked: applied.append(offload.apply(checked)),
+                finite_checked=finite,
+                log=log_push,
             )
 
-        result = self.core.push(
-            worker_id,
-            request_id,
-            clock,
-            grads,
-            self.engine.now(),
-            num_samples=num_samples,
-            base_version=base_version,
-            applier=lambda checked: applied.append(offload.apply(checked)),
-            finite_checked=finite,
-            log=log,
+        async def settle(_: PushResult) -> None:
+            for done in applied:  # (small applies ran inline: nothing to wait for)
+                if not done.done():
+                    await done
+
+        result = await self.engine.mutate(
+            decide, settle=settle, duplicate=lambda r: bool(r.duplicate)
         )
-        for done in applied:  # decided: applied exactly once even if this call is cancelled
-            if not done.done():  # (small applies ran inline: nothing to wait for)
-                await asyncio.shield(done)
-        self.engine.notify()
-        await self.engine.durable(seq)
         resp = pb.PushResponse(
             duplicate=result.duplicate,
             applied_updates=result.applied_updates,
@@ -401,18 +373,8 @@ class ShardService:
     async def clock(self, request: pb.ClockRequest) -> pb.ClockResponse:
         """A worker ends an iteration; logged and durable before the answer."""
         check_worker_identity(request.worker_id)
-        seq = 0
-
-        def log() -> None:
-            nonlocal seq
-            seq = self.engine.log(
-                wal_pb.WalRecord(
-                    clock=wal_pb.WalClock(worker_id=request.worker_id, clock=request.clock)
-                )
-            )
-
-        self.engine.check_serving()
-        new = self.core.clock(request.worker_id, request.clock, log=log)
-        self.engine.notify()
-        await self.engine.durable(seq)
+        record = wal_records.clock(request.worker_id, request.clock)
+        new = await self.engine.mutate(
+            lambda log: self.core.clock(request.worker_id, request.clock, log=lambda: log(record))
+        )
         return pb.ClockResponse(clock=new, view=self.view())

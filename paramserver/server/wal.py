@@ -5,8 +5,9 @@ The log is a sequence of segment files ``wal-<first sequence>.log``; each record
 
     uint32 little-endian payload length | uint32 little-endian CRC-32 of payload | payload
 
-with the payload a serialized :class:`paramserver.api.v1.wal_pb2.WalRecord` (register, init,
-push, clock or depart). Records carry a strictly increasing sequence number. A crash while
+with the payload a serialized :class:`paramserver.api.v1.wal_pb2.WalRecord`, built by
+:mod:`paramserver.server.wal_records` (every record type's encoding and replay, one
+registry). Records carry a strictly increasing sequence number. A crash while
 appending leaves a torn tail (short read or CRC mismatch); it is cut off on open, and since a
 record is acknowledged only after the fsync that covers it, nothing acknowledged is ever in it.
 
@@ -25,8 +26,9 @@ covered. A pull that runs between a push's apply and its fsync may read the push
 acknowledged (it is in the OS's page cache then, so a process crash does not lose it).
 
 Recovery = newest checkpoint + replay of every record after the checkpoint's sequence
-(:func:`replay_into`). A checkpoint rotates the log at its snapshot (a new segment starts with
-the next record), and once the checkpoint commits the older segments are deleted.
+(:func:`paramserver.server.wal_records.replay_into`). A checkpoint rotates the log at its
+snapshot (a new segment starts with the next record), and once the checkpoint commits the
+older segments are deleted.
 """
 
 from __future__ import annotations
@@ -40,19 +42,11 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from paramserver.api.v1 import tensor_pb2
 from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.errors import ParamServerError, StorageError, storage_error
-from paramserver.protocol import tensor
-
-if TYPE_CHECKING:
-    from paramserver.core.shard import ServerCore
 
 logger = logging.getLogger(__name__)
 
@@ -63,32 +57,6 @@ _SUFFIX = ".log"
 
 class WalError(ParamServerError):
     """A log that cannot be opened or replayed."""
-
-
-def tensors_to_wal(tensors: Mapping[str, np.ndarray]) -> list[wal_pb.WalTensor]:
-    """Encode key -> array as whole WalTensor messages (little-endian C-order bytes)."""
-    out = []
-    for key, value in tensors.items():
-        arr = tensor.normalize(value, key)
-        header = tensor_pb2.TensorHeader(
-            key=key,
-            dtype=tensor.dtype_to_wire(arr.dtype),
-            shape=list(arr.shape),
-            size_bytes=arr.nbytes,
-        )
-        out.append(wal_pb.WalTensor(header=header, data=arr.tobytes()))
-    return out
-
-
-def tensors_from_wal(items: list[wal_pb.WalTensor]) -> dict[str, np.ndarray]:
-    """Inverse of :func:`tensors_to_wal`; arrays are fresh and writeable."""
-    out: dict[str, np.ndarray] = {}
-    for item in items:
-        h = item.header
-        dtype = tensor.dtype_from_wire(h.dtype, h.key)
-        arr = np.frombuffer(item.data, dtype=dtype).reshape(tuple(h.shape)).copy()
-        out[h.key] = arr
-    return out
 
 
 def _segment_first(path: Path) -> int:
@@ -353,126 +321,3 @@ class WriteAheadLog:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
-
-
-def record_register(
-    worker_name: str, replace: bool, nonce: str, worker_id: str, resume_worker_id: str = ""
-) -> wal_pb.WalRecord:
-    """The WAL record of a registration (replay checks it yields the same worker id)."""
-    return wal_pb.WalRecord(
-        register=wal_pb.WalRegister(
-            worker_name=worker_name,
-            replace=replace,
-            client_nonce=nonce,
-            worker_id=worker_id,
-            resume_worker_id=resume_worker_id,
-        )
-    )
-
-
-def replay_into(
-    core: object, records: Iterator[wal_pb.WalRecord], *, now: float | None = None
-) -> int:
-    """Re-apply logged mutations to a core restored from the matching checkpoint.
-
-    The core is deterministic given the sequence of mutations, so replaying them in order
-    reproduces the state at the crash: parameters, optimizer state, clocks, BSP queues, worker
-    ids (incarnations), dedup ids (a client retry after the crash is a duplicate) and the
-    applied counts per registration, each counted where the live push counted it. The core's
-    observer is told each record's write time (:meth:`CoreObserver.replaying_at`), so the BSP
-    barrier waits of replayed steps are those measured live (records without a time, written
-    before it was logged, replay at the time the replay started: waits of 0).
-
-    Returns:
-        The number of records replayed.
-
-    Raises:
-        WalError: a record that does not re-apply (the log and the checkpoint disagree).
-    """
-    from paramserver.core.shard import ServerCore
-
-    assert isinstance(core, ServerCore)
-    t = time.monotonic() if now is None else now
-    started_unix_s = time.time()
-    try:
-        return _replay(core, records, t, started_unix_s)
-    finally:
-        core.observer.replaying_at(None)
-
-
-def _replay(
-    core: ServerCore, records: Iterator[wal_pb.WalRecord], t: float, started_unix_s: float
-) -> int:
-    from paramserver.core.optimizers import UpdateRule
-    from paramserver.server.table_wal import TABLE_RECORDS, replay_table_record
-
-    observer = core.observer
-    count = 0
-    evictions: list[str] = []  # consecutive evictions are one lease sweep: replay them together
-    for record in records:
-        which = record.WhichOneof("body")
-        if which == "depart" and record.depart.why == "evicted":
-            evictions.append(record.depart.worker_id)
-            observer.replaying_at(record.unix_s or started_unix_s)
-            count += 1
-            continue
-        if evictions:
-            _replay_evictions(core, evictions)
-            evictions = []
-        observer.replaying_at(record.unix_s or started_unix_s)
-        try:
-            if which == "register":
-                r = record.register
-                rec = core.register(
-                    r.worker_name,
-                    t,
-                    replace=r.replace,
-                    client_nonce=r.client_nonce,
-                    resume_worker_id=r.resume_worker_id,
-                )
-                if r.worker_id and rec.worker_id != r.worker_id:
-                    raise WalError(
-                        f"replayed registration of {r.worker_name!r} gave {rec.worker_id!r}, "
-                        f"log says {r.worker_id!r}"
-                    )
-            elif which == "init":
-                core.init(
-                    tensors_from_wal(list(record.init.tensors)),
-                    UpdateRule.from_proto(record.init.rule),
-                )
-            elif which == "push":
-                p = record.push
-                core.push(
-                    p.worker_id,
-                    p.request_id,
-                    p.clock,
-                    tensors_from_wal(list(p.grads)),
-                    t,
-                    num_samples=p.num_samples,
-                    base_version=p.base_version if p.HasField("base_version") else None,
-                )
-            elif which == "clock":
-                core.clock(record.clock.worker_id, record.clock.clock)
-            elif which == "depart":
-                core.leave(record.depart.worker_id)
-            elif which in TABLE_RECORDS:
-                replay_table_record(core, record)
-            else:
-                raise WalError(f"WAL record {record.sequence} has no body")
-        except ParamServerError as exc:
-            if isinstance(exc, WalError):
-                raise
-            raise WalError(
-                f"WAL record {record.sequence} ({which}) did not re-apply: {exc}"
-            ) from exc
-        count += 1
-    if evictions:
-        _replay_evictions(core, evictions)
-    return count
-
-
-def _replay_evictions(core: Any, worker_ids: list[str]) -> None:
-    try:
-        core.evict(worker_ids)
-    except ParamServerError as exc:
-        raise WalError(f"WAL eviction of {worker_ids} did not re-apply: {exc}") from exc

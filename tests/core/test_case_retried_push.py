@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from paramserver.core.dedup import DEDUP_WINDOW
 from paramserver.core.optimizers import UpdateRule
-from paramserver.core.shard import DEDUP_WINDOW, ServerCore
+from paramserver.core.shard import ServerCore
 from paramserver.errors import FailedPrecondition, NonFiniteGradient
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig

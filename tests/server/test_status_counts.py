@@ -18,11 +18,12 @@ import pytest
 from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.core.consistency import DEPARTED_KEPT
 from paramserver.core.shard import ServerCore
+from paramserver.server import wal_records
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
 from paramserver.server.observability.hooks import ShardObservations
 from paramserver.server.observability.status_table import render_status
-from paramserver.server.wal import record_register, replay_into, tensors_to_wal
+from paramserver.server.wal_records import replay_into
 from paramserver.worker_client import UpdateRule, WorkerClient
 from tests.harness import running_server
 
@@ -117,27 +118,19 @@ class LoggedCore:
 
     def register(self, name: str, *, replace: bool = False) -> str:
         wid = self.core.register(name, 0.0, replace=replace).worker_id
-        self.log(record_register(name, replace, "", wid))
+        self.log(wal_records.register(name, replace, "", wid))
         return wid
 
     def init(self) -> None:
         init = {"w": np.zeros(2)}
         self.core.init(init, UpdateRule("add"))
-        self.log(
-            wal_pb.WalRecord(
-                init=wal_pb.WalInit(rule=UpdateRule("add").to_proto(), tensors=tensors_to_wal(init))
-            )
-        )
+        self.log(wal_records.init(UpdateRule("add"), init))
 
     def push(self, wid: str, rid: int, clock: int) -> None:
         grads = {"w": np.ones(2)}
         logged: list[wal_pb.WalRecord] = []
-        push = wal_pb.WalPush(
-            worker_id=wid, request_id=rid, clock=clock, num_samples=1, grads=tensors_to_wal(grads)
-        )
-        result = self.core.push(
-            wid, rid, clock, grads, 0.0, log=lambda: logged.append(wal_pb.WalRecord(push=push))
-        )
+        record = wal_records.push(wid, rid, clock, 1, None, grads)
+        result = self.core.push(wid, rid, clock, grads, 0.0, log=lambda: logged.append(record))
         for record in logged:  # none for a duplicate: the engine logs decided pushes only
             self.log(record)
         if not result.duplicate:
@@ -146,7 +139,7 @@ class LoggedCore:
     def tick(self, wid: str, clock: int, at: float) -> None:
         self.clock.t = at
         self.core.clock(wid, clock)
-        self.log(wal_pb.WalRecord(clock=wal_pb.WalClock(worker_id=wid, clock=clock)))
+        self.log(wal_records.clock(wid, clock))
 
 
 def observed(config: ServerConfig, now: FakeClock) -> tuple[ServerCore, ShardObservations]:

@@ -11,20 +11,15 @@ import pytest
 from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.shard import ServerCore
+from paramserver.server import wal_records
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.config import ServerConfig
-from paramserver.server.wal import (
-    WalError,
-    WriteAheadLog,
-    record_register,
-    replay_into,
-    tensors_from_wal,
-    tensors_to_wal,
-)
+from paramserver.server.wal import WalError, WriteAheadLog
+from paramserver.server.wal_records import replay_into, tensors_from_wal, tensors_to_wal
 
 
 def _clock_record(wid: str, clock: int) -> wal_pb.WalRecord:
-    return wal_pb.WalRecord(clock=wal_pb.WalClock(worker_id=wid, clock=clock))
+    return wal_records.clock(wid, clock)
 
 
 def test_tensors_round_trip_bit_exact() -> None:
@@ -119,18 +114,12 @@ def test_checkpoint_plus_replay_reproduces_the_state(tmp_path: Path, consistency
 
     init = {"w": rng.normal(size=(4, 3)), "b": np.zeros(3, np.float32)}
     live.init(init, UpdateRule("adam", lr=0.01))
-    log(
-        wal_pb.WalRecord(
-            init=wal_pb.WalInit(
-                rule=UpdateRule("adam", lr=0.01).to_proto(), tensors=tensors_to_wal(init)
-            )
-        )
-    )
+    log(wal_records.init(UpdateRule("adam", lr=0.01), init))
     ids = []
     for name in ("a", "b"):
         rec = live.register(name, 0.0, client_nonce=f"n-{name}")
         ids.append(rec.worker_id)
-        log(record_register(name, False, f"n-{name}", rec.worker_id))
+        log(wal_records.register(name, False, f"n-{name}", rec.worker_id))
     checkpoint_at = 3
     for step in range(6):
         if step == checkpoint_at:
@@ -141,17 +130,7 @@ def test_checkpoint_plus_replay_reproduces_the_state(tmp_path: Path, consistency
             grads = {"w": rng.normal(size=(4, 3)), "b": rng.normal(size=3).astype(np.float32)}
             rid = 1000 * step + i
             live.push(wid, rid, step, grads, 0.0, num_samples=1 + i)
-            log(
-                wal_pb.WalRecord(
-                    push=wal_pb.WalPush(
-                        worker_id=wid,
-                        request_id=rid,
-                        clock=step,
-                        num_samples=1 + i,
-                        grads=tensors_to_wal(grads),
-                    )
-                )
-            )
+            log(wal_records.push(wid, rid, step, 1 + i, None, grads))
             live.clock(wid, step)
             log(_clock_record(wid, step))
     asyncio.run(wal.close())
@@ -174,7 +153,8 @@ def test_checkpoint_plus_replay_reproduces_the_state(tmp_path: Path, consistency
 
 def test_replay_mismatch_is_reported(tmp_path: Path) -> None:
     core = ServerCore(ServerConfig(consistency="asp"))
-    bad = wal_pb.WalRecord(sequence=1, clock=wal_pb.WalClock(worker_id="ghost#9", clock=0))
+    bad = wal_records.clock("ghost#9", 0)
+    bad.sequence = 1
     with pytest.raises(WalError, match="ghost"):
         replay_into(core, iter([bad]), now=0.0)
 

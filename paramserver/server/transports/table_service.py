@@ -20,6 +20,7 @@ import numpy as np
 
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.api.v1 import tensor_pb2
+from paramserver.core.table_set import RowPushOutcome
 from paramserver.core.tables import EmbeddingTable
 from paramserver.errors import (
     DimensionMismatch,
@@ -31,8 +32,8 @@ from paramserver.errors import (
 from paramserver.protocol import rows_wire, tensor
 from paramserver.protocol.table_spec import check_owned
 from paramserver.security.tokens import check_worker_identity
-from paramserver.server.engine import ServerEngine
-from paramserver.server.table_wal import record_expire_rows, record_init_table, record_push_rows
+from paramserver.server import wal_records
+from paramserver.server.engine import LogFn, ServerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +61,13 @@ class TableRpcs:
     async def init_table(self, request: Any) -> Any:
         spec = rows_wire.spec_from_proto(request.spec)
         tables = self.tables
-        if spec.name in tables.tables:
-            created, stored = tables.init(spec)  # a no-op, or ALREADY_EXISTS
-        else:
-            seq = self.engine.log(record_init_table(spec))  # refused: nothing declared
-            created, stored = tables.init(spec)
-            await self.engine.durable(seq)
+
+        def decide(log: LogFn) -> tuple[bool, Any]:
+            # built and checked, then logged, then installed (a no-op logs nothing)
+            return tables.init(spec, log=lambda: log(wal_records.init_table(spec)))  # type: ignore[no-any-return]
+
+        created, stored = await self.engine.mutate(decide)
+        if created:
             logger.info("table %r declared: %s", spec.name, spec.to_dict())
         return tpb.InitTableResponse(created=created, spec=rows_wire.spec_to_proto(stored))
 
@@ -190,26 +192,26 @@ class TableRpcs:
         table = self._check_header(header, push=True, n=int(ids.shape[0]))
         self._check_ids(table, ids)
         engine = self.engine
-        core = engine.core
-        prepared = self.tables.prepare(
-            core.cluster,
-            header.worker_id,
-            int(header.request_id),
-            int(header.clock),
-            table.spec.name,
-            ids,
-            grads,
-        )
-        now = engine.now()
-        seq = 0
-        engine.check_serving()
-        if engine.wal is not None and prepared.duplicate is None and ids.shape[0]:
-            # Refused (disk full, I/O error): nothing applied, the request id not recorded.
-            seq = engine.log(record_push_rows(prepared, header.worker_id, now))
-        outcome = self.tables.commit(prepared, now_s=now)  # no await since the append
-        seq = self._maybe_expire(table, now, seq)
-        await engine.durable(seq)
-        engine.notify()
+        logging_on = engine.wal is not None
+
+        def decide(log: LogFn) -> RowPushOutcome:
+            prepared = self.tables.prepare(
+                engine.core.cluster,
+                header.worker_id,
+                int(header.request_id),
+                int(header.clock),
+                table.spec.name,
+                ids,
+                grads,
+            )
+            now = engine.now()
+            if logging_on and prepared.duplicate is None and ids.shape[0]:
+                # Refused (disk full, I/O error): nothing applied, the request id not recorded.
+                log(wal_records.push_rows(prepared, header.worker_id, now))
+            return self.tables.commit(prepared, now_s=now)  # type: ignore[no-any-return]
+
+        outcome = await engine.mutate(decide, duplicate=lambda o: bool(o.duplicate))
+        await self._maybe_expire(table)
         r = outcome.result
         return tpb.PushRowsResponse(
             duplicate=outcome.duplicate,
@@ -220,28 +222,35 @@ class TableRpcs:
             staleness=outcome.staleness,
         )
 
-    def _maybe_expire(self, table: EmbeddingTable, now: float, seq: int) -> int:
-        """An expiry sweep of ``table`` when its interval passed or the minimum clock moved;
-        logged (before it runs) when it drops rows. Returns the last WAL sequence to await."""
+    async def _maybe_expire(self, table: EmbeddingTable) -> None:
+        """An expiry sweep of ``table`` when its interval passed or the minimum clock moved,
+        through the funnel (logged before it runs) when it drops rows. A sweep the log
+        cannot take is skipped (maintenance: the push it follows stands)."""
         spec = table.spec
         if not (spec.expiry_clocks or spec.expiry_s):
-            return seq
-        clock = self.engine.core.cluster.min_clock()
+            return
+        engine = self.engine
+        now = engine.now()
+        clock = engine.core.cluster.min_clock()
         last = self._last_sweep.get(spec.name)
         if last is not None and now - last[0] < EXPIRY_SWEEP_INTERVAL_S and clock == last[1]:
-            return seq
+            return
         self._last_sweep[spec.name] = (now, clock)
-        if not table.would_expire(now_s=now, clock=clock):
-            return seq
-        if self.engine.wal is not None:
-            try:
-                seq = self.engine.log(record_expire_rows(spec.name, now, clock))
-            except (StorageFull, StorageError) as exc:  # maintenance: skip it, keep the push
-                logger.warning("table %r: expiry sweep skipped: %s", spec.name, exc)
-                return seq
-        dropped = table.expire(now_s=now, clock=clock)
+        logging_on = engine.wal is not None
+
+        def decide(log: LogFn) -> int:
+            if not table.would_expire(now_s=now, clock=clock):
+                return 0
+            if logging_on:
+                log(wal_records.expire_rows(spec.name, now, clock))
+            return int(table.expire(now_s=now, clock=clock))
+
+        try:
+            dropped = await engine.mutate(decide)
+        except (StorageFull, StorageError) as exc:  # (a failed fsync also stops the server)
+            logger.warning("table %r: expiry sweep skipped: %s", spec.name, exc)
+            return
         logger.debug("table %r: %d rows expired", spec.name, dropped)
-        return seq
 
 
 def table_infos(tables: Any) -> list[Any]:
