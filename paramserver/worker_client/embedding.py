@@ -143,11 +143,6 @@ class TableClientMixin:
         )
         return bool(resp.created), rows_wire.spec_from_proto(resp.spec)
 
-    def _pull_deadline(self, timeout_s: float | None) -> tuple[int, float]:
-        wait_s = timeout_s if timeout_s is not None else self.wait_timeout_s
-        wait_ms = int(wait_s * 1000) if wait_s is not None else 0
-        return wait_ms, (wait_s if wait_s is not None else 600.0) + self.rpc_timeout_s
-
     async def pull_rows(
         self,
         table: str,
@@ -172,7 +167,8 @@ class TableClientMixin:
             (DEADLINE_EXCEEDED).
         """
         arr = check_ids(ids)
-        wait_ms, deadline_s = self._pull_deadline(timeout_s)
+        me: Any = self  # a WorkerClient: the one deadline rule of every pull
+        wait_ms, deadline_s = me._pull_deadlines(timeout_s)
 
         async def attempt() -> np.ndarray:
             header = tpb.RowsHeader(
