@@ -66,8 +66,6 @@ __all__ = [
 
 Array: TypeAlias = npt.NDArray[Any]
 
-RULE_KINDS: Final = ("assign", "add", "sgd", "adam", "adamw", "adagrad")
-
 FLOAT_DTYPES: Final[tuple[np.dtype[Any], ...]] = (
     np.dtype(np.float16),
     np.dtype(ml_dtypes.bfloat16),
@@ -75,17 +73,7 @@ FLOAT_DTYPES: Final[tuple[np.dtype[Any], ...]] = (
     np.dtype(np.float64),
 )
 
-_KIND_TO_PROTO: Final[dict[str, ps_pb2.RuleKind]] = {
-    "assign": ps_pb2.RULE_KIND_ASSIGN,
-    "add": ps_pb2.RULE_KIND_ADD,
-    "sgd": ps_pb2.RULE_KIND_SGD,
-    "adam": ps_pb2.RULE_KIND_ADAM,
-    "adamw": ps_pb2.RULE_KIND_ADAMW,
-    "adagrad": ps_pb2.RULE_KIND_ADAGRAD,
-}
-_PROTO_TO_KIND: Final[dict[int, str]] = {v: k for k, v in _KIND_TO_PROTO.items()}
-
-# Defaults shared by every kind, then per-kind overrides (PyTorch's, except SGD's lr).
+# Defaults shared by every kind (PyTorch's, except SGD's lr); a kind overrides some.
 _BASE_DEFAULTS: Final[dict[str, float]] = {
     "lr": 0.01,
     "momentum": 0.0,
@@ -94,23 +82,7 @@ _BASE_DEFAULTS: Final[dict[str, float]] = {
     "beta2": 0.999,
     "eps": 1e-8,
 }
-_KIND_DEFAULTS: Final[dict[str, dict[str, float]]] = {
-    "assign": {},
-    "add": {},
-    "sgd": {},
-    "adam": {"lr": 1e-3},
-    "adamw": {"lr": 1e-3, "weight_decay": 1e-2},
-    "adagrad": {"eps": 1e-10},
-}
 _FIELDS: Final = ("kind", "lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps")
-_STATE_NAMES: Final[dict[str, tuple[str, ...]]] = {
-    "assign": (),
-    "add": (),
-    "sgd": ("momentum_buffer",),  # only when momentum > 0
-    "adam": ("exp_avg", "exp_avg_sq", "step"),
-    "adamw": ("exp_avg", "exp_avg_sq", "step"),
-    "adagrad": ("sum_sq",),
-}
 
 
 def _real(name: str, value: object) -> float:
@@ -166,13 +138,13 @@ class UpdateRule:
         beta2: float | None = None,
         eps: float | None = None,
     ) -> None:
-        if not isinstance(kind, str) or kind not in _KIND_DEFAULTS:
+        if not isinstance(kind, str) or kind not in RULES:
             raise InvalidArgument(
                 f"unknown update rule kind {kind!r}; expected one of {', '.join(RULE_KINDS)}"
             )
         if not isinstance(nesterov, bool):
             raise InvalidArgument(f"update rule nesterov must be a bool, got {nesterov!r}")
-        defaults = {**_BASE_DEFAULTS, **_KIND_DEFAULTS[kind]}
+        defaults = {**_BASE_DEFAULTS, **RULES[kind].defaults}
         given = {
             "lr": lr,
             "momentum": momentum,
@@ -213,7 +185,7 @@ class UpdateRule:
     def to_proto(self) -> ps_pb2.UpdateRule:
         """Encode as the wire message, every field set explicitly (round-trips exactly)."""
         return ps_pb2.UpdateRule(
-            kind=_KIND_TO_PROTO[self.kind],
+            kind=RULES[self.kind].proto,
             lr=self.lr,
             momentum=self.momentum,
             nesterov=self.nesterov,
@@ -234,7 +206,8 @@ class UpdateRule:
         kind_value = int(msg.kind)
         if kind_value == ps_pb2.RULE_KIND_UNSPECIFIED:
             raise InvalidArgument("update rule kind is RULE_KIND_UNSPECIFIED; set it explicitly")
-        kind = _PROTO_TO_KIND.get(kind_value)
+        entry = _BY_PROTO.get(kind_value)
+        kind = None if entry is None else entry.name
         if kind is None:
             raise InvalidArgument(f"unknown update rule kind enum value {kind_value}")
 
@@ -296,7 +269,7 @@ def compute_dtype(rule: UpdateRule, dtype: np.dtype[Any]) -> np.dtype[Any] | Non
     Raises:
         InvalidArgument: (INVALID_ARGUMENT) an optimizer rule on a non-floating dtype.
     """
-    if rule.kind in ("assign", "add"):
+    if RULES[rule.kind].step is None:
         return None
     if dtype not in FLOAT_DTYPES:
         raise InvalidArgument(
@@ -336,7 +309,7 @@ def _state_spec(rule: UpdateRule, param: Array) -> dict[str, tuple[np.dtype[Any]
         return {}
     return {
         name: (np.dtype(np.int64), ()) if name == "step" else (dtype, param.shape)
-        for name in _STATE_NAMES[rule.kind]
+        for name in RULES[rule.kind].state
     }
 
 
@@ -523,12 +496,74 @@ def _adagrad(
     p -= scratch
 
 
-_STEPS: Final[dict[str, _Kernel]] = {
-    "sgd": _sgd,
-    "adam": _adam,
-    "adamw": _adam,
-    "adagrad": _adagrad,
+@dataclass(frozen=True)
+class RuleKind:
+    """One dense update rule: everything about it in one registry entry (:data:`RULES`).
+
+    Attributes:
+        name: The kind's name (``UpdateRule.kind``).
+        proto: Its wire value (``RuleKind`` of parameter_server.proto).
+        defaults: Its overrides of the shared defaults (lr, momentum, weight_decay, betas, eps).
+        state: Names of the optimizer state it keeps beside the key (``step`` is a 0-d int64
+            count; the others the parameter's shape in the compute dtype). ``sgd`` keeps its
+            ``momentum_buffer`` only when momentum > 0.
+        step: Its update kernel on blocks of the compute dtype; None for ``assign`` / ``add``,
+            which numpy applies directly in the parameter's own dtype (integers included).
+        source: Where its formula comes from.
+    """
+
+    name: str
+    proto: int
+    defaults: Mapping[str, float]
+    state: tuple[str, ...]
+    step: _Kernel | None
+    source: str
+
+
+#: Every dense update rule, by kind. A new rule is one entry here.
+RULES: Final[dict[str, RuleKind]] = {
+    r.name: r
+    for r in (
+        RuleKind("assign", ps_pb2.RULE_KIND_ASSIGN, {}, (), None, "w = g"),
+        RuleKind("add", ps_pb2.RULE_KIND_ADD, {}, (), None, "w += g"),
+        RuleKind(
+            "sgd", ps_pb2.RULE_KIND_SGD, {}, ("momentum_buffer",), _sgd, "torch.optim.SGD"
+        ),
+        RuleKind(
+            "adam",
+            ps_pb2.RULE_KIND_ADAM,
+            {"lr": 1e-3},
+            ("exp_avg", "exp_avg_sq", "step"),
+            _adam,
+            "Kingma & Ba 2015; torch.optim.Adam",
+        ),
+        RuleKind(
+            "adamw",
+            ps_pb2.RULE_KIND_ADAMW,
+            {"lr": 1e-3, "weight_decay": 1e-2},
+            ("exp_avg", "exp_avg_sq", "step"),
+            _adam,
+            "Loshchilov & Hutter 2019; torch.optim.AdamW",
+        ),
+        RuleKind(
+            "adagrad",
+            ps_pb2.RULE_KIND_ADAGRAD,
+            {"eps": 1e-10},
+            ("sum_sq",),
+            _adagrad,
+            "Duchi et al. 2011; torch.optim.Adagrad",
+        ),
+    )
 }
+#: The kinds' names, in registry order.
+RULE_KINDS: Final = tuple(RULES)
+_BY_PROTO: Final[dict[int, RuleKind]] = {r.proto: r for r in RULES.values()}
+
+
+def _kernel(rule: UpdateRule) -> _Kernel:
+    step = RULES[rule.kind].step
+    assert step is not None, f"{rule.kind} has no step kernel"
+    return step
 
 
 #: Parameter dtypes that are their own compute dtype (no cast in the update).
@@ -629,7 +664,7 @@ def apply_update(
     half = param.dtype != dtype
     cast_g = grad.dtype != dtype
     buffers = workspace.take(2 + half + cast_g)
-    kernel = _STEPS[rule.kind]
+    kernel = _kernel(rule)
     n = flat_p.size
     size = workspace.size
     for start in range(0, n, size):
@@ -667,7 +702,7 @@ def _apply_whole(
     g = grad if grad.dtype == dtype else grad.astype(dtype)
     s = [np.empty(param.shape, dtype=dtype), np.empty(param.shape, dtype=dtype)]
     st = {name: a for name, a in state.items() if name != "step"}
-    _STEPS[rule.kind](rule, work, g, st, s, t)
+    _kernel(rule)(rule, work, g, st, s, t)
     if work is not param:
         np.copyto(param, work, casting="unsafe")
 
@@ -733,7 +768,7 @@ def overflowing_elements(
                 out = p0.astype(np.float32)
                 st = {name: a[start:stop].copy() for name, a in flat_state.items()}
                 scratch = [np.empty_like(out), np.empty_like(out)]
-                _STEPS[rule.kind](rule, out, g.astype(np.float32), st, scratch, t)
+                _kernel(rule)(rule, out, g.astype(np.float32), st, scratch, t)
             inputs_finite = np.isfinite(p0) & np.isfinite(g)
             bad += int(np.count_nonzero(overflow_mask(out, param.dtype, inputs_finite)))
     return bad

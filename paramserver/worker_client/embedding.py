@@ -167,7 +167,7 @@ class TableClientMixin:
             (DEADLINE_EXCEEDED).
         """
         arr = check_ids(ids)
-        me: Any = self  # a WorkerClient: the one deadline rule of every pull
+        me: Any = self  # a WorkerClient: the one deadline rule of every pull, its retry funnel
         wait_ms, deadline_s = me._pull_deadlines(timeout_s)
 
         async def attempt() -> np.ndarray:
@@ -179,7 +179,6 @@ class TableClientMixin:
             )
             return await self.transports.send(lambda t: t.pull_rows(header, arr, deadline_s))
 
-        me: Any = self  # a WorkerClient: its retry funnel
         if observer:
             out: np.ndarray = await me._call(attempt, "pull_rows")
         else:

@@ -711,3 +711,19 @@ def test_plain_sgd_short_path_still_checks_the_shape() -> None:
     with pytest.raises(DimensionMismatch):
         apply_update(rule, p, np.ones(5, np.float32), {})
     np.testing.assert_array_equal(p, np.zeros(4, np.float32))
+
+
+def test_every_wire_rule_kind_has_exactly_one_registry_entry() -> None:
+    """One entry per dense rule (fields, defaults, state, proto value, step): the wire's
+    RuleKind values (UNSPECIFIED aside) map one to one onto the registry, and every kind that
+    keeps state has a step kernel, so no kind can reach an apply without one."""
+    from paramserver.api.v1 import parameter_server_pb2 as ps_pb2
+    from paramserver.core.optimizers import RULES
+
+    wire = {v.number for v in ps_pb2.RuleKind.DESCRIPTOR.values if v.number != 0}
+    assert {r.proto for r in RULES.values()} == wire
+    assert len({r.proto for r in RULES.values()}) == len(RULES)
+    for rule in RULES.values():
+        assert (rule.step is None) == (rule.state == ()), rule.name
+        assert UpdateRule(rule.name).kind == rule.name
+        assert UpdateRule.from_proto(UpdateRule(rule.name).to_proto()) == UpdateRule(rule.name)
