@@ -371,3 +371,18 @@ async def test_rows_over_the_session_and_shared_memory_match_the_streams() -> No
                 if session and ps.fastpath is not None and ps.fastpath.shared_memory:
                     assert ps.fastpath.offers_accepted >= 1  # the big calls used the segment
     assert got[True].tobytes() == got[False].tobytes()
+
+
+async def test_a_first_large_row_pull_through_shared_memory_returns_the_rows_asked_for() -> None:
+    """A fresh client's first row pull whose ids go through shared memory and whose rows do not
+    fit its pull region yet: the client grows the segment and asks again, with the caller's ids
+    (not the new segment's zeros). Checked against the plain PullRows stream."""
+    ids = np.arange(1, 20_001, dtype=np.int64)[::-1].copy()  # 160 KB of ids, 2.56 MB of rows
+    async with running_server(consistency="asp") as d:
+        async with connect(d.address, "w0") as ps:
+            await ps.init_table(_spec(dim=32))
+            got = await ps.pull_rows("emb", ids)
+            assert ps.fastpath is not None and ps.fastpath.shm_active
+        async with connect(d.address, "w1", session=False) as plain:
+            want = await plain.pull_rows("emb", ids)
+    assert got.shape == (20_000, 32) and got.tobytes() == want.tobytes()

@@ -591,11 +591,7 @@ class SessionTransport:
             pull_bytes = 0 if grads is not None or row_bytes is None else ids.shape[0] * row_bytes
             big = need > SMALL_INLINE_BYTES or pull_bytes > SMALL_INLINE_BYTES
             if big and await self._ensure_segment(need, pull_bytes):
-                seg = self._segment
-                assert seg is not None
-                dsts = place_slot_batch(msg.tensors, seg.push.view, keys, values)
-                for dst, arr in zip(dsts, values, strict=True):
-                    np.copyto(dst, arr)
+                self._place_in_segment(msg.tensors, keys, values)
             elif need <= self.max_inline_bytes:
                 pack_slot_batch(msg.tensors, keys, values)
             else:
@@ -606,10 +602,23 @@ class SessionTransport:
             if done.needed_bytes:  # a pull changes nothing: ask again with a bigger region
                 if not await self._ensure_segment(need, done.needed_bytes):
                     return Declined(f"row pull of {done.needed_bytes} bytes without shared memory")
+                if not msg.tensors.HasField("data"):  # the ids again: the segment may be new
+                    msg.ClearField("tensors")
+                    self._place_in_segment(msg.tensors, keys, values)
                 done = (await self._roundtrip(request)).rows
                 if done.needed_bytes:
                     return Declined(f"row pull of {done.needed_bytes} bytes still does not fit")
             return done, self._pulled_rows(done.tensors)
+
+    def _place_in_segment(
+        self, batch: pb.SlotBatch, keys: list[str], values: list[np.ndarray]
+    ) -> None:
+        """Copy ``values`` into the current segment's push region, described in ``batch``."""
+        seg = self._segment
+        assert seg is not None
+        dsts = place_slot_batch(batch, seg.push.view, keys, values)
+        for dst, arr in zip(dsts, values, strict=True):
+            np.copyto(dst, arr)
 
     async def push_pull(
         self, push: PushPayload, pull: PullSpec
