@@ -283,6 +283,14 @@ class TableSet:
         if table.spec.consistency != "bsp" and table.spec.np_dtype in HALF_DTYPES:
             coalesced = coalesce(checked, grads)
             table.check_range(*coalesced)
+        if table.spec.consistency != "bsp":
+            try:  # room for every row the push may create, before it is logged
+                table.reserve(int(checked.shape[0]))
+            except MemoryError:
+                raise CapacityExceeded(
+                    f"table {shown(name)!r}: the shard could not allocate room for "
+                    f"{checked.shape[0]} new rows"
+                ) from None
         return PreparedRowPush(
             table, rec.worker_id, request_id, clock, checked, grads, coalesced=coalesced
         )

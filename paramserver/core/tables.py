@@ -11,10 +11,11 @@ reference; this module is the shard's state for it, with time passed in.
   "Fast splittable pseudorandom number generators", OOPSLA 2014), so every shard count, restart
   and reshard gives the same row. A pull of an id with no stored row returns that initial row
   without storing it (unobservable except in memory); the first admitted push stores it.
-* **Rows ops, vectorized.** :meth:`EmbeddingTable.pull` keeps the caller's order and allows
+* **Rows ops, compiled.** :meth:`EmbeddingTable.pull` keeps the caller's order and allows
   duplicates; :meth:`EmbeddingTable.push` sums duplicate ids first (as torch coalesces sparse
   gradients), then applies the row-wise rule once per distinct id. Rows not in a push never
-  change, bit for bit. No per-id Python loop on any path.
+  change, bit for bit. Every per-id step (index, initial rows, gather, coalesce, rule, scatter)
+  is one loop of a kernel in :mod:`paramserver.core.row_kernels` (numba, GIL released).
 * **Rules** (:class:`TableRule`): ``sgd``; ``adagrad`` (element-wise, ``torch.optim.Adagrad``,
   Duchi et al., JMLR 2011); ``rowwise_adagrad`` (one accumulator per row, the mean of the
   squared gradient over the row, as FBGEMM's ``EXACT_ROWWISE_ADAGRAD``); ``adam`` (lazy: only
@@ -26,18 +27,20 @@ reference; this module is the shard's state for it, with time passed in.
   frequency filter: an id gets a stored row only at its ``min_pushes``-th push; earlier pushes
   are dropped and counted, and pulls return its initial row.
 
-The id -> row index (:class:`IdIndex`) is an open-addressing hash table with linear probing
-written in numpy: every lookup and insert is a handful of whole-array rounds (one per probe
-step; the load factor is kept <= 1/2 so rounds stay few). It was chosen over a sorted array with
-``np.searchsorted`` because inserting new ids into a sorted array moves every later element
-(O(n) per push of new ids, 10M-id tables), and over pandas' ``Index`` (a hash table in C)
-because pandas is not a dependency of the server and its ``Index`` is immutable, so each insert
-rebuilds it; ``benchmarks/embedding.py`` measures the index (phase ``index``).
+Storage: each per-row field (the rows; the rule's state; the last push's clock and time, kept
+only by a table with expiry) is a :class:`RowArena`: fixed chunks of ``2**shift`` rows
+allocated one at a time and never zero-filled, so growth costs O(new rows) and never copies
+the table. The id -> row index (:class:`IdIndex`) is an open-addressing int64 hash table with
+linear probing (load kept <= 0.7, 16 bytes a slot), chosen over a sorted array with
+``np.searchsorted`` (inserting new ids moves every later element: O(n) per push of new ids)
+and over a Python dict (a per-id interpreter loop and ~100 bytes per entry).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Final
 
 import numpy as np
@@ -51,8 +54,6 @@ from paramserver.errors import (
     NonFiniteGradient,
 )
 from paramserver.protocol.table_spec import (
-    _GOLDEN,
-    _U64,
     CONSISTENCIES,
     F32,
     INITIALIZERS,
@@ -75,6 +76,7 @@ __all__ = [
     "IdIndex",
     "Initializer",
     "PushRowsResult",
+    "RowArena",
     "TableLimits",
     "TableRule",
     "TableSpec",
@@ -88,9 +90,21 @@ __all__ = [
 _EMPTY: Final = -1  # ids are >= 0, so -1 marks a free slot of the index
 
 
-def _unit_uniform(bits: npt.NDArray[np.uint64]) -> npt.NDArray[np.float64]:
-    """Top 53 bits of each word as a float64 in [0, 1)."""
-    return (bits >> _U64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+@functools.cache
+def kernels() -> ModuleType:
+    """:mod:`paramserver.core.row_kernels`, imported on first use (numba's import takes a
+    fraction of a second that clients, which import this module for its specs, never pay)."""
+    from paramserver.core import row_kernels
+
+    return row_kernels
+
+
+def _seed_key(seed: int) -> np.uint64:
+    return np.uint64(splitmix64(np.array([seed % (1 << 64)], np.uint64))[0])
+
+
+def _ids64(ids: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+    return np.ascontiguousarray(ids, dtype=np.int64)
 
 
 def initial_rows(
@@ -102,7 +116,8 @@ def initial_rows(
     ``key_i = splitmix64(uint64(i) xor splitmix64(uint64(seed)))``: a counter-based generator
     keyed by the id (no state, any order, any subset), so a row is the same on every shard,
     after every restart and reshard. Uniform: ``(2u - 1) * scale``; normal: Box-Muller on words
-    ``2j`` and ``2j + 1`` (``sqrt(-2 ln(1 - u1)) * cos(2 pi u2) * scale``).
+    ``2j`` and ``2j + 1`` (``sqrt(-2 ln(1 - u1)) * cos(2 pi u2) * scale``); ``u`` is a word's
+    top 53 bits over 2**53. The exact algorithm and test vectors: ``docs/wire-contract.md``.
 
     Args:
         seed: Table seed (any int; taken modulo 2**64).
@@ -116,18 +131,15 @@ def initial_rows(
     n = int(ids.shape[0])
     if init.kind == "zeros" or init.scale == 0.0 or n == 0 or dim == 0:
         return np.zeros((n, dim), np.float32)
-    seed_key = splitmix64(np.array([seed % (1 << 64)], np.uint64))[0]
-    key = splitmix64(ids.astype(np.int64, copy=False).view(np.uint64) ^ seed_key)
-    words = dim if init.kind == "uniform" else 2 * dim
-    with np.errstate(over="ignore"):
-        counters = (np.arange(1, words + 1, dtype=np.uint64) * _GOLDEN)[None, :]
-        u = _unit_uniform(splitmix64(key[:, None] + counters))
+    k = kernels()
     if init.kind == "uniform":
-        out = (2.0 * u - 1.0) * init.scale
-    else:
-        radius = np.sqrt(-2.0 * np.log1p(-u[:, 0::2]))
-        out = radius * np.cos(2.0 * np.pi * u[:, 1::2]) * init.scale
-    return out.astype(np.float32)
+        out = np.empty((n, dim), np.float32)
+        k.uniform_rows(_seed_key(seed), _ids64(ids), float(init.scale), out)
+        return out
+    u = np.empty((n, 2 * dim), np.float64)
+    k.normal_words(_seed_key(seed), _ids64(ids), u)
+    radius = np.sqrt(-2.0 * np.log1p(-u[:, 0::2]))
+    return (radius * np.cos(2.0 * np.pi * u[:, 1::2]) * init.scale).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -150,38 +162,50 @@ class TableLimits:
 
 
 class IdIndex:
-    """Vectorized int64 id -> int64 value map: open addressing, linear probing, numpy only.
+    """int64 id -> int64 value map: open addressing, linear probing, compiled kernels.
 
-    Keys are ids >= 0; values are row numbers. Capacity is a power of two kept at least twice
-    the size. Deletion is by :meth:`rebuild` (expiry sweeps are rare and whole-table anyway).
+    Keys are ids >= 0; values are row numbers. Slots are (key, value) pairs in one (cap, 2)
+    int64 array (16 bytes a slot; one cache line per probe); the capacity is a power of two
+    kept at least ``size / MAX_LOAD``, doubled (one rehash, O(size)) when a batch would pass
+    it. Deletion is by :meth:`rebuild` (expiry sweeps are rare and whole-table anyway).
     """
 
+    #: Largest size / capacity before the index doubles.
+    MAX_LOAD: Final = 0.7
+
     def __init__(self, capacity: int = 1024) -> None:
-        cap = 1 << max(4, (capacity - 1).bit_length())
-        self._keys = np.full(cap, _EMPTY, np.int64)
-        self._vals = np.zeros(cap, np.int64)
+        self._slots = self._empty(self._capacity_for(capacity))
         self.size = 0
 
-    def _slots(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        mask = _U64(self._keys.shape[0] - 1)
-        return (splitmix64(ids.view(np.uint64)) & mask).astype(np.int64)
+    @staticmethod
+    def _empty(cap: int) -> npt.NDArray[np.int64]:
+        return np.full((cap, 2), _EMPTY, np.int64)
+
+    @classmethod
+    def _capacity_for(cls, n: int) -> int:
+        cap = 16
+        while n > cap * cls.MAX_LOAD:
+            cap *= 2
+        return cap
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slot array."""
+        return int(self._slots.nbytes)
+
+    def reserve(self, extra: int) -> None:
+        """Make room for ``extra`` more ids (doubling as often as needed)."""
+        need = self.size + extra
+        if need <= self._slots.shape[0] * self.MAX_LOAD:
+            return
+        new = self._empty(self._capacity_for(need))
+        kernels().index_rehash(self._slots, new)
+        self._slots = new
 
     def lookup(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Values of ``ids`` (int64 (n,), each >= 0); -1 where an id is absent."""
-        out = np.full(ids.shape[0], -1, np.int64)
-        if self.size == 0 or ids.shape[0] == 0:
-            return out
-        mask = self._keys.shape[0] - 1
-        todo = np.arange(ids.shape[0])
-        want = ids
-        slot = self._slots(ids)
-        while todo.shape[0]:
-            k = self._keys[slot]
-            hit = k == want
-            if hit.any():
-                out[todo[hit]] = self._vals[slot[hit]]
-            go = ~hit & (k != _EMPTY)
-            todo, want, slot = todo[go], want[go], (slot[go] + 1) & mask
+        out = np.empty(ids.shape[0], np.int64)
+        kernels().index_lookup(self._slots, _ids64(ids), out)
         return out
 
     def insert(self, ids: npt.NDArray[np.int64], vals: npt.NDArray[np.int64]) -> None:
@@ -189,44 +213,99 @@ class IdIndex:
         m = ids.shape[0]
         if m == 0:
             return
-        if 2 * (self.size + m) > self._keys.shape[0]:
-            self._grow(self.size + m)
-        mask = self._keys.shape[0] - 1
-        slot = self._slots(ids)
-        todo = np.arange(m)
-        while todo.shape[0]:
-            free = np.flatnonzero(self._keys[slot] == _EMPTY)
-            taken = np.zeros(todo.shape[0], bool)
-            if free.shape[0]:
-                cand_slots, first = np.unique(slot[free], return_index=True)
-                winners = free[first]
-                self._keys[cand_slots] = ids[todo[winners]]
-                self._vals[cand_slots] = vals[todo[winners]]
-                taken[winners] = True
-            keep = ~taken
-            todo, slot = todo[keep], (slot[keep] + 1) & mask
+        self.reserve(m)
+        kernels().index_insert(self._slots, _ids64(ids), _ids64(vals))
         self.size += m
+
+    def find_or_add(
+        self, ids: npt.NDArray[np.int64], next_val: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_], int]:
+        """Values of distinct ``ids``; absent ones are added with ``next_val``, ``next_val +
+        1``, ... in the order given. Returns (values, added mask, count added)."""
+        self.reserve(ids.shape[0])
+        out = np.empty(ids.shape[0], np.int64)
+        created = np.empty(ids.shape[0], np.bool_)
+        added = int(kernels().index_find_or_add(self._slots, _ids64(ids), next_val, out, created))
+        self.size += added
+        return out, created, added
 
     def items(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """All (ids, values), in slot order."""
-        used = self._keys != _EMPTY
-        return self._keys[used], self._vals[used]
-
-    def _grow(self, need: int) -> None:
-        ids, vals = self.items()
-        cap = 1 << max(4, (2 * need - 1).bit_length())
-        self._keys = np.full(cap, _EMPTY, np.int64)
-        self._vals = np.zeros(cap, np.int64)
-        self.size = 0
-        self.insert(ids, vals)
+        used = self._slots[:, 0] != _EMPTY
+        return self._slots[used, 0], self._slots[used, 1]
 
     def rebuild(self, ids: npt.NDArray[np.int64], vals: npt.NDArray[np.int64]) -> None:
         """Replace the contents by distinct ``ids`` -> ``vals``."""
-        cap = 1 << max(4, (2 * max(ids.shape[0], 1) - 1).bit_length())
-        self._keys = np.full(cap, _EMPTY, np.int64)
-        self._vals = np.zeros(cap, np.int64)
+        self._slots = self._empty(self._capacity_for(max(int(ids.shape[0]), 1)))
         self.size = 0
         self.insert(ids, vals)
+
+
+class RowArena:
+    """One per-row field of a table (``shape`` elements of ``dtype`` a row), in chunks.
+
+    Row ``r`` lies in chunk ``r >> shift``; chunks of ``2**shift`` rows are allocated with
+    ``np.empty`` when the table grows into them (the OS maps their pages when first written:
+    nothing is zero-filled, no chunk is ever copied). :attr:`addrs` holds each chunk's address
+    for the kernels; the chunks themselves are kept alive by :attr:`chunks`.
+
+    Args:
+        shape: Elements of one row (``()`` for one scalar a row).
+        dtype: Element dtype.
+        shift: log2 of the rows per chunk.
+        fill: The value of a new row (written by :meth:`fill` for the rows a push creates).
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], shift: int, fill: float):
+        self.shape = shape
+        self.dtype = np.dtype(dtype)
+        self.shift = shift
+        self.width = int(np.prod(shape, dtype=np.int64))
+        self.row_bytes = self.width * self.dtype.itemsize
+        self.chunks: list[np.ndarray] = []
+        self.addrs = np.zeros(0, np.int64)
+        self._fill = np.full(shape, fill, self.dtype).reshape(-1).view(np.uint8).copy()
+
+    @property
+    def capacity(self) -> int:
+        return len(self.chunks) << self.shift
+
+    def reserve(self, n: int) -> None:
+        """Allocate chunks until rows ``[0, n)`` exist (MemoryError when the OS refuses)."""
+        while self.capacity < n:
+            self.chunks.append(np.empty((1 << self.shift, *self.shape), self.dtype))
+        if self.addrs.shape[0] != len(self.chunks):
+            self.addrs = np.array([c.ctypes.data for c in self.chunks], np.int64)
+
+    def gather(self, rows: npt.NDArray[np.int64]) -> np.ndarray:
+        """A new array (len(rows), *shape) of the rows ``rows``."""
+        out = np.empty((rows.shape[0], *self.shape), self.dtype)
+        raw = out.reshape(rows.shape[0], self.width).view(np.uint8)
+        kernels().gather_bytes(self.addrs, self.shift, _ids64(rows), raw)
+        return out
+
+    def scatter(self, rows: npt.NDArray[np.int64], values: np.ndarray) -> None:
+        """Write ``values`` ((len(rows), *shape), cast to the dtype) at ``rows``."""
+        src = np.ascontiguousarray(values, self.dtype).reshape(rows.shape[0], self.width)
+        kernels().scatter_bytes(self.addrs, self.shift, _ids64(rows), src.view(np.uint8))
+
+    def fill(self, start: int, stop: int) -> None:
+        """Write the new-row value into rows ``[start, stop)``."""
+        kernels().fill_bytes(self.addrs, self.shift, start, stop, self._fill)
+
+
+def _coalesce_first(
+    ids: npt.NDArray[np.int64], grads: npt.NDArray[Any]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """Distinct ids in order of first occurrence and their float32 sums (caller's order)."""
+    g = np.ascontiguousarray(grads, np.float32)
+    n = ids.shape[0]
+    uniq = np.empty(n, np.int64)
+    sums = np.empty(g.shape, np.float32)
+    if n == 0:
+        return uniq, sums
+    m = int(kernels().coalesce_first(_ids64(ids), g, uniq, sums))
+    return uniq[:m], sums[:m]
 
 
 def coalesce(
@@ -234,11 +313,8 @@ def coalesce(
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
     """Sum the gradient rows of duplicate ids (as ``torch.Tensor.coalesce``).
 
-    Vectorized for skewed (Zipf) batches, where most ids occur once and a few very often: rows
-    are grouped by id (one stable sort); ids seen at most :data:`_LIGHT` times are summed level
-    by level (a whole-array add per level), the heavy hitters by ``np.add.reduceat`` over their
-    segments (``reduceat`` alone pays a per-segment cost that dominates at thousands of
-    segments). Each id's rows are added in the caller's order.
+    One pass of a compiled kernel with a scratch hash table keyed by id; each id's rows are
+    added in the caller's order, in float32.
 
     Args:
         ids: int64 (n,).
@@ -247,35 +323,9 @@ def coalesce(
     Returns:
         (distinct ids ascending (m,), float32 (m, dim) sums).
     """
-    g = grads.astype(np.float32, copy=False)
-    uniq, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
-    order = np.argsort(inverse, kind="stable")
-    gs = g[order]
-    if uniq.shape[0] == ids.shape[0]:
-        return uniq, gs
-    starts = np.zeros(uniq.shape[0], np.int64)
-    np.cumsum(counts[:-1], out=starts[1:])
-    out = gs[starts]
-    light = np.flatnonzero((counts > 1) & (counts <= _LIGHT))
-    lc, ls = counts[light], starts[light]
-    for r in range(1, _LIGHT):
-        more = lc > r
-        if not more.any():
-            break
-        light, lc, ls = light[more], lc[more], ls[more]
-        out[light] += gs[ls + r]
-    heavy = np.flatnonzero(counts > _LIGHT)
-    if heavy.shape[0]:
-        hc, hs = counts[heavy], starts[heavy]
-        seg = np.zeros(heavy.shape[0], np.int64)
-        np.cumsum(hc[:-1], out=seg[1:])
-        rows = np.repeat(hs - seg, hc) + np.arange(int(hc.sum()))
-        out[heavy] = np.add.reduceat(gs[rows], seg, axis=0)
-    return uniq, out
-
-
-#: Ids occurring up to this many times in one push are summed level by level (see coalesce).
-_LIGHT: Final = 4
+    uniq, sums = _coalesce_first(ids, grads)
+    order = np.argsort(uniq, kind="stable")
+    return uniq[order], sums[order]
 
 
 @dataclass(frozen=True)
@@ -295,7 +345,11 @@ class PushRowsResult:
     created: int
 
 
-_STATE_FIELDS: Final = ("rows", "acc", "m", "v", "steps", "last_clock", "last_s")
+#: Bytes of rows one chunk of a table's row arena aims at (the rows per chunk are a power of
+#: two between 2**10 and 2**16).
+CHUNK_TARGET_BYTES: Final = 8 << 20
+
+_BOOKKEEPING: Final = ("last_clock", "last_s")
 
 
 class EmbeddingTable:
@@ -314,10 +368,20 @@ class EmbeddingTable:
         self.spec = spec
         self.limits = limits or TableLimits()
         self.index = IdIndex()
-        self.n = 0  # stored rows (the first n of every state array are in use)
-        self._cap = 0
-        self._arrays: dict[str, np.ndarray] = {}
-        self._alloc(64)
+        self.n = 0  # stored rows: rows [0, n) of every field are in use
+        row_bytes = max(1, spec.dim * spec.np_dtype.itemsize)
+        self._shift = min(16, max(10, (CHUNK_TARGET_BYTES // row_bytes).bit_length() - 1))
+        self._store: dict[str, RowArena] = {}
+        self._new_store()
+        self._seed_key = _seed_key(spec.seed)
+        init = spec.initializer
+        k = kernels()
+        if init.kind == "zeros" or init.scale == 0.0:
+            self._init_code = k.INIT_ZEROS
+        elif init.kind == "uniform":
+            self._init_code = k.INIT_UNIFORM
+        else:
+            self._init_code = k.INIT_OTHER
         # Frequency filter: pushes seen per id that has no stored row yet (0 once admitted).
         self._pending = IdIndex()
         self._pending_counts = np.zeros(0, np.int64)
@@ -332,6 +396,7 @@ class EmbeddingTable:
 
     # ------------------------------------------------------------------ storage
     def _fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any], float]]:
+        """Every per-row field a checkpoint holds: (shape, dtype, new-row value)."""
         s, d = self.spec, self.spec.dim
         out: dict[str, tuple[tuple[int, ...], np.dtype[Any], float]] = {
             "rows": ((d,), s.np_dtype, 0.0),
@@ -349,36 +414,60 @@ class EmbeddingTable:
             out["steps"] = ((), np.dtype(np.int64), 0.0)
         return out
 
-    def _alloc(self, cap: int) -> None:
-        new: dict[str, np.ndarray] = {}
-        for name, (shape, dtype, fill) in self._fields().items():
-            arr = np.full((cap, *shape), fill, dtype)
-            if name in self._arrays:
-                arr[: self.n] = self._arrays[name][: self.n]
-            new[name] = arr
-        self._arrays = new
-        self._cap = cap
+    @property
+    def tracks_pushes(self) -> bool:
+        """Whether rows keep their last push's clock and time (only a table with expiry)."""
+        return bool(self.spec.expiry_clocks or self.spec.expiry_s)
 
-    def _ensure(self, n: int) -> None:
-        if n > self._cap:
-            self._alloc(max(n, 2 * self._cap))
+    def _stored_fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any], float]]:
+        fields = self._fields()
+        if not self.tracks_pushes:
+            for name in _BOOKKEEPING:
+                del fields[name]
+        return fields
+
+    def _new_store(self) -> None:
+        self._store = {
+            name: RowArena(shape, dtype, self._shift, fill)
+            for name, (shape, dtype, fill) in self._stored_fields().items()
+        }
+
+    def _reserve_rows(self, n: int) -> None:
+        for arena in self._store.values():
+            arena.reserve(n)
+
+    def reserve(self, extra: int) -> None:
+        """Allocate room for ``extra`` more rows now (index slots and row chunks), so a push
+        validated after this cannot fail for memory while it applies.
+
+        Raises:
+            MemoryError: the process could not allocate it (nothing of the table changed).
+        """
+        self.index.reserve(extra)
+        self._reserve_rows(self.n + extra)
 
     @property
     def row_bytes(self) -> int:
         """Bytes one stored row takes with its optimizer state and bookkeeping."""
-        return sum(
-            int(np.dtype(dtype).itemsize) * int(np.prod(shape, dtype=np.int64))
-            for shape, dtype, _ in self._fields().values()
+        return sum(a.row_bytes for a in self._store.values())
+
+    def state_bytes(self) -> int:
+        """Bytes of the stored rows' optimizer state (adagrad's accumulators, adam's moments
+        and step counts; 0 for sgd)."""
+        return self.n * sum(
+            a.row_bytes for name, a in self._store.items() if name not in ("rows", *_BOOKKEEPING)
         )
 
     def stored_bytes(self) -> int:
-        """Bytes of the stored rows and their optimizer state (the used part of each array)."""
-        return sum(int(a[: self.n].nbytes) for a in self._arrays.values())
+        """Bytes the table holds: its stored rows, their optimizer state and bookkeeping, and
+        the id index (and the frequency filter's counts)."""
+        pending = self._pending.nbytes + int(self._pending_counts.nbytes) if self._pending_n else 0
+        return self.n * self.row_bytes + self.index.nbytes + pending
 
     @property
     def rows(self) -> np.ndarray:
-        """The stored rows, (n, dim) of the storage dtype (a view: do not keep it)."""
-        return self._arrays["rows"][: self.n]
+        """A copy of the stored rows, (n, dim) of the storage dtype, in row order."""
+        return self._store["rows"].gather(np.arange(self.n, dtype=np.int64))
 
     # ------------------------------------------------------------------ validation
     def _where(self) -> str:
@@ -509,14 +598,14 @@ class EmbeddingTable:
             keep[new] = self._would_admit(uniq[new])
             uniq, g, where, new = uniq[keep], g[keep], where[keep], new[keep]
         before = np.empty((uniq.shape[0], s.dim), s.np_dtype)
-        before[~new] = self._arrays["rows"][where[~new]]
+        before[~new] = self._store["rows"].gather(where[~new])
         before[new] = initial_rows(s.seed, uniq[new], s.dim, s.initializer).astype(s.np_dtype)
         fields = self._fields()
         state = {}
         for name in self._state_names():
             shape, dtype, fill = fields[name]
             arr = np.full((uniq.shape[0], *shape), fill, dtype)
-            arr[~new] = self._arrays[name][where[~new]]
+            arr[~new] = self._store[name].gather(where[~new])
             state[name] = arr
         w = before.astype(F32)
         with np.errstate(over="ignore", invalid="ignore"):  # what this check looks for
@@ -542,17 +631,37 @@ class EmbeddingTable:
             of every id with no stored row (not stored by the pull).
         """
         s = self.spec
-        where = self.index.lookup(ids)
-        out = np.empty((ids.shape[0], s.dim), s.np_dtype)
-        have = where >= 0
-        out[have] = self._arrays["rows"][where[have]]
-        missing = ~have
-        if missing.any():
-            out[missing] = initial_rows(s.seed, ids[missing], s.dim, s.initializer).astype(
-                s.np_dtype
+        ids = _ids64(ids)
+        n = ids.shape[0]
+        out = np.empty((n, s.dim), s.np_dtype)
+        if s.np_dtype == F32:
+            k = kernels()
+            missing = np.empty(n, np.int64)
+            m = k.pull_f32(
+                self.index._slots,
+                self._store["rows"].addrs,
+                self._shift,
+                ids,
+                self._seed_key,
+                float(s.initializer.scale),
+                self._init_code,
+                out,
+                missing,
             )
+            if m:
+                lost = missing[:m]
+                out[lost] = initial_rows(s.seed, ids[lost], s.dim, s.initializer)
+        else:
+            where = self.index.lookup(ids)
+            have = where >= 0
+            out[have] = self._store["rows"].gather(where[have])
+            absent = ~have
+            if absent.any():
+                out[absent] = initial_rows(s.seed, ids[absent], s.dim, s.initializer).astype(
+                    s.np_dtype
+                )
         self.pulls += 1
-        self.rows_pulled += int(ids.shape[0])
+        self.rows_pulled += n
         return out
 
     def push(
@@ -566,7 +675,7 @@ class EmbeddingTable:
             now_s: Seconds (for ``expiry_s``; any clock, as long as :meth:`expire` uses it).
             clock: The pushing worker's clock (for ``expiry_clocks``).
         """
-        uniq, g = coalesce(ids, grads)
+        uniq, g = _coalesce_first(ids, grads)
         return self.apply_coalesced(uniq, g, now_s=now_s, clock=clock)
 
     def apply_coalesced(
@@ -577,29 +686,43 @@ class EmbeddingTable:
         now_s: float,
         clock: int,
     ) -> PushRowsResult:
-        """Apply distinct ascending ids with their summed float32 gradients (m, dim)."""
+        """Apply distinct ids (any order) with their summed float32 gradients (m, dim)."""
         self.pushes += 1
-        where = self.index.lookup(uniq)
-        new = where < 0
+        uniq = _ids64(uniq)
+        g = np.ascontiguousarray(g, np.float32)
         created = 0
         filtered = 0
-        if new.any():
-            new_ids = uniq[new]
-            admit = self._filter(new_ids)
-            filtered = int(new_ids.shape[0] - np.count_nonzero(admit))
-            if filtered:
-                keep = np.ones(uniq.shape[0], bool)
-                keep[np.flatnonzero(new)[~admit]] = False
-                uniq, g, where, new = uniq[keep], g[keep], where[keep], new[keep]
-            created_ids = uniq[new]
-            created = int(created_ids.shape[0])
+        if self.spec.min_pushes <= 1:
+            where, new, created = self.index.find_or_add(uniq, self.n)
             if created:
-                where[new] = self._store_new(created_ids)
+                self._init_rows(self.n, uniq[new])
+        else:
+            where = self.index.lookup(uniq)
+            new = where < 0
+            if new.any():
+                new_ids = uniq[new]
+                admit = self._filter(new_ids)
+                filtered = int(new_ids.shape[0] - np.count_nonzero(admit))
+                if filtered:
+                    keep = np.ones(uniq.shape[0], bool)
+                    keep[np.flatnonzero(new)[~admit]] = False
+                    uniq, g, where, new = uniq[keep], g[keep], where[keep], new[keep]
+                created_ids = uniq[new]
+                created = int(created_ids.shape[0])
+                if created:
+                    where[new] = self._store_new(created_ids)
         self.filtered += filtered
         if uniq.shape[0]:
             self._apply_rule(where, g)
-            self._arrays["last_clock"][where] = clock
-            self._arrays["last_s"][where] = now_s
+            if self.tracks_pushes:
+                kernels().stamp(
+                    self._store["last_clock"].addrs,
+                    self._store["last_s"].addrs,
+                    self._shift,
+                    where,
+                    clock,
+                    now_s,
+                )
         self.rows_pushed += int(uniq.shape[0])
         return PushRowsResult(
             distinct=int(uniq.shape[0]) + filtered,
@@ -644,37 +767,87 @@ class EmbeddingTable:
         return admit
 
     def _store_new(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        m = ids.shape[0]
+        """Store the initial rows of distinct absent ``ids``; returns their rows."""
         start = self.n
-        self._ensure(start + m)
-        rows = np.arange(start, start + m, dtype=np.int64)
-        s = self.spec
-        self._arrays["rows"][start : start + m] = initial_rows(
-            s.seed, ids, s.dim, s.initializer
-        ).astype(s.np_dtype)
+        rows = np.arange(start, start + ids.shape[0], dtype=np.int64)
         self.index.insert(ids, rows)
-        self.n += m
+        self._init_rows(start, ids)
         return rows
+
+    def _init_rows(self, start: int, ids: npt.NDArray[np.int64]) -> None:
+        """Write rows ``[start, start + len(ids))``: the initial rows of ``ids`` and every
+        state field's new-row value; the table then holds ``start + len(ids)`` rows."""
+        s = self.spec
+        stop = start + ids.shape[0]
+        self._reserve_rows(stop)
+        rows_arena = self._store["rows"]
+        if s.np_dtype == F32 and self._init_code != kernels().INIT_OTHER:
+            kernels().create_rows_f32(
+                rows_arena.addrs,
+                self._shift,
+                s.dim,
+                np.arange(start, stop, dtype=np.int64),
+                ids,
+                self._seed_key,
+                float(s.initializer.scale),
+                self._init_code,
+            )
+        else:
+            init = initial_rows(s.seed, ids, s.dim, s.initializer).astype(s.np_dtype)
+            rows_arena.scatter(np.arange(start, stop, dtype=np.int64), init)
+        for name, arena in self._store.items():
+            if name != "rows":
+                arena.fill(start, stop)
+        self.n = stop
 
     def _state_names(self) -> list[str]:
         """The rule's per-row optimizer state arrays (``acc``; ``m``, ``v``, ``steps``)."""
-        return [n for n in self._fields() if n not in ("rows", "last_clock", "last_s")]
+        return [n for n in self._fields() if n not in ("rows", *_BOOKKEEPING)]
 
     def _apply_rule(self, where: npt.NDArray[np.int64], g: npt.NDArray[np.float32]) -> None:
-        a = self._arrays
-        w = a["rows"][where].astype(F32)
-        state = {name: a[name][where] for name in self._state_names()}
-        self._rule_step(w, g, state)
-        for name, arr in state.items():
-            a[name][where] = arr
-        a["rows"][where] = w.astype(self.spec.np_dtype)
+        s = self.spec
+        r = s.rule
+        if s.np_dtype != F32:  # half precision: the rule in float32 on gathered rows
+            a = self._store
+            w = a["rows"].gather(where).astype(F32)
+            state = {name: a[name].gather(where) for name in self._state_names()}
+            self._rule_step(w, g, state)
+            for name, arr in state.items():
+                a[name].scatter(where, arr)
+            a["rows"].scatter(where, w.astype(s.np_dtype))
+            return
+        k = kernels()
+        rows = self._store["rows"].addrs
+        lr, eps = np.float32(r.lr), np.float32(r.eps)
+        if r.kind == "sgd":
+            k.apply_sgd(rows, self._shift, where, g, lr)
+        elif r.kind == "adagrad":
+            k.apply_adagrad(rows, self._store["acc"].addrs, self._shift, where, g, lr, eps)
+        elif r.kind == "rowwise_adagrad":
+            k.apply_rowwise_adagrad(rows, self._store["acc"].addrs, self._shift, where, g, lr, eps)
+        else:
+            a = self._store
+            k.apply_adam(
+                rows,
+                a["m"].addrs,
+                a["v"].addrs,
+                a["steps"].addrs,
+                self._shift,
+                where,
+                g,
+                float(r.lr),
+                float(r.beta1),
+                float(r.beta2),
+                eps,
+            )
 
     def _rule_step(
         self, w: npt.NDArray[np.float32], g: npt.NDArray[np.float32], state: dict[str, np.ndarray]
     ) -> None:
-        """One step of the rule on gathered rows: ``w`` (m, dim) float32 and ``state`` (the
-        rows' :meth:`_state_names` arrays) are updated in place; nothing of the table changes.
-        The one copy of the rules' arithmetic, for :meth:`_apply_rule` and :meth:`check_range`.
+        """One step of the rule on gathered rows, in numpy: ``w`` (m, dim) float32 and
+        ``state`` (the rows' :meth:`_state_names` arrays) are updated in place; nothing of the
+        table changes. The arithmetic of the float32 kernels (``row_kernels.apply_*``), for
+        half-precision tables and :meth:`check_range`.
         """
         r = self.spec.rule
         if r.kind == "sgd":
@@ -702,13 +875,13 @@ class EmbeddingTable:
     def _expiry_mask(self, now_s: float, clock: int) -> npt.NDArray[np.bool_]:
         s = self.spec
         drop = np.zeros(self.n, bool)
-        if self.n == 0:
+        if self.n == 0 or not self.tracks_pushes:
             return drop
-        a = self._arrays
+        every = np.arange(self.n, dtype=np.int64)
         if s.expiry_clocks:
-            drop |= clock - a["last_clock"][: self.n] >= s.expiry_clocks
+            drop |= clock - self._store["last_clock"].gather(every) >= s.expiry_clocks
         if s.expiry_s:
-            drop |= now_s - a["last_s"][: self.n] >= s.expiry_s
+            drop |= now_s - self._store["last_s"].gather(every) >= s.expiry_s
         return drop
 
     def would_expire(self, *, now_s: float, clock: int) -> bool:
@@ -725,15 +898,17 @@ class EmbeddingTable:
         """
         drop = self._expiry_mask(now_s, clock)
         count = int(np.count_nonzero(drop))
-        a = self._arrays
         if count:
             ids = self.ids_by_row()
             keep = np.flatnonzero(~drop)
-            for name in a:
-                a[name][: keep.shape[0]] = a[name][keep]
-                a[name][keep.shape[0] : self.n] = self._fields()[name][2]
+            kept = {name: arena.gather(keep) for name, arena in self._store.items()}
+            self._new_store()
+            self._reserve_rows(keep.shape[0])
+            rows = np.arange(keep.shape[0], dtype=np.int64)
+            for name, arena in self._store.items():
+                arena.scatter(rows, kept[name])
             self.n = int(keep.shape[0])
-            self.index.rebuild(ids[keep], np.arange(self.n, dtype=np.int64))
+            self.index.rebuild(ids[keep], rows)
             self.expired += count
         return count
 
@@ -749,14 +924,18 @@ class EmbeddingTable:
         """Copies of the stored ids and per-row arrays, sorted by id (checkpoints, reshard).
 
         Keys: ``ids`` (int64 (n,)), ``rows`` (storage dtype (n, dim)), the rule's state
-        (``acc``, ``m``, ``v``, ``steps``), ``last_clock``, ``last_s``, and the frequency
-        filter's ``pending_ids`` / ``pending_counts`` (ids without a row, with a count > 0).
+        (``acc``, ``m``, ``v``, ``steps``), ``last_clock``, ``last_s`` (zeros for a table
+        without expiry, which does not keep them), and the frequency filter's ``pending_ids``
+        / ``pending_counts`` (ids without a row, with a count > 0).
         """
         ids = self.ids_by_row()
-        order = np.argsort(ids, kind="stable")
+        order = np.argsort(ids, kind="stable").astype(np.int64)
         out = {"ids": ids[order]}
-        for name, arr in self._arrays.items():
-            out[name] = arr[: self.n][order].copy()
+        for name, (shape, dtype, _) in self._fields().items():
+            arena = self._store.get(name)
+            out[name] = (
+                arena.gather(order) if arena is not None else np.zeros((self.n, *shape), dtype)
+            )
         p_ids, p_slot = self._pending.items()
         counts = self._pending_counts[p_slot]
         live = counts > 0
@@ -773,20 +952,20 @@ class EmbeddingTable:
         """
         ids = np.asarray(arrays["ids"], np.int64)
         n = ids.shape[0]
-        fields = self._fields()
-        for name, (shape, dtype, _) in fields.items():
+        for name, (shape, dtype, _) in self._fields().items():
             got = arrays.get(name)
             if got is None or got.shape != (n, *shape) or got.dtype != dtype:
                 raise InvalidArgument(
                     f"{self._where()}: restored array {name!r} missing or not {dtype} {(n, *shape)}"
                 )
         self.n = 0
-        self._arrays = {}
-        self._alloc(max(64, n))
-        for name in fields:
-            self._arrays[name][:n] = arrays[name]
+        self._new_store()
+        self._reserve_rows(n)
+        rows = np.arange(n, dtype=np.int64)
+        for name, arena in self._store.items():
+            arena.scatter(rows, arrays[name])
         self.n = n
-        self.index.rebuild(ids, np.arange(n, dtype=np.int64))
+        self.index.rebuild(ids, rows)
         p_ids = np.asarray(arrays.get("pending_ids", np.zeros(0, np.int64)), np.int64)
         p_counts = np.asarray(arrays.get("pending_counts", np.zeros(0, np.int64)), np.int64)
         self._pending.rebuild(p_ids, np.arange(p_ids.shape[0], dtype=np.int64))

@@ -427,3 +427,108 @@ def test_coalesce_matches_add_at_on_skewed_batches(seed: int) -> None:
     np.add.at(want, ids, g.astype(np.float64))
     np.testing.assert_array_equal(u, np.unique(ids))
     np.testing.assert_allclose(s, want[u], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- compiled row path
+def _reference_initial_rows(seed: int, ids: np.ndarray, dim: int, init: Initializer) -> np.ndarray:
+    """The initial-row function as whole-array numpy (the contract's steps, written apart from
+    the compiled kernels)."""
+    u64 = np.uint64
+    golden, m1, m2 = u64(0x9E3779B97F4A7C15), u64(0xBF58476D1CE4E5B9), u64(0x94D049BB133111EB)
+
+    def mix(x: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            z = x + golden
+            z = (z ^ (z >> u64(30))) * m1
+            z = (z ^ (z >> u64(27))) * m2
+            return z ^ (z >> u64(31))
+
+    seed_key = mix(np.array([seed % (1 << 64)], u64))[0]
+    key = mix(ids.astype(np.int64).view(u64) ^ seed_key)
+    words = dim if init.kind == "uniform" else 2 * dim
+    with np.errstate(over="ignore"):
+        counters = (np.arange(1, words + 1, dtype=u64) * golden)[None, :]
+        u = (mix(key[:, None] + counters) >> u64(11)).astype(np.float64) / 9007199254740992.0
+    if init.kind == "uniform":
+        return ((2.0 * u - 1.0) * init.scale).astype(np.float32)
+    radius = np.sqrt(-2.0 * np.log1p(-u[:, 0::2]))
+    return (radius * np.cos(2.0 * np.pi * u[:, 1::2]) * init.scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "normal"])
+@pytest.mark.parametrize("seed", [0, 7, -3, 2**64 + 5])
+def test_compiled_initial_rows_are_bit_identical_to_the_numpy_steps(kind: str, seed: int) -> None:
+    rng = np.random.default_rng(seed % 1000)
+    ids = np.concatenate([rng.integers(0, 2**63 - 1, 500), np.arange(20)]).astype(np.int64)
+    init = Initializer(kind, 0.37)
+    for dim in (1, 3, 64):
+        want = _reference_initial_rows(seed, ids, dim, init)
+        assert initial_rows(seed, ids, dim, init).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("init", ["uniform", "normal", "zeros"])
+def test_pull_and_new_rows_use_the_initial_rows_bit_for_bit(dtype: str, init: str) -> None:
+    initializer = Initializer(init, 0.5)
+    t = EmbeddingTable(TableSpec("emb", 5, dtype, TableRule("sgd", lr=1.0), initializer, 11))  # type: ignore[arg-type]
+    ids = np.array([3, 9, 3, 2**40], np.int64)
+    want = _reference_initial_rows(11, ids, 5, initializer) if init != "zeros" else np.zeros((4, 5))
+    np_dtype = t.spec.np_dtype
+    assert t.pull(ids).tobytes() == want.astype(np.float32).astype(np_dtype).tobytes()
+    t.push(ids[:1], np.zeros((1, 5), np.float32), now_s=0.0, clock=0)  # stores id 3's row
+    assert t.n == 1
+    assert t.pull(ids).tobytes() == want.astype(np.float32).astype(np_dtype).tobytes()
+
+
+def test_growth_across_chunks_keeps_every_row_and_never_moves_a_chunk() -> None:
+    """Rows land in fixed chunks: growing the table adds chunks and leaves earlier ones where
+    they are (no copy of the table), and every row keeps its value (sgd closed form)."""
+    dim = 1024  # 4 KiB rows: 2,048 rows a chunk
+    t = EmbeddingTable(
+        TableSpec("emb", dim, "float32", TableRule("sgd", lr=0.5), Initializer("zeros"), 1)
+    )
+    t.push(np.array([5], np.int64), np.ones((1, dim), np.float32), now_s=0.0, clock=0)
+    first = t._store["rows"].chunks[0]
+    counts = np.zeros(7000, np.int64)
+    rng = np.random.default_rng(8)
+    for _ in range(6):
+        ids = rng.integers(0, 7000, 1500).astype(np.int64)
+        t.push(ids, np.ones((1500, dim), np.float32), now_s=0.0, clock=0)
+        np.add.at(counts, ids, 1)
+    counts[5] += 1
+    assert len(t._store["rows"].chunks) > 1 and t._store["rows"].chunks[0] is first
+    touched = np.flatnonzero(counts)
+    assert t.n == touched.shape[0]
+    got = t.pull(np.arange(7000, dtype=np.int64))
+    np.testing.assert_array_equal(got, np.repeat(-0.5 * counts[:, None], dim, 1).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_compiled_rules_match_the_numpy_rule_step(kind: str) -> None:
+    """The float32 kernels and the numpy step (half-precision tables, range checks) agree."""
+    rule = TableRule(kind, lr=0.05, initial_accumulator=0.1)
+    t = _table(rule, dim=6)
+    rng = np.random.default_rng(5)
+    ids = np.arange(40, dtype=np.int64)
+    w = initial_rows(7, ids, 6, Initializer("normal", 0.1))
+    state = {
+        "acc": np.full((40, 6) if kind == "adagrad" else (40,), 0.1, np.float32),
+        "m": np.zeros((40, 6), np.float32),
+        "v": np.zeros((40, 6), np.float32),
+        "steps": np.zeros(40, np.int64),
+    }
+    for _ in range(4):
+        g = rng.normal(size=(40, 6)).astype(np.float32)
+        t.push(ids, g, now_s=0.0, clock=0)
+        t._rule_step(w, g, {k: v for k, v in state.items() if k in t._state_names()})
+    np.testing.assert_allclose(t.pull(ids), w, rtol=2e-6, atol=1e-7)
+
+
+def test_rows_of_a_table_without_expiry_carry_no_bookkeeping() -> None:
+    plain = _table(TableRule("sgd"), dim=16)
+    timed = _table(TableRule("sgd"), dim=16, expiry_clocks=3)
+    assert plain.row_bytes == 16 * 4 and timed.row_bytes == 16 * 4 + 8 + 8
+    adam = _table(TableRule("adam"), dim=16)
+    adam.push(np.arange(10, dtype=np.int64), np.ones((10, 16), np.float32), now_s=0, clock=0)
+    assert adam.state_bytes() == 10 * (16 * 4 * 2 + 8)
+    assert adam.stored_bytes() == 10 * adam.row_bytes + adam.index.nbytes

@@ -258,10 +258,6 @@ def table_infos(tables: Any) -> list[Any]:
     out = []
     for name, table in tables.tables.items():
         stats = tables.stats[name]
-        state_bytes = sum(
-            a[: table.n].nbytes
-            for a in table._arrays.values()  # rows + optimizer state
-        )
         out.append(
             tpb.TableInfo(
                 spec=rows_wire.spec_to_proto(table.spec),
@@ -277,7 +273,8 @@ def table_infos(tables: Any) -> list[Any]:
                 staleness_mean=(
                     stats.staleness_sum / stats.applied_pushes if stats.applied_pushes else 0.0
                 ),
-                size_bytes=state_bytes,
+                size_bytes=table.stored_bytes(),
+                state_size_bytes=table.state_bytes(),
             )
         )
     return out
