@@ -45,19 +45,66 @@ from __future__ import annotations
 
 import errno
 import os
+from dataclasses import dataclass
+from typing import Self
 
 import grpc
 
 
+@dataclass(frozen=True)
+class OptionHint:
+    """Advice that names an option, worded for each audience: the keyword argument in Python
+    (``replace=True``), the flag on the command line (``--replace``).
+
+    An error carries the Python wording in its message (what ``str(exc)`` shows a program) and
+    the hint itself as ``exc.hint``; the command line swaps the wording for :meth:`cli` in one
+    place (``paramserver.cli.main.error_line``).
+
+    Attributes:
+        keyword: The keyword argument, e.g. ``replace``.
+        advice: The advice with ``{option}`` where the option goes, e.g. ``pass {option} to
+            fence that registration``.
+        value: The keyword's value in the Python wording.
+        flag: The command-line flag; default ``--`` and the keyword with dashes.
+    """
+
+    keyword: str
+    advice: str
+    value: str = "True"
+    flag: str = ""
+
+    def python(self) -> str:
+        """The advice naming the keyword argument (``pass replace=True to ...``)."""
+        return self.advice.format(option=f"{self.keyword}={self.value}")
+
+    def cli(self) -> str:
+        """The advice naming the flag (``pass --replace to ...``)."""
+        return self.advice.format(option=self.flag or "--" + self.keyword.replace("_", "-"))
+
+
 class ParamServerError(Exception):
-    """Base of every paramserver error. Status code: INTERNAL."""
+    """Base of every paramserver error. Status code: INTERNAL.
+
+    Attributes:
+        message: What went wrong (with the Python wording of ``hint``, when there is one).
+        hint: Advice that names an option (:class:`OptionHint`), or None.
+    """
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     retryable: bool = False
+    hint: OptionHint | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+    def with_hint(self, hint: OptionHint) -> Self:
+        """The same error (class, status code) with ``hint``'s Python wording appended to the
+        message and ``hint`` attached; raise it ``from`` this one."""
+        out = type(self)(f"{self.message}; {hint.python()}")
+        out.code = self.code
+        out.hint = hint
+        return out
 
 
 class InvalidArgument(ParamServerError):

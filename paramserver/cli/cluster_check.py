@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from paramserver.cli.demos.digits import accuracy, load_digits_split
-from paramserver.core.sharding import parse_address
+from paramserver.cli.server_arg import add_server_arguments, server_address
 from paramserver.errors import ParamServerError
 from paramserver.security.tls import (
     ClientSecurity,
     add_client_security_flags,
     client_security_from_args,
 )
+from paramserver.waiting import Wait
 from paramserver.worker_client.client import connect
 
 
@@ -56,24 +57,28 @@ def wait_for_results(directory: Path, names: list[str], timeout_s: float) -> dic
     """Exit status per expected job (None: not reported within ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     found: dict[str, int | None] = dict.fromkeys(names)
-    while True:
-        for name in names:
-            if found[name] is not None:
-                continue
-            path = directory / f"{name}.rc"
-            try:
-                text = path.read_text().strip()
-            except OSError:
-                continue
-            if text:
-                found[name] = int(text) if text.lstrip("-").isdigit() else 255
-        if all(v is not None for v in found.values()) or time.monotonic() > deadline:
-            return found
-        time.sleep(0.5)
+    with Wait(f"jobs to report in {directory}", deadline=deadline) as waiting:
+        while True:
+            for name in names:
+                if found[name] is not None:
+                    continue
+                path = directory / f"{name}.rc"
+                try:
+                    text = path.read_text().strip()
+                except OSError:
+                    continue
+                if text:
+                    found[name] = int(text) if text.lstrip("-").isdigit() else 255
+            if all(v is not None for v in found.values()) or time.monotonic() > deadline:
+                return found
+            pending = [n for n, v in found.items() if v is None]
+            waiting.update(detail=f"{len(pending)} of {len(names)} to go: {', '.join(pending)}")
+            waiting.tick()
+            time.sleep(0.5)
 
 
 def _cmd_cluster_check(args: argparse.Namespace) -> int:
-    server = parse_address(args.server, "--server")
+    server = server_address(args)
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)
     for stale in results.glob("*.rc"):
@@ -104,7 +109,7 @@ def add_subcommands(sub: Any) -> None:
         "cluster-check",
         help="verdict job of the compose cluster: jobs' exit codes + the model's accuracy",
     )
-    p.add_argument("--server", required=True, help="HOST:PORT of any parameter-server shard")
+    add_server_arguments(p, "any parameter-server shard")
     p.add_argument("--results-dir", required=True, help="where jobs write <name>.rc")
     p.add_argument("--expect", required=True, help="comma-separated job names to wait for")
     p.add_argument("--min-accuracy", type=float, default=0.93)

@@ -8,21 +8,34 @@ field passed with ``extra={...}``, for log shippers (Loki, Elasticsearch, Cloud 
 Precedence: the flag, then ``PARAMSERVER_LOG_FORMAT``, then ``text``. A format given as a flag
 is put back into the process environment so that the processes a command starts (the demo's
 server and workers, the launcher's rank servers) log the same way.
+
+While a command runs, :func:`wait_printer` shows every wait it sits in (a server that does not
+answer, workers to register, a peer whose lease has to lapse: :mod:`paramserver.waiting`) as a
+line on stderr, the first within 2 s and then one every ~5 s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import logging
 import os
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 from paramserver.errors import InvalidArgument
+from paramserver.waiting import WAIT_FIELD, WaitReport, wait_hook
 
-__all__ = ["LOG_FORMATS", "LOG_FORMAT_ENV", "JsonFormatter", "configure_logging"]
+__all__ = [
+    "LOG_FORMATS",
+    "LOG_FORMAT_ENV",
+    "WAIT_LOGGER",
+    "JsonFormatter",
+    "configure_logging",
+    "wait_printer",
+]
 
 LOG_FORMAT_ENV = "PARAMSERVER_LOG_FORMAT"
 LOG_FORMATS = ("text", "json")
@@ -109,3 +122,48 @@ def configure_logging(
     if log_format is not None:
         environ[LOG_FORMAT_ENV] = fmt  # children started by this command log the same way
     return fmt
+
+
+#: The logger of the command line's wait lines (under ``--log-format json``): this module's.
+WAIT_LOGGER = __name__
+
+
+class _LibraryWaitRecords(logging.Filter):
+    """Leaves out the library's own record of a wait's first report: the wait printer shows
+    the same words (and then more, every few seconds)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name == WAIT_LOGGER or not hasattr(record, WAIT_FIELD)
+
+
+@contextlib.contextmanager
+def wait_printer(prog: str, log_format: str) -> Iterator[None]:
+    """Inside the block, every report of every wait (:mod:`paramserver.waiting`: the first
+    about a second into the wait, then one every ~5 s) is shown on stderr: ``PROG: waiting for
+    127.0.0.1:50051 (connection refused; retrying until 18:22:03, 25 s left)``, or under
+    ``--log-format json`` that line as one record at INFO of the logger :data:`WAIT_LOGGER`, with
+    the fields ``wait_for``, ``wait_address``, ``wait_deadline`` and ``wait_left_s``. Shown
+    when the log level lets INFO through (``--log-level WARNING`` keeps a command quiet); the
+    library's own INFO record of each wait is then left out of the log (the printer's line
+    says it)."""
+    log = logging.getLogger(WAIT_LOGGER)
+
+    def show(report: WaitReport) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
+        line = f"{prog}: {report.text}"
+        if log_format == "json":
+            log.info("%s", line, extra=report.fields())
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    quiet = _LibraryWaitRecords()
+    handlers = list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(quiet)
+    try:
+        with wait_hook(show):
+            yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(quiet)

@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import grpc
 
-from paramserver.cli.logs import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging
+from paramserver.cli.logs import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging, wait_printer
 from paramserver.errors import InvalidArgument, ParamServerError, from_rpc_error
 
 #: Subcommands that run until stopped (or train): they take ``--log-level`` and ``--log-format``
@@ -77,8 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
 def error_line(exc: ParamServerError) -> str:
     """The one-line form of a fatal error: ``<ErrorClass> (<STATUS_CODE>): <message>``, e.g.
     ``Unavailable (UNAVAILABLE): could not bind 127.0.0.1:50051: address in use``. A failed
-    RPC is first mapped to its class by :func:`paramserver.errors.from_rpc_error`."""
+    RPC is first mapped to its class by :func:`paramserver.errors.from_rpc_error`. Advice that
+    names an option (``exc.hint``, :class:`paramserver.errors.OptionHint`) names the flag here
+    (``--replace``) where the library's message names the keyword (``replace=True``)."""
     message = exc.message
+    if exc.hint is not None:
+        message = message.replace(exc.hint.python(), exc.hint.cli())
     prefix = f"{exc.code.name}: "
     if message.startswith(prefix):  # from_rpc_error's generic class repeats the code
         message = message[len(prefix) :]
@@ -90,9 +94,11 @@ def run_command(prog: str, args: argparse.Namespace, log_format: str) -> int:
     with one line (no traceback): ``<prog>: <ErrorClass> (<STATUS>): <message>`` on stderr, or
     with ``log_format == "json"`` one JSON log record at level ERROR (fields ``error`` and
     ``code`` beside the message). Exit status: 2 for bad input or usage (INVALID_ARGUMENT),
-    1 for any other error, 130 on Ctrl-C."""
+    1 for any other error, 130 on Ctrl-C. While it runs, every wait it sits in is shown
+    (:func:`paramserver.cli.logs.wait_printer`)."""
     try:
-        return int(args.func(args) or 0)
+        with wait_printer(prog, log_format):
+            return int(args.func(args) or 0)
     except (ParamServerError, grpc.RpcError) as raw:
         exc = raw if isinstance(raw, ParamServerError) else from_rpc_error(raw)
         line = f"{prog}: {error_line(exc)}"

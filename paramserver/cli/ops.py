@@ -1,6 +1,6 @@
 """Operator commands: ``paramserver health`` (container health checks) and ``reshard``.
 
-``paramserver health --server HOST:PORT`` asks the standard gRPC health service
+``paramserver health ADDR`` (or ``--server ADDR``) asks the standard gRPC health service
 (``grpc.health.v1.Health/Check``) and exits 0 only when the answer is SERVING, so it fits a
 docker-compose ``healthcheck``; ``--service`` checks one service (default: the whole server);
 ``--allow-unimplemented`` accepts a gRPC server that has no health service (a liveness probe).
@@ -11,14 +11,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
+import time
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from paramserver.core.sharding import parse_address, parse_addresses
+from paramserver.cli.server_arg import add_server_arguments, server_address
+from paramserver.core.sharding import parse_addresses
 from paramserver.errors import ParamServerError
 from paramserver.security.tls import (
     ClientSecurity,
@@ -27,6 +30,9 @@ from paramserver.security.tls import (
     open_channel,
 )
 from paramserver.server import reshard
+from paramserver.waiting import Wait
+
+logger = logging.getLogger(__name__)
 
 
 async def check_health(
@@ -43,14 +49,23 @@ async def check_health(
     Raises:
         grpc.aio.AioRpcError: unreachable, or the service is unknown (NOT_FOUND).
     """
-    async with open_channel(address, security) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    with Wait(
+        address,
+        address=address,
+        detail="no answer yet",
+        deadline=time.monotonic() + timeout_s,
+        logger=logger,
+    ):
+        async with open_channel(address, security) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            resp = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
 
 def _cmd_health(args: argparse.Namespace) -> int:
-    address = parse_address(args.server, "--server")
+    address = server_address(args)
     security = client_security_from_args(args, os.environ)
     try:
         status = asyncio.run(check_health(address, args.service, args.timeout_s, security))
@@ -66,7 +81,7 @@ def _cmd_health(args: argparse.Namespace) -> int:
 def add_subcommands(sub: Any) -> None:
     """Register ``health`` and ``reshard``."""
     h = sub.add_parser("health", help="gRPC health check of a server; exit 0 iff SERVING")
-    h.add_argument("--server", required=True, help="HOST:PORT")
+    add_server_arguments(h)
     h.add_argument("--service", default="", help="service name (default: the whole server)")
     h.add_argument("--timeout-s", type=float, default=3.0)
     h.add_argument(

@@ -7,12 +7,12 @@ import argparse
 import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from paramserver.core.sharding import parse_address
-from paramserver.errors import InvalidArgument
+from paramserver.cli.server_arg import add_server_arguments, server_address
 from paramserver.reduction.reduce_daemon import ReductionDaemon
 from paramserver.security.http_access import add_metrics_flags
 from paramserver.security.tls import (
@@ -33,6 +33,7 @@ from paramserver.server.config import ServerConfig
 from paramserver.server.observability.status_table import status_to_dict
 from paramserver.server.serving import run_loop, serve_until_signalled
 from paramserver.server.shard_daemon import ParameterServerDaemon
+from paramserver.waiting import Wait
 
 logger = logging.getLogger(__name__)
 
@@ -141,14 +142,28 @@ def _retain_freed_memory(limit: int) -> str:
     return "malloc: glibc's defaults kept (--malloc-retain-bytes 0)"
 
 
-def _ask(args: argparse.Namespace, address: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
-    """One call to the server at ``address`` with the security of ``args``; a failed RPC
-    becomes one line and exit 1 (:func:`paramserver.cli.main.run_command`)."""
+def _ask(
+    args: argparse.Namespace,
+    address: str,
+    call: Callable[[Any], Awaitable[Any]],
+    what: str | None = None,
+) -> Any:
+    """One call to the server at ``address`` with the security of ``args`` (``args.timeout_s``
+    its deadline); a failed RPC becomes one line and exit 1
+    (:func:`paramserver.cli.main.run_command`). A call that takes long is a wait the command
+    shows (``waiting for ADDRESS (no answer yet; gives up at ...)``)."""
     security = client_security_from_args(args, os.environ)
 
     async def ask() -> Any:
-        async with open_channel(address, security) as channel:
-            return await call(pb_grpc.ParameterServerStub(channel))
+        with Wait(
+            what or address,
+            address=address,
+            detail="no answer yet",
+            deadline=time.monotonic() + args.timeout_s,
+            logger=logger,
+        ):
+            async with open_channel(address, security) as channel:
+                return await call(pb_grpc.ParameterServerStub(channel))
 
     return run_loop(ask(), use_uvloop=False)
 
@@ -157,10 +172,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from paramserver.api.v1 import parameter_server_pb2 as pb
     from paramserver.server.observability.status_table import render_status
 
-    address = args.server or args.address
-    if not address:
-        raise InvalidArgument("give the server as ADDRESS or --server HOST:PORT")
-    address = parse_address(address, "--server" if args.server else "ADDRESS")
+    address = server_address(args)
     resp = _ask(args, address, lambda stub: stub.Status(pb.StatusRequest(), timeout=args.timeout_s))
     if args.json:
         print(json.dumps(status_to_dict(resp), indent=2, sort_keys=True))
@@ -172,9 +184,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
     from paramserver.api.v1 import parameter_server_pb2 as pb
 
-    address = parse_address(args.server, "--server")
+    address = server_address(args)
     resp = _ask(
-        args, address, lambda stub: stub.Checkpoint(pb.CheckpointRequest(), timeout=args.timeout_s)
+        args,
+        address,
+        lambda stub: stub.Checkpoint(pb.CheckpointRequest(), timeout=args.timeout_s),
+        what=f"{address} to write a checkpoint",
     )
     print(
         json.dumps(
@@ -185,18 +200,17 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def add_subcommands(sub: Any) -> None:
-    """Register ``serve`` and ``status`` on the ``paramserver`` command line."""
+    """Register ``status``, ``checkpoint`` and ``serve`` on the ``paramserver`` command line."""
     st = sub.add_parser(
         "status", help="print a server's workers, clocks, stragglers and keys (table or JSON)"
     )
-    st.add_argument("address", nargs="?", help="HOST:PORT of the server (or use --server)")
-    st.add_argument("--server", help="HOST:PORT (same as ADDRESS)")
+    add_server_arguments(st)
     st.add_argument("--json", action="store_true", help="machine-readable JSON instead of tables")
     st.add_argument("--timeout-s", type=float, default=10.0)
     add_client_security_flags(st)
     st.set_defaults(func=_cmd_status)
     ck = sub.add_parser("checkpoint", help="ask a server to write a checkpoint now")
-    ck.add_argument("--server", required=True, help="HOST:PORT")
+    add_server_arguments(ck)
     ck.add_argument("--timeout-s", type=float, default=300.0)
     add_client_security_flags(ck)
     ck.set_defaults(func=_cmd_checkpoint)

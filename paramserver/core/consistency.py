@@ -195,9 +195,12 @@ class ClusterState:
                     rec.lease_expiry_s = now + self.lease_s
                     return rec, []
                 if not replace:
+                    # The facts only: each client words what to do about it (replace=True
+                    # from Python, --replace on the command line).
                     raise AlreadyExists(
-                        f"worker name {name!r} is already registered as {rec.worker_id!r} "
-                        "(pass replace=True to fence it)"
+                        f"worker name {name!r} is already registered as {rec.worker_id!r}, "
+                        f"whose lease lapses in {max(0.0, rec.lease_expiry_s - now):.1f} s "
+                        "unless it is renewed"
                     )
         worker_id = f"{name}#{self.incarnations + 1}"
         if log is not None:

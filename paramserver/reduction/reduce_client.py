@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Unpack
@@ -32,13 +33,15 @@ import numpy.typing as npt
 from paramserver.api.v1 import reduction_pb2 as pb
 from paramserver.api.v1 import reduction_pb2_grpc as pb_grpc
 from paramserver.errors import (
+    AlreadyExists,
     InvalidArgument,
     MalformedStream,
     WaitTimeout,
 )
 from paramserver.protocol import tensor
+from paramserver.waiting import Wait
 from paramserver.worker_client.client import normalized_tensors
-from paramserver.worker_client.lifecycle import ServiceSession
+from paramserver.worker_client.lifecycle import ServiceSession, name_taken
 from paramserver.worker_client.options import SessionOptions
 
 __all__ = ["LayerInfo", "ReduceInfo", "ReductionClient", "connect_reduction"]
@@ -153,7 +156,8 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
         """Register (idempotent across retries); returns the worker id.
 
         Raises:
-            AlreadyExists: (ALREADY_EXISTS) the name is live and ``replace`` is False.
+            AlreadyExists: (ALREADY_EXISTS) the name is live and ``replace`` is False (the
+                message says to pass ``replace=True``; ``exc.hint``).
         """
         req = pb.ReductionRegisterRequest(
             worker_name=self.worker_name,
@@ -161,9 +165,12 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
             client_nonce=self._nonce,
             gossip_address=self.gossip_address,
         )
-        resp = await self._call(
-            lambda: self.stub.Register(req, timeout=self.rpc_timeout_s), "register"
-        )
+        try:
+            resp = await self._call(
+                lambda: self.stub.Register(req, timeout=self.rpc_timeout_s), "register"
+            )
+        except AlreadyExists as exc:
+            raise name_taken(exc) from exc.__cause__  # (the RpcError, as every mapped error)
         self.worker_id = resp.worker_id
         self.lease_ms = int(resp.lease_ms)
         self._seen(resp.view)
@@ -197,16 +204,23 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         delay = 0.005
-        while True:
-            view = await self.heartbeat()
-            if view.active_workers >= count:
-                return int(view.active_workers)
-            if loop.time() >= deadline:
-                raise WaitTimeout(
-                    f"{view.active_workers} of {count} workers active after {timeout_s:.3f} s"
-                )
-            await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-            delay = min(delay * 2, 0.1)
+        with Wait(
+            f"{count} workers to be active at {self.address}",
+            address=self.address,
+            deadline=time.monotonic() + timeout_s,
+            logger=logger,
+        ) as waiting:
+            while True:
+                view = await self.heartbeat()
+                if view.active_workers >= count:
+                    return int(view.active_workers)
+                if loop.time() >= deadline:
+                    raise WaitTimeout(
+                        f"{view.active_workers} of {count} workers active after {timeout_s:.3f} s"
+                    )
+                waiting.update(detail=f"{view.active_workers} of {count} active")
+                await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+                delay = min(delay * 2, 0.1)
 
     async def status(self) -> pb.ReductionStatusResponse:
         """The server's status: workers, open layers (and whom they wait for), counters."""

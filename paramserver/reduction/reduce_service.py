@@ -317,9 +317,8 @@ class ReductionCoordinator:
                 self.optimizer.touch(live_id, now)
                 return live
             if not replace:
-                raise AlreadyExists(
-                    f"worker name {name!r} is live as {live_id!r}; register with replace=True "
-                    "to fence it"
+                raise AlreadyExists(  # the facts: clients word the remedy (replace)
+                    f"worker name {name!r} is already registered as {live_id!r}"
                 )
             self._remove(live_id, "fenced")
         self._incarnations += 1

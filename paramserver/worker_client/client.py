@@ -47,9 +47,10 @@ from paramserver.errors import (
 )
 from paramserver.protocol import shm, tensor, wire
 from paramserver.security.tls import ClientSecurity
+from paramserver.waiting import Wait
 from paramserver.worker_client.compression import Compression, GradientCompressor
 from paramserver.worker_client.embedding import TableClientMixin
-from paramserver.worker_client.lifecycle import ServiceSession
+from paramserver.worker_client.lifecycle import ServiceSession, name_taken
 from paramserver.worker_client.options import ClientOptions
 from paramserver.worker_client.pull_buffers import DEFAULT_MAX_BYTES, PullBuffers
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
@@ -328,7 +329,9 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         the new registration is still applied once.
 
         Raises:
-            AlreadyExists: the name is live elsewhere and ``replace`` is False (ALREADY_EXISTS).
+            AlreadyExists: the name is live elsewhere and ``replace`` is False (ALREADY_EXISTS;
+                the message says whose it is, when its lease lapses, and to pass
+                ``replace=True``: ``exc.hint``, which the command line words as ``--replace``).
         """
         req = pb.RegisterRequest(
             worker_name=self.worker_name,
@@ -336,9 +339,12 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             client_nonce=self._nonce,
             resume_worker_id=resume_worker_id,
         )
-        resp = await self._call(
-            lambda: self.stub.Register(req, timeout=self.rpc_timeout_s), "register"
-        )
+        try:
+            resp = await self._call(
+                lambda: self.stub.Register(req, timeout=self.rpc_timeout_s), "register"
+            )
+        except AlreadyExists as exc:
+            raise name_taken(exc) from exc.__cause__  # (the RpcError, as every mapped error)
         self.worker_id = resp.worker_id
         self.clock_value = resp.clock
         self.lease_ms = resp.lease_ms
@@ -375,7 +381,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             WaitTimeout: fewer than ``n`` workers registered within ``timeout_s``, naming how
                 many did (DEADLINE_EXCEEDED).
         """
-        return await await_workers(self, n, timeout_s)
+        return await await_workers(self, n, timeout_s, where=self.address)
 
     # ------------------------------------------------------------------ data plane
     async def init(
@@ -685,8 +691,11 @@ class _Polled(Protocol):
     async def status(self) -> pb.StatusResponse: ...
 
 
-async def await_workers(client: _Polled, n: int, timeout_s: float) -> int:
-    """The start barrier of :meth:`WorkerClient.wait_for_workers`, polling ``client``."""
+async def await_workers(
+    client: _Polled, n: int, timeout_s: float, *, where: str | None = None
+) -> int:
+    """The start barrier of :meth:`WorkerClient.wait_for_workers`, polling ``client`` (the
+    server at ``where``); a wait a person can see (:mod:`paramserver.waiting`)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidArgument(f"wait_for_workers: n must be an int >= 1, got {n!r}")
     if not isinstance(timeout_s, int | float) or not timeout_s > 0:
@@ -695,18 +704,22 @@ async def await_workers(client: _Polled, n: int, timeout_s: float) -> int:
         )
     deadline = time.monotonic() + timeout_s
     delay = 0.01
-    while True:
-        view = (await client.heartbeat()).view
-        if view.live_workers >= n:
-            return int(view.live_workers)
-        if (await client.status()).applied_updates > 0:
-            return 0  # the others passed it and trained (and may have left)
-        if time.monotonic() >= deadline:
-            raise WaitTimeout(
-                f"start barrier: {view.live_workers} of {n} workers registered after {timeout_s} s"
-            )
-        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 2, 0.2)
+    what = f"{n} workers to register" + (f" at {where}" if where else "")
+    with Wait(what, address=where, deadline=deadline, logger=logger) as waiting:
+        while True:
+            view = (await client.heartbeat()).view
+            if view.live_workers >= n:
+                return int(view.live_workers)
+            if (await client.status()).applied_updates > 0:
+                return 0  # the others passed it and trained (and may have left)
+            if time.monotonic() >= deadline:
+                raise WaitTimeout(
+                    f"start barrier: {view.live_workers} of {n} workers registered after "
+                    f"{timeout_s} s"
+                )
+            waiting.update(detail=f"{view.live_workers} of {n} registered")
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.2)
 
 
 class _Casting(Protocol):

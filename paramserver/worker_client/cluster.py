@@ -31,6 +31,7 @@ import asyncio
 import functools
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar, Unpack
 
@@ -65,6 +66,7 @@ from paramserver.errors import (
 )
 from paramserver.protocol import tensor
 from paramserver.security.tls import ClientSecurity, open_channel
+from paramserver.waiting import Wait
 from paramserver.worker_client.client import (
     PushAck,
     WorkerClient,
@@ -82,6 +84,7 @@ from paramserver.worker_client.options import (
     PushPullOptions,
 )
 from paramserver.worker_client.pull_buffers import PullBuffers
+from paramserver.worker_client.pull_waits import PullWatch
 from paramserver.worker_client.retry import RetryPolicy, call_with_retry
 from paramserver.worker_client.transport.session_stream import SessionTransport
 
@@ -130,7 +133,7 @@ async def fetch_shard_map(
                 raise
             return shard_map_from_proto(resp)
 
-        return await call_with_retry(attempt, retry or RetryPolicy(), "shard map")
+        return await call_with_retry(attempt, retry or RetryPolicy(), "shard map", target=address)
 
 
 def merge_views(views: Iterable[pb.ClusterView]) -> pb.ClusterView:
@@ -217,6 +220,7 @@ class ShardedWorkerClient:
             where = addresses[index] if index < len(addresses) else "?"
             combined: ParamServerError = type(first)(f"shard {index} ({where}): {first.message}")
             combined.__cause__ = first
+            combined.hint = first.hint
             return combined
         parts = []
         for index, exc in sorted(errors.items()):
@@ -226,6 +230,9 @@ class ShardedWorkerClient:
         cls = type(first) if isinstance(first, ParamServerError) else ParamServerError
         combined = cls(f"{len(errors)} shards failed: " + "; ".join(parts))
         combined.__cause__ = first
+        combined.hint = next(
+            (e.hint for e in errors.values() if isinstance(e, ParamServerError) and e.hint), None
+        )
         return combined
 
     async def _fan_out(self, calls: Mapping[int, Awaitable[T]]) -> dict[int, T]:
@@ -609,7 +616,9 @@ class ShardedWorkerClient:
 
     async def wait_for_workers(self, n: int, *, timeout_s: float = 60.0) -> int:
         """The start barrier over the cluster (see :meth:`WorkerClient.wait_for_workers`)."""
-        return await await_workers(self, n, timeout_s)
+        others = len(self.shards) - 1
+        where = f"{self.shards[0].address} and {others} other shard{'s' if others > 1 else ''}"
+        return await await_workers(self, n, timeout_s, where=where)
 
 
 class ClusterWorkerClient(AsyncClosing):
@@ -650,6 +659,8 @@ class ClusterWorkerClient(AsyncClosing):
         self._api: WorkerClient | ShardedWorkerClient = self.client
         self.shard_map: ShardMap | None = None
         self.shards: list[WorkerClient] = []
+        #: Reports pulls the servers hold for long (whom they wait for).
+        self._pull_watch = PullWatch(self, self.client.wait_timeout_s)
 
     @property
     def sharded(self) -> bool:
@@ -658,7 +669,24 @@ class ClusterWorkerClient(AsyncClosing):
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
-        """Fetch the shard map, then open one session per shard (or the one client's)."""
+        """Fetch the shard map, then open one session per shard (or the one client's).
+
+        Connecting is a wait a person can see (:mod:`paramserver.waiting`): when it lasts,
+        ``waiting for ADDRESS (connection refused; retrying until HH:MM:SS, N s left)`` is
+        logged once at INFO (and handed to the wait hook every few seconds).
+        """
+        retry = self.client.retry
+        with Wait(
+            self.address,
+            address=self.address,
+            detail="no answer yet",
+            deadline=time.monotonic() + retry.deadline_s,
+            until="retrying until",
+            logger=logger,
+        ):
+            await self._open()
+
+    async def _open(self) -> None:
         single = self.client
         if self.discover:
             shard_map = await fetch_shard_map(
@@ -679,6 +707,7 @@ class ClusterWorkerClient(AsyncClosing):
 
     async def close(self) -> None:
         """Leave every shard and close every channel (the worker's state stays readable)."""
+        self._pull_watch.close()
         self.shards = []
         await self._api.close()
 
@@ -739,8 +768,17 @@ class ClusterWorkerClient(AsyncClosing):
     async def pull(
         self, keys: Iterable[str] | None = None, **options: Unpack[PullOptions]
     ) -> dict[str, np.ndarray]:
-        """:meth:`WorkerClient.pull` (reassembled from every shard holding a part)."""
-        return await self._api.pull(keys, **options)
+        """:meth:`WorkerClient.pull` (reassembled from every shard holding a part). A pull the
+        servers hold for long is reported, naming whom it waits for
+        (:mod:`paramserver.worker_client.pull_waits`)."""
+        watch = self._pull_watch
+        if options.get("observer") or not watch.may_wait():
+            return await self._api.pull(keys, **options)
+        watch.enter(options.get("timeout_s"))
+        try:
+            return await self._api.pull(keys, **options)
+        finally:
+            watch.exit()
 
     async def push_pull(
         self,
@@ -748,8 +786,16 @@ class ClusterWorkerClient(AsyncClosing):
         keys: Iterable[str] | None = None,
         **options: Unpack[PushPullOptions],
     ) -> dict[str, np.ndarray]:
-        """:meth:`WorkerClient.push_pull` (over several shards: a push, then a pull)."""
-        return await self._api.push_pull(grads, keys, **options)
+        """:meth:`WorkerClient.push_pull` (over several shards: a push, then a pull); reported
+        as :meth:`pull` when the servers hold it for long."""
+        watch = self._pull_watch
+        if not watch.may_wait():
+            return await self._api.push_pull(grads, keys, **options)
+        watch.enter(options.get("timeout_s"))
+        try:
+            return await self._api.push_pull(grads, keys, **options)
+        finally:
+            watch.exit()
 
     async def clock(self) -> int:
         """:meth:`WorkerClient.clock` (on every shard)."""

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import grpc
 
 from paramserver.closing import AsyncClosing, cancelled
-from paramserver.errors import ParamServerError, WorkerNotFound
+from paramserver.errors import AlreadyExists, OptionHint, ParamServerError, WorkerNotFound
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy, call_with_retry
 
@@ -28,6 +28,19 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 StubT = TypeVar("StubT")
+
+#: What to do about a name that is live elsewhere (a killed worker's registration whose lease
+#: has not lapsed yet): ``replace=True`` from Python, ``--replace`` on the command line.
+REPLACE_HINT = OptionHint(
+    "replace",
+    "pass {option} to fence it now (a restarted worker), or start again once its lease has lapsed",
+)
+
+
+def name_taken(exc: AlreadyExists) -> AlreadyExists:
+    """A registration's ALREADY_EXISTS as the client raises it: the server's words (whose the
+    name is, when its lease lapses) with :data:`REPLACE_HINT`."""
+    return exc if exc.hint is not None else exc.with_hint(REPLACE_HINT)
 
 
 class ServiceSession(AsyncClosing, Generic[StubT]):
@@ -210,7 +223,7 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
         what: str,
         retryable: Collection[grpc.StatusCode] = RETRYABLE,
     ) -> T:
-        return await call_with_retry(attempt, self.retry, what, retryable)
+        return await call_with_retry(attempt, self.retry, what, retryable, target=self.address)
 
     def require_member(self) -> None:
         """Raise WorkerNotFound (FAILED_PRECONDITION) if heartbeats saw an eviction."""

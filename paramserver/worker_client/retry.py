@@ -1,6 +1,11 @@
 """The one retry funnel of the clients: backoff with full jitter up to a deadline, then the
 error mapped to :mod:`paramserver.errors` (raised ``from`` the original RPC error).
 
+Retrying is a wait a person can see: from the first retryable failure on, the funnel is a
+:class:`~paramserver.waiting.Wait` for its target (``waiting for 127.0.0.1:50051 (connection
+refused; retrying until 18:22:03, 25 s left)``), logged once at INFO when it lasts and handed to
+the wait hook (the command line prints it every few seconds).
+
 Source: AWS Architecture Blog, "Exponential Backoff And Jitter" (2015), full-jitter variant.
 """
 
@@ -9,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TypeVar
@@ -16,6 +22,7 @@ from typing import TypeVar
 import grpc
 
 from paramserver.errors import error_class_of, from_rpc_error
+from paramserver.waiting import Wait
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,35 @@ def is_retryable(err: grpc.aio.AioRpcError, retryable: Collection[grpc.StatusCod
     )
 
 
+#: What a person reads for a failed attempt: (lower-cased text in the details, the reason).
+_REASONS = (
+    ("connection refused", "connection refused"),
+    ("dns resolution failed", "host name not resolved"),
+    ("name or service not known", "host name not resolved"),
+    ("no route to host", "no route to host"),
+    ("network is unreachable", "network unreachable"),
+    ("timed out", "connection timed out"),
+    ("handshake", "TLS handshake failed"),
+    ("socket closed", "connection closed"),
+    ("connection reset", "connection reset"),
+    ("shutting down", "server shutting down"),
+)
+
+
+def failure_reason(err: grpc.aio.AioRpcError | None) -> str:
+    """A few words on why an attempt failed (``connection refused``, ``server shutting down``,
+    ``server busy``...), for wait reports; None: the transport cancelled the call."""
+    if err is None:
+        return "call cancelled by the transport"
+    details = str(err.details() or "").lower()
+    for needle, reason in _REASONS:
+        if needle in details:
+            return reason
+    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "server busy (back-pressure)"
+    return f"{err.code().name.lower().replace('_', ' ')}"
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Exponential backoff with full jitter for retryable status codes.
@@ -80,6 +116,8 @@ async def call_with_retry(
     policy: RetryPolicy,
     what: str,
     retryable: Collection[grpc.StatusCode] = RETRYABLE,
+    *,
+    target: str | None = None,
 ) -> T:
     """Run ``attempt`` until it succeeds, retrying ``retryable`` codes up to the deadline.
 
@@ -88,6 +126,9 @@ async def call_with_retry(
     the server dies mid-stream) is retried like UNAVAILABLE, and so is a stream write C-core
     refused because the server had just ended the stream (:func:`is_retryable`).
 
+    From the first retryable failure the call is a :class:`~paramserver.waiting.Wait` for
+    ``target`` (the server's address; ``what`` without one), reported when it lasts.
+
     Raises:
         ParamServerError: the mapped error of a non-retryable failure, or of the last attempt
             once the deadline passed (UNAVAILABLE -> Unavailable, ...).
@@ -95,19 +136,36 @@ async def call_with_retry(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + policy.deadline_s
     ceiling = policy.initial_backoff_s
-    while True:
-        try:
-            return await attempt()
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is None or task.cancelling() or loop.time() >= deadline:
-                raise
-            failure = "cancelled by the transport"
-        except grpc.aio.AioRpcError as err:
-            if not is_retryable(err, retryable) or loop.time() >= deadline:
-                raise from_rpc_error(err) from err
-            failure = err.code().name
-        delay = min(random.uniform(0, ceiling), max(0.0, deadline - loop.time()))
-        logger.debug("%s: %s; retrying in %.3f s", what, failure, delay)
-        await asyncio.sleep(delay)
-        ceiling = min(ceiling * policy.multiplier, policy.max_backoff_s)
+    waiting: Wait | None = None  # opened at the first retryable failure
+    try:
+        while True:
+            failed: grpc.aio.AioRpcError | None = None
+            try:
+                return await attempt()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling() or loop.time() >= deadline:
+                    raise
+            except grpc.aio.AioRpcError as err:
+                if not is_retryable(err, retryable) or loop.time() >= deadline:
+                    raise from_rpc_error(err) from err
+                failed = err
+            reason = failure_reason(failed)
+            if waiting is None:
+                now = time.monotonic()
+                waiting = Wait(
+                    target or what,
+                    address=target,
+                    deadline=now + (deadline - loop.time()),
+                    until="retrying until",
+                    began=now - (loop.time() - (deadline - policy.deadline_s)),
+                    logger=logger,
+                ).__enter__()
+            waiting.update(detail=reason)
+            delay = min(random.uniform(0, ceiling), max(0.0, deadline - loop.time()))
+            logger.debug("%s: %s; retrying in %.3f s", what, reason, delay)
+            await asyncio.sleep(delay)
+            ceiling = min(ceiling * policy.multiplier, policy.max_backoff_s)
+    finally:
+        if waiting is not None:
+            waiting.close()

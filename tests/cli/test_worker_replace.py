@@ -1,5 +1,6 @@
 """``paramserver worker --replace``: a restarted worker takes over its name while the old
-registration's lease is still live (issue 19, item 8)."""
+registration's lease is still live (issue 19, item 8); without it the refusal says to pass
+``--replace`` (issue 28)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ def test_worker_replace_takes_over_a_live_name(tmp_path: Path) -> None:
         try:
             refused = _worker(server.address)
             assert refused.returncode == 1, refused.stderr
-            assert "AlreadyExists" in refused.stderr or "already" in refused.stderr.lower()
+            assert "AlreadyExists (ALREADY_EXISTS)" in refused.stderr, refused.stderr
+            # the hint names the flag a command-line user passes, not the Python keyword
+            assert "pass --replace to fence it" in refused.stderr, refused.stderr
+            assert "replace=True" not in refused.stderr, refused.stderr
             replaced = _worker(server.address, "--replace")
             assert replaced.returncode == 0, replaced.stderr
             assert '"event": "done"' in replaced.stdout

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -33,14 +33,15 @@ import numpy as np
 
 from paramserver.cli.demos.local_cluster import start_servers, stop_servers
 from paramserver.cli.logs import resolve_log_format
+from paramserver.cli.server_arg import add_server_arguments, server_address
 from paramserver.core.optimizers import UpdateRule
-from paramserver.core.sharding import parse_address
 from paramserver.errors import InvalidArgument, Unavailable
 from paramserver.security.tls import (
     ClientSecurity,
     add_client_security_flags,
     client_security_from_args,
 )
+from paramserver.waiting import Wait
 from paramserver.worker_client.client import connect
 from paramserver.worker_client.compression import Cast, Compression, TopK
 from paramserver.worker_client.retry import RetryPolicy
@@ -281,6 +282,20 @@ def progress_line(event: Mapping[str, Any]) -> str:
     return f"{who} " + "  ".join(f"{k} {v}" for k, v in event.items() if k != "worker")
 
 
+@contextlib.asynccontextmanager
+async def _in_thread(fn: Callable[..., T], *args: Any) -> AsyncIterator[asyncio.Future[T]]:
+    """``fn(*args)`` running in the loop's default executor for the block; a result nobody
+    awaited (the block failed first) is dropped on exit."""
+    future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        yield future
+    finally:
+        if not future.done():
+            future.cancel()
+        elif not future.cancelled():
+            future.exception()  # retrieved: an error the block never reached is not logged
+
+
 async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     """Train on slice ``worker_index::num_workers``; prints progress on stdout (JSON lines
     with ``progress="json"``, else readable lines): a ``start`` event once every worker is
@@ -290,23 +305,28 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     Returns:
         The final summary: ``{"event": "done", "worker": i, "test_accuracy": a, ...}``.
     """
-    data = load_digits_split(cfg.seed)
     model = digits_model(cfg.framework, cfg.hidden, cfg.seed)
-    mine = np.arange(cfg.worker_index, len(data.y_train), cfg.num_workers)
-    steps = max(1, (len(data.y_train) // cfg.num_workers) // cfg.batch_size)
     rule = UpdateRule("sgd", lr=cfg.lr, momentum=cfg.momentum)
     t0 = time.monotonic()
     initial = model.initial_params()
     schemes = compression_schemes(cfg.compression, sorted(initial), cfg.topk_ratio)
-    async with connect(
-        cfg.server,
-        worker_name=f"worker-{cfg.worker_index}",
-        compression=schemes,
-        security=cfg.security,
-        replace=cfg.replace,
-        retry=cfg.retry,
-    ) as ps:
+    # The data loads (scikit-learn's import takes seconds on a busy machine) while the client
+    # connects: a server that does not answer is reported without waiting for it.
+    async with (
+        _in_thread(load_digits_split, cfg.seed) as loading,
+        connect(
+            cfg.server,
+            worker_name=f"worker-{cfg.worker_index}",
+            compression=schemes,
+            security=cfg.security,
+            replace=cfg.replace,
+            retry=cfg.retry,
+        ) as ps,
+    ):
         params = await ps.init(initial, rule=rule)
+        data = await loading
+        mine = np.arange(cfg.worker_index, len(data.y_train), cfg.num_workers)
+        steps = max(1, (len(data.y_train) // cfg.num_workers) // cfg.batch_size)
         keys = sorted(params)
         await ps.wait_for_workers(cfg.num_workers, timeout_s=cfg.start_timeout_s)
         t_train = time.monotonic()
@@ -371,7 +391,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from paramserver.server.serving import run_loop
 
     cfg = TrainConfig(
-        server=parse_address(args.server, "--server"),
+        server=server_address(args),
         worker_index=args.worker_index,
         num_workers=args.num_workers,
         epochs=args.epochs,
@@ -725,38 +745,44 @@ def _follow(
     curve: list[tuple[float, float]] = []
     open_streams = len(workers)
     deadline = time.monotonic() + args.timeout_s
-    while open_streams:
-        try:
-            i, line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            print(f"demo timed out after {args.timeout_s} s", file=sys.stderr)
-            return 1, curve
-        if line is None:
-            open_streams -= 1
-            continue
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            print(f"[worker {i}] {line.rstrip()}")
-            continue
-        if i == 0 and "test_accuracy" in event:
-            if event.get("event") == "start":
-                curve.append((0.0, float(event["test_accuracy"])))
-            elif event.get("event") == "epoch" and "train_elapsed_s" in event:
-                curve.append((float(event["train_elapsed_s"]), float(event["test_accuracy"])))
-        if event.get("event") == "epoch":
-            losses.setdefault(event["epoch"], {})[i] = event["loss"]
-            if i == 0:
-                per = losses[event["epoch"]]
-                print(
-                    f"epoch {event['epoch']:>3}/{args.epochs}  loss {event['loss']:.4f}  "
-                    f"test accuracy {event.get('test_accuracy', float('nan')):.4f}  "
-                    # seconds since every worker registered: the plot's time axis too
-                    f"clock {event['clock']}  "
-                    f"[{event.get('train_elapsed_s', time.monotonic() - t0):6.1f} s]  "
-                    f"({len(per)}/{len(workers)} workers reported)",
-                    flush=True,
-                )
+    started: set[int] = set()  # workers past their start barrier
+    # Until every worker trains, the demo waits for them (reported: paramserver.waiting).
+    starting: Wait | None = Wait(
+        f"{len(workers)} workers to start training",
+        detail=f"0 of {len(workers)} started",
+        deadline=deadline,
+    ).open()
+    try:
+        while open_streams:
+            try:
+                if starting is not None:
+                    starting.tick()
+                    i, line = lines.get(timeout=max(0.05, min(0.25, deadline - time.monotonic())))
+                else:
+                    i, line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                if time.monotonic() < deadline:
+                    continue
+                print(f"demo timed out after {args.timeout_s} s", file=sys.stderr)
+                return 1, curve
+            if line is None:
+                open_streams -= 1
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                print(f"[worker {i}] {line.rstrip()}")
+                continue
+            if starting is not None and event.get("event") in ("start", "epoch", "done"):
+                started.add(i)
+                starting.update(detail=f"{len(started)} of {len(workers)} started")
+                if len(started) == len(workers):
+                    starting.close()
+                    starting = None
+            _show_event(i, event, args, t0, losses, curve, len(workers))
+    finally:
+        if starting is not None:
+            starting.close()
     rc = 0
     for i, w in enumerate(workers):
         code = w.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -766,6 +792,37 @@ def _follow(
             print(f"worker {i} exited with code {code}: {reason}", file=sys.stderr)
             rc = 1
     return rc, curve
+
+
+def _show_event(
+    i: int,
+    event: dict[str, Any],
+    args: argparse.Namespace,
+    t0: float,
+    losses: dict[int, dict[int, float]],
+    curve: list[tuple[float, float]],
+    workers: int,
+) -> None:
+    """Take in worker ``i``'s progress ``event``: worker 0's accuracy goes on ``curve``, every
+    worker's epoch loss into ``losses``, and worker 0's epoch is printed."""
+    if i == 0 and "test_accuracy" in event:
+        if event.get("event") == "start":
+            curve.append((0.0, float(event["test_accuracy"])))
+        elif event.get("event") == "epoch" and "train_elapsed_s" in event:
+            curve.append((float(event["train_elapsed_s"]), float(event["test_accuracy"])))
+    if event.get("event") == "epoch":
+        losses.setdefault(event["epoch"], {})[i] = event["loss"]
+        if i == 0:
+            per = losses[event["epoch"]]
+            print(
+                f"epoch {event['epoch']:>3}/{args.epochs}  loss {event['loss']:.4f}  "
+                f"test accuracy {event.get('test_accuracy', float('nan')):.4f}  "
+                # seconds since every worker registered: the plot's time axis too
+                f"clock {event['clock']}  "
+                f"[{event.get('train_elapsed_s', time.monotonic() - t0):6.1f} s]  "
+                f"({len(per)}/{workers} workers reported)",
+                flush=True,
+            )
 
 
 def _final_accuracy(address: str, args: argparse.Namespace) -> float:
@@ -840,8 +897,15 @@ def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int, framework: b
 
 def add_subcommands(sub: Any) -> None:
     """Register ``worker`` and ``demo``."""
-    w = sub.add_parser("worker", help="train the digits model against a running server")
-    w.add_argument("--server", required=True, help="HOST:PORT of the parameter server")
+    w = sub.add_parser(
+        "worker",
+        help="train the digits model against a running server",
+        description="Train the digits model against a running server: paramserver worker "
+        "ADDR --worker-index I --num-workers N (ADDR: any shard; --server ADDR is the same). "
+        "While it waits (the server does not answer, workers still to register, a dead "
+        "peer's lease to lapse) it says for what on stderr, within 2 s and then every ~5 s.",
+    )
+    add_server_arguments(w, "the parameter server (any shard)")
     w.add_argument(
         "--worker-index",
         type=int,
@@ -874,7 +938,8 @@ def add_subcommands(sub: Any) -> None:
     w.add_argument(
         "--retry-deadline-s",
         type=float,
-        help="how long calls retry an unavailable server, e.g. while a shard restarts (default 30)",
+        help="how long calls retry an unavailable server, e.g. while a shard restarts (default "
+        "30); meanwhile the worker prints the address and this deadline every ~5 s",
     )
     w.add_argument(
         "--progress",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -40,12 +41,15 @@ from typing import IO, TYPE_CHECKING, Any
 
 from paramserver.closing import Closing
 from paramserver.errors import InvalidArgument, Unavailable
+from paramserver.waiting import Wait
 
 if TYPE_CHECKING:
     from paramserver.worker_client.cluster import ClusterWorkerClient
     from paramserver.worker_client.sync import SyncWorkerClient
 
 __all__ = ["LocalCluster", "free_ports", "local_cluster", "start_servers", "stop_servers"]
+
+logger = logging.getLogger(__name__)
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -117,20 +121,27 @@ def start_servers(
             else:
                 procs.append(subprocess.Popen(cmd, env=penv, stdout=stdout))
         deadline = time.monotonic() + timeout_s
-        for i, (proc, port_file) in enumerate(zip(procs, files, strict=True)):
-            while not _port_written(port_file):
-                if proc.poll() is not None:
-                    raise Unavailable(
-                        f"server {i} exited early with code {proc.returncode}"
-                        + _log_tail(log_dir, i)
-                    )
-                if time.monotonic() > deadline:
-                    raise Unavailable(
-                        f"server {i} did not serve within {timeout_s} s" + _log_tail(log_dir, i)
-                    )
-                time.sleep(0.05)
-            if shards == 1:
-                addresses[0] = f"127.0.0.1:{int(port_file.read_text())}"
+        with Wait("the servers to start", deadline=deadline, logger=logger) as waiting:
+            for i, (proc, port_file) in enumerate(zip(procs, files, strict=True)):
+                where = f" on {addresses[i]}" if shards > 1 else ""
+                waiting.update(
+                    what=f"server {i}{where} to start serving",
+                    detail=f"process {proc.pid} started, {i} of {shards} serving",
+                )
+                while not _port_written(port_file):
+                    if proc.poll() is not None:
+                        raise Unavailable(
+                            f"server {i} exited early with code {proc.returncode}"
+                            + _log_tail(log_dir, i)
+                        )
+                    if time.monotonic() > deadline:
+                        raise Unavailable(
+                            f"server {i} did not serve within {timeout_s} s" + _log_tail(log_dir, i)
+                        )
+                    waiting.tick()
+                    time.sleep(0.05)
+                if shards == 1:
+                    addresses[0] = f"127.0.0.1:{int(port_file.read_text())}"
     except BaseException:
         stop_servers(procs)
         raise

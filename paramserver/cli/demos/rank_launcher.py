@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from paramserver.closing import Closing
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.spmd.layout import Layout
+from paramserver.waiting import Wait
 
 __all__ = [
     "RankServerCluster",
@@ -39,23 +41,38 @@ __all__ = [
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
 
 def wait_for(
     predicate: Callable[[], T | None], *, timeout_s: float, interval_s: float = 0.01, what: str = ""
 ) -> T:
-    """Poll ``predicate`` until it returns a truthy value; return that value.
+    """Poll ``predicate`` until it returns a truthy value; return that value. Given ``what``,
+    a wait a person can see (:mod:`paramserver.waiting`: reported when it lasts).
 
     Raises:
         TimeoutError: still falsy after ``timeout_s`` seconds.
     """
     deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.1f} s waiting for {what or predicate}")
-        time.sleep(interval_s)
+    with _waiting(what, deadline) as waiting:
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"timed out after {timeout_s:.1f} s waiting for {what or predicate}"
+                )
+            if waiting is not None:
+                waiting.tick()
+            time.sleep(interval_s)
+
+
+def _waiting(what: str, deadline: float) -> contextlib.AbstractContextManager[Wait | None]:
+    """The wait of a poll for ``what`` (none when ``what`` is empty: the caller reports)."""
+    if not what:
+        return contextlib.nullcontext()
+    return Wait(what, deadline=deadline, logger=logger)
 
 
 async def async_wait_for(
@@ -65,19 +82,22 @@ async def async_wait_for(
     interval_s: float = 0.01,
     what: str = "",
 ) -> T:
-    """Async :func:`wait_for`: await ``predicate()`` until truthy.
+    """Async :func:`wait_for`: await ``predicate()`` until truthy (reported as it says).
 
     Raises:
         TimeoutError: still falsy after ``timeout_s`` seconds.
     """
     deadline = time.monotonic() + timeout_s
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.1f} s waiting for {what or predicate}")
-        await asyncio.sleep(interval_s)
+    with _waiting(what, deadline):
+        while True:
+            value = await predicate()
+            if value:
+                return value
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"timed out after {timeout_s:.1f} s waiting for {what or predicate}"
+                )
+            await asyncio.sleep(interval_s)
 
 
 async def _health_status(
@@ -126,6 +146,12 @@ async def wait_serving(
     last: dict[str, str] = dict.fromkeys(addresses, "not probed")
     pending = list(dict.fromkeys(addresses))
     deadline = time.monotonic() + timeout_s
+    waiting = Wait(
+        f"{len(pending)} rank servers to answer SERVING",
+        address=pending[0] if len(pending) == 1 else None,
+        deadline=deadline,
+        logger=logger,
+    )
 
     async def round_done() -> bool:
         probe_s = max(0.05, min(2.0, deadline - time.monotonic()))
@@ -136,10 +162,14 @@ async def wait_serving(
             last[address] = answer
             if answer == "SERVING":
                 pending.remove(address)
+        shown = ", ".join(f"{a}: {last[a]}" for a in pending[:4])
+        more = f" and {len(pending) - 4} more" if len(pending) > 4 else ""
+        waiting.update(detail=f"{len(pending)} not yet: {shown}{more}")
         return not pending
 
     try:
-        await async_wait_for(round_done, timeout_s=timeout_s, interval_s=interval_s)
+        with waiting:
+            await async_wait_for(round_done, timeout_s=timeout_s, interval_s=interval_s)
     except TimeoutError:
         detail = ", ".join(f"{a}: {last[a]}" for a in pending)
         raise TimeoutError(f"rank servers not SERVING after {timeout_s:.1f} s ({detail})") from None

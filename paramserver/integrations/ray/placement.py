@@ -60,8 +60,25 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from paramserver.cli.demos.digits import DigitsJob as DigitsJob  # re-exported
 from paramserver.closing import Closing
 from paramserver.errors import InvalidArgument, Unavailable, WaitTimeout
+from paramserver.waiting import Wait
 
 logger = logging.getLogger(__name__)
+
+
+def _ray_ready(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+    """``ray.wait`` for all of ``refs`` within ``timeout_s``: the ready ones (all, unless the
+    time ran out). A wait a person can see (:mod:`paramserver.waiting`): polled in steps of at
+    most a second so that it is reported while it lasts."""
+    deadline = time.monotonic() + timeout_s
+    with Wait(what, deadline=deadline, logger=logger) as waiting:
+        while True:
+            left = deadline - time.monotonic()
+            done, pending = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(1.0, left)))
+            if not pending or left <= 0:
+                return list(done)
+            waiting.update(detail=f"{len(done)} of {len(refs)} ready")
+            waiting.tick()
+
 
 #: ``paramserver serve`` flags the launcher sets itself for each shard.
 MANAGED_SERVE_FLAGS = frozenset(
@@ -430,7 +447,9 @@ class RayShardGroup(Closing):
         try:
             bundles = [{"CPU": cfg.shard_num_cpus} for _ in range(cfg.num_shards)]
             self._pg = placement_group(bundles, strategy=cfg.strategy, name=f"{cfg.name}-shards")
-            ready, _ = ray.wait([self._pg.ready()], timeout=cfg.start_timeout_s)
+            ready = _ray_ready(
+                [self._pg.ready()], cfg.start_timeout_s, f"{cfg.name}'s shards to be placed"
+            )
             if not ready:
                 raise WaitTimeout(
                     f"the shards' placement group ({cfg.num_shards} bundles of "
@@ -453,7 +472,7 @@ class RayShardGroup(Closing):
                     ).remote(i, self.addresses, list(cfg.serve_args), cfg.state_dir)
                 )
             refs = [a.info.remote() for a in self.actors]
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=cfg.start_timeout_s)
+            done = _ray_ready(refs, cfg.start_timeout_s, f"{cfg.num_shards} shards to serve")
             if len(done) < len(refs):
                 raise WaitTimeout(f"the shards did not all start within {cfg.start_timeout_s} s")
             ray.get(refs)  # a shard that failed to start raises here
