@@ -208,3 +208,21 @@ def test_a_rotation_during_an_inflight_group_fsync_loses_nothing(
     again = WriteAheadLog(tmp_path)
     again.open()
     assert [r.clock.clock for r in again.replay()] == [1, 2]
+
+
+def test_records_found_on_open_are_durable_at_once(tmp_path: Path) -> None:
+    """A retry of a request logged before a restart is answered as soon as it is found a
+    duplicate: the reopened log counts what it holds as durable (it fsyncs its open segment)."""
+    wal = WriteAheadLog(tmp_path, fsync_interval_ms=5)
+    wal.open()
+    for step in range(3):
+        wal.append(_clock_record("w#1", step))
+    asyncio.run(wal.close())
+    reopened = WriteAheadLog(tmp_path, fsync_interval_ms=5)
+    assert reopened.open() == 3
+
+    async def durable() -> None:
+        await asyncio.wait_for(reopened.durable(3), timeout=5)
+
+    asyncio.run(durable())
+    asyncio.run(reopened.close())
