@@ -22,6 +22,7 @@ from paramserver.protocol.table_spec import Initializer, TableRule, TableSpec
 
 __all__ = [
     "RowsReceiver",
+    "SegmentsReceiver",
     "chunk_rows",
     "rows_per_chunk",
     "spec_from_proto",
@@ -248,3 +249,35 @@ class RowsReceiver:
         else:
             rows = np.zeros((self.received, 0), np.float32)
         return ids, rows
+
+
+class SegmentsReceiver:
+    """Collects the ``RowsChunk`` messages of a several-table stream (``RowsManyHeader``):
+    segment 0's chunks, then segment 1's, and so on, each into its own :class:`RowsReceiver`.
+
+    Args:
+        receivers: One receiver per segment, in segment order.
+
+    Raises (from :meth:`feed` / :meth:`finish`):
+        MalformedStream: a chunk past the last segment, or any :class:`RowsReceiver` refusal
+            (a chunk crossing a segment's end counts as more ids than it announced).
+    """
+
+    def __init__(self, receivers: list[RowsReceiver]) -> None:
+        self.receivers = receivers
+        self._at = 0
+
+    def _current(self) -> RowsReceiver:
+        while self._at < len(self.receivers):
+            r = self.receivers[self._at]
+            if r.received < r.num_ids:
+                return r
+            self._at += 1
+        raise MalformedStream("a chunk after every segment's announced ids")
+
+    def feed(self, chunk: Any) -> None:
+        self._current().feed(chunk)
+
+    def finish(self) -> list[tuple[npt.NDArray[np.int64], np.ndarray]]:
+        """Every segment's (ids, rows), in segment order (see :meth:`RowsReceiver.finish`)."""
+        return [r.finish() for r in self.receivers]

@@ -89,6 +89,8 @@ RPC_ROLES: Mapping[str, Role] = MappingProxyType(
         _PS + "InitTable": Role.WORKER,
         _PS + "PullRows": Role.WORKER,
         _PS + "PushRows": Role.WORKER,
+        _PS + "PullRowsMany": Role.WORKER,
+        _PS + "PushRowsMany": Role.WORKER,
         _PS + "Pull": Role.WORKER,
         _PS + "Clock": Role.WORKER,
         _PS + "Session": Role.WORKER,  # persistent push/pull/clock stream (the worker fast path)

@@ -43,8 +43,9 @@ from paramserver.server.wal import WriteAheadLog
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-#: Appends one decided mutation's record to the log (see :meth:`ServerEngine.mutate`).
-LogFn = Callable[[wal_pb.WalRecord], None]
+#: Appends one decided mutation's record to the log, or several records as one all-or-nothing
+#: write (a push to several tables: one record per table; see :meth:`ServerEngine.mutate`).
+LogFn = Callable[[wal_pb.WalRecord | list[wal_pb.WalRecord]], None]
 
 
 class Backpressure:
@@ -224,8 +225,9 @@ class ServerEngine(LeaseReaperBase):
             decide: Runs synchronously (no await inside): validates everything the mutation
                 needs (limits and memory included; raising refuses the request with nothing
                 changed and nothing logged), then calls ``log(record)`` with the record(s) of
-                the decided mutation (records from :mod:`~paramserver.server.wal_records`)
-                before it changes anything, then applies it and returns the answer. A
+                the decided mutation (records from :mod:`~paramserver.server.wal_records`;
+                a list of records is written as one all-or-nothing write) before it changes
+                anything, then applies it and returns the answer. A
                 ``log`` that raises (disk full, I/O error) leaves the log as it was; ``decide``
                 lets the error propagate with nothing applied.
             settle: Awaits what the apply scheduled off the event loop (big push applies in
@@ -245,9 +247,10 @@ class ServerEngine(LeaseReaperBase):
         self.check_serving()
         seq = 0
 
-        def log(record: wal_pb.WalRecord) -> None:
+        def log(record: wal_pb.WalRecord | list[wal_pb.WalRecord]) -> None:
             nonlocal seq
-            seq = self.log(record)
+            got = self.log_many(record) if isinstance(record, list) else self.log(record)
+            seq = got or seq
 
         answer = decide(log)
         if settle is not None:
@@ -282,6 +285,21 @@ class ServerEngine(LeaseReaperBase):
         if self.wal is None:
             return 0
         return self.wal.append(record)
+
+    def log_many(self, records: list[wal_pb.WalRecord]) -> int:
+        """Write several records of one decided mutation as one write, all or none (see
+        :meth:`WriteAheadLog.append_many`).
+
+        Returns:
+            The last record's sequence (0 without a log or records).
+
+        Raises:
+            StorageFull / StorageError: none of the records was written.
+        """
+        self.check_serving()
+        if self.wal is None or not records:
+            return 0
+        return self.wal.append_many(records)
 
     async def durable(self, sequence: int) -> None:
         """Wait until record ``sequence`` is fsynced, before acknowledging its mutation.

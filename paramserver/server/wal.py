@@ -272,6 +272,51 @@ class WriteAheadLog:
         self._written = seq
         return seq
 
+    def append_many(self, records: list[wal_pb.WalRecord]) -> int:
+        """Append several records as one write: all of them, or (on a write error) none.
+
+        What one all-or-nothing mutation logs as several records (a push to several tables,
+        one record per table) goes through here, so a failed write never leaves part of it
+        in the log. A crash in the middle of the write may leave a prefix of the records on
+        disk; none of them was acknowledged, and the client's retry of the same request ids
+        completes the rest (the logged ones are answered as duplicates).
+
+        Returns:
+            The last record's sequence (0 for no records).
+
+        Raises:
+            StorageFull / StorageError: as :meth:`append`; nothing of the records is in the log.
+        """
+        if not records:
+            return 0
+        if self.failed is not None:
+            raise StorageError(self.failed.message)
+        if self._fd is None:
+            raise WalError("write-ahead log is not open")
+        now = time.time()
+        frames = []
+        for i, record in enumerate(records):
+            record.sequence = self.next_sequence + i
+            record.unix_s = now
+            payload = record.SerializeToString()
+            frames.append(_FRAME.pack(len(payload), zlib.crc32(payload)) + payload)
+        blob = b"".join(frames)
+        view = memoryview(blob)
+        start = self._size
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError as exc:
+            self._cut_back(start, exc)
+            raise storage_error(exc, f"write-ahead log {self._segment}: write") from exc
+        self._size = start + len(blob)
+        self.next_sequence += len(records)
+        self.appended_bytes += len(blob)
+        seq = int(records[-1].sequence)
+        self._written = seq
+        return seq
+
     def _cut_back(self, size: int, cause: OSError) -> None:
         """Cut a partially written record off the open segment (a write failed midway)."""
         try:

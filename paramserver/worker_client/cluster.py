@@ -70,13 +70,16 @@ from paramserver.waiting import Wait
 from paramserver.worker_client.client import (
     PushAck,
     WorkerClient,
+    WorkerProgress,
     await_workers,
     cast_gradients,
     connect,
+    progress_of,
 )
 from paramserver.worker_client.compression import GradientCompressor
 from paramserver.worker_client.embedding import RowPushAck, ShardedTables
 from paramserver.worker_client.forwarding import Forwarded
+from paramserver.worker_client.keyed import KeyedIds
 from paramserver.worker_client.options import (
     ClientOptions,
     PullOptions,
@@ -609,10 +612,44 @@ class ShardedWorkerClient:
             table, ids, grads, request_id
         )
 
+    async def pull_rows_many(
+        self,
+        ids: Mapping[str, Any] | KeyedIds,
+        *,
+        timeout_s: float | None = None,
+        observer: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """Rows of several tables, one request per shard, all shards concurrently (see
+        :meth:`WorkerClient.pull_rows_many`)."""
+        return await ShardedTables(self.shards, self._fan_out).pull_rows_many(
+            ids, timeout_s=timeout_s, observer=observer
+        )
+
+    async def push_rows_many(
+        self,
+        ids: Mapping[str, Any] | KeyedIds,
+        grads: Mapping[str, Any],
+        *,
+        timeout_s: float | None = None,
+    ) -> dict[str, RowPushAck]:
+        """Gradient rows of several tables, one request per shard (each all or nothing on
+        its shard), the same request ids on every shard (see
+        :meth:`WorkerClient.push_rows_many`)."""
+        request_id = self._next_request_id
+        self._next_request_id += max(1, len(ids.keys) if isinstance(ids, KeyedIds) else len(ids))
+        return await ShardedTables(self.shards, self._fan_out).push_rows_many(
+            ids, grads, request_id
+        )
+
     async def shard_statuses(self) -> list[pb.StatusResponse]:
         """Every shard's own status, in shard order."""
         got = await self._fan_out({i: c.status() for i, c in enumerate(self.shards)})
         return [got[i] for i in range(len(self.shards))]
+
+    async def progress(self, worker_name: str | None = None) -> WorkerProgress:
+        """:meth:`WorkerClient.progress` over the shards: the fewest iterations any shard
+        counted (an iteration every shard saw end)."""
+        return progress_of(await self.shard_statuses(), worker_name or self.worker_name)
 
     async def wait_for_workers(self, n: int, *, timeout_s: float = 60.0) -> int:
         """The start barrier over the cluster (see :meth:`WorkerClient.wait_for_workers`)."""
@@ -805,6 +842,11 @@ class ClusterWorkerClient(AsyncClosing):
         """:meth:`WorkerClient.status` (over several shards: counters summed, keys whole)."""
         return await self._api.status()
 
+    async def progress(self, worker_name: str | None = None) -> WorkerProgress:
+        """:meth:`WorkerClient.progress`: what the registrations of ``worker_name`` (default:
+        this worker's) completed, over every shard."""
+        return await self._api.progress(worker_name)
+
     async def shard_statuses(self) -> list[pb.StatusResponse]:
         """Every shard's own status, in shard order."""
         if isinstance(self._api, ShardedWorkerClient):
@@ -826,6 +868,27 @@ class ClusterWorkerClient(AsyncClosing):
     ) -> RowPushAck:
         """:meth:`WorkerClient.push_rows` (split by shard, one request id)."""
         return await self._api.push_rows(table, ids, grads, timeout_s=timeout_s)
+
+    async def pull_rows_many(
+        self,
+        ids: Mapping[str, Any] | KeyedIds,
+        *,
+        timeout_s: float | None = None,
+        observer: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """:meth:`WorkerClient.pull_rows_many` (one request per shard, concurrently)."""
+        return await self._api.pull_rows_many(ids, timeout_s=timeout_s, observer=observer)
+
+    async def push_rows_many(
+        self,
+        ids: Mapping[str, Any] | KeyedIds,
+        grads: Mapping[str, Any],
+        *,
+        timeout_s: float | None = None,
+    ) -> dict[str, RowPushAck]:
+        """:meth:`WorkerClient.push_rows_many` (one request per shard, all or nothing on
+        each shard)."""
+        return await self._api.push_rows_many(ids, grads, timeout_s=timeout_s)
 
 
 def connect_cluster(

@@ -19,7 +19,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +31,19 @@ from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.core.tables import TableSpec, shard_of_ids
 from paramserver.errors import InvalidArgument, MalformedStream
 from paramserver.protocol import rows_wire, tensor
+from paramserver.worker_client.keyed import KeyedIds
 from paramserver.worker_client.retry import RETRYABLE
 from paramserver.worker_client.transport.base import RowPush, Transports
 
-__all__ = ["RowPushAck", "ShardedTables", "TableClientMixin", "check_ids", "check_rows"]
+__all__ = [
+    "RowPushAck",
+    "ShardedTables",
+    "TableClientMixin",
+    "check_ids",
+    "check_ids_many",
+    "check_rows",
+    "check_rows_many",
+]
 
 _PUSH_RETRYABLE = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
 
@@ -113,6 +122,66 @@ def check_rows(rows: Any, n: int) -> np.ndarray:
         )
     tensor.dtype_to_wire(arr.dtype)  # raises InvalidArgument for unsupported dtypes
     return np.ascontiguousarray(arr)
+
+
+def check_ids_many(ids: Mapping[str, Any] | KeyedIds) -> dict[str, npt.NDArray[np.int64]]:
+    """``{table: ids}`` of a several-table call, each checked as :func:`check_ids`.
+
+    Raises:
+        InvalidArgument: bad ids, naming the table (INVALID_ARGUMENT).
+    """
+    items = ids.to_dict() if isinstance(ids, KeyedIds) else ids
+    out = {}
+    for table, value in items.items():
+        try:
+            out[str(table)] = check_ids(value)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"table {table!r}: {exc.message}") from None
+    return out
+
+
+def check_rows_many(
+    ids: Mapping[str, npt.NDArray[np.int64]], grads: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
+    """The gradient rows of every table of ``ids``, each checked as :func:`check_rows`.
+
+    Raises:
+        InvalidArgument: a table without gradients or with others than its ids', bad rows,
+            naming the table (INVALID_ARGUMENT).
+    """
+    if set(grads) != set(ids):
+        raise InvalidArgument(
+            f"gradients for tables {sorted(grads)}, ids for tables {sorted(ids)}: they must match"
+        )
+    out = {}
+    for table, arr in ids.items():
+        try:
+            out[table] = check_rows(grads[table], arr.shape[0])
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"table {table!r}: {exc.message}") from None
+    return out
+
+
+def _ack(resp: Any) -> RowPushAck:
+    return RowPushAck(
+        duplicate=resp.duplicate,
+        queued=resp.queued,
+        distinct=int(resp.distinct),
+        applied=int(resp.applied),
+        filtered=int(resp.filtered),
+    )
+
+
+def _sum_acks(acks: Collection[RowPushAck]) -> RowPushAck:
+    if not acks:
+        return RowPushAck(False, False, 0, 0, 0)
+    return RowPushAck(
+        duplicate=all(a.duplicate for a in acks),
+        queued=any(a.queued for a in acks),
+        distinct=sum(a.distinct for a in acks),
+        applied=sum(a.applied for a in acks),
+        filtered=sum(a.filtered for a in acks),
+    )
 
 
 class TableClientMixin:
@@ -239,6 +308,168 @@ class TableClientMixin:
             filtered=int(resp.filtered),
         )
 
+    async def pull_rows_many(
+        self,
+        ids: Mapping[str, Any] | KeyedIds,
+        *,
+        timeout_s: float | None = None,
+        observer: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """Rows of several tables in one request (``PullRowsMany``): every table's
+        consistency wait, then every table read at one moment of the shard.
+
+        Args:
+            ids: ``{table: 1-D ids}`` (each table once), or :class:`KeyedIds` whose keys are
+                table names.
+            timeout_s: Deadline of the consistency waits (default: the client's).
+            observer: Read without a consistency wait (no registration needed).
+
+        Returns:
+            ``{table: (len(ids), dim) rows}`` of each table's storage dtype, in the ids' order.
+
+        Raises:
+            As :meth:`pull_rows`, naming the table.
+        """
+        arrays = check_ids_many(ids)
+        me: Any = self  # a WorkerClient: the one deadline rule of every pull, its retry funnel
+        wait_ms, deadline_s = me._pull_deadlines(timeout_s)
+        tables = list(arrays)
+
+        async def attempt() -> dict[str, np.ndarray]:
+            header = tpb.RowsManyHeader(
+                worker_id="" if observer else self.worker_id,
+                timeout_ms=wait_ms,
+                segments=[tpb.RowsSegment(table=t, num_ids=arrays[t].shape[0]) for t in tables],
+            )
+
+            def requests() -> Iterator[tpb.PullRowsManyRequest]:
+                yield tpb.PullRowsManyRequest(header=header)
+                for t in tables:
+                    for chunk in rows_wire.chunk_rows(arrays[t], None):
+                        yield tpb.PullRowsManyRequest(chunk=chunk)
+
+            return await read_rows_many(
+                self.stub.PullRowsMany(requests(), timeout=deadline_s), tables
+            )
+
+        if observer:
+            out: dict[str, np.ndarray] = await me._call(attempt, "pull_rows_many")
+        else:
+            out = await me._member_call(attempt, "pull_rows_many")
+        for t in tables:
+            if out[t].shape[0] != arrays[t].shape[0]:
+                raise MalformedStream(
+                    f"table {t!r}: {out[t].shape[0]} rows for {arrays[t].shape[0]} ids"
+                )
+        return out
+
+    async def push_rows_many(
+        self,
+        ids: Mapping[str, Any] | KeyedIds,
+        grads: Mapping[str, Any],
+        *,
+        timeout_s: float | None = None,
+    ) -> dict[str, RowPushAck]:
+        """Push gradient rows of several tables in one request (``PushRowsMany``), all or
+        nothing: a refusal of any table refuses the whole request with nothing applied.
+        A retry is applied once (table i of the request carries request id base + i).
+
+        Args:
+            ids: ``{table: 1-D ids}`` (each table once), or :class:`KeyedIds`.
+            grads: ``{table: (len(ids), dim) gradient rows}``, the same tables.
+            timeout_s: Deadline of each attempt (default ``rpc_timeout_s``).
+
+        Returns:
+            ``{table: RowPushAck}``.
+
+        Raises:
+            As :meth:`push_rows`, naming the table.
+        """
+        arrays = check_ids_many(ids)
+        rows = check_rows_many(arrays, grads)
+        base = self._next_request_id
+        self._next_request_id += max(1, len(arrays))
+        return await self._push_rows_many_as(arrays, rows, base, timeout_s)
+
+    async def _push_rows_many_as(
+        self,
+        arrays: Mapping[str, npt.NDArray[np.int64]],
+        rows: Mapping[str, np.ndarray],
+        request_id: int,
+        timeout_s: float | None,
+    ) -> dict[str, RowPushAck]:
+        tables = list(arrays)
+        segments = [
+            tpb.RowsSegment(
+                table=t,
+                num_ids=arrays[t].shape[0],
+                dtype=tensor.dtype_to_wire(rows[t].dtype),
+                dim=int(rows[t].shape[1]),
+            )
+            for t in tables
+        ]
+        chunks = [c for t in tables for c in rows_wire.chunk_rows(arrays[t], rows[t])]
+        deadline_s = timeout_s or self.rpc_timeout_s
+
+        async def attempt() -> tpb.PushRowsManyResponse:
+            header = tpb.RowsManyHeader(
+                worker_id=self.worker_id,
+                request_id=request_id,
+                clock=self.clock_value,
+                segments=segments,
+            )
+
+            def requests() -> Iterator[tpb.PushRowsManyRequest]:
+                yield tpb.PushRowsManyRequest(header=header)
+                for chunk in chunks:
+                    yield tpb.PushRowsManyRequest(chunk=chunk)
+
+            resp: tpb.PushRowsManyResponse = await self.stub.PushRowsMany(
+                requests(), timeout=deadline_s
+            )
+            return resp
+
+        me: Any = self  # a WorkerClient: its retry funnel
+        resp = await me._member_call(attempt, "push_rows_many", _PUSH_RETRYABLE)
+        if len(resp.tables) != len(tables):
+            raise MalformedStream(f"{len(resp.tables)} answers for {len(tables)} tables")
+        return {t: _ack(r) for t, r in zip(tables, resp.tables, strict=True)}
+
+
+async def read_rows_many(stream: Any, tables: list[str]) -> dict[str, np.ndarray]:
+    """The rows of a ``PullRowsMany`` reply stream: ``{table: (num_ids, dim)}``.
+
+    Raises:
+        MalformedStream: info missing, repeated or after rows; rows that do not add up.
+    """
+    many: rows_wire.SegmentsReceiver | None = None
+    async for msg in stream:
+        if msg.WhichOneof("body") == "info":
+            if many is not None:
+                raise MalformedStream("a second PullRowsManyInfo")
+            infos = list(msg.info.tables)
+            if len(infos) != len(tables):
+                raise MalformedStream(f"{len(infos)} table infos for {len(tables)} tables")
+            many = rows_wire.SegmentsReceiver(
+                [
+                    rows_wire.RowsReceiver(
+                        f"table {t!r}",
+                        int(i.num_ids),
+                        int(i.dim),
+                        tensor.dtype_from_wire(i.dtype, t),
+                        with_ids=False,
+                    )
+                    for t, i in zip(tables, infos, strict=True)
+                ]
+            )
+        elif many is None:
+            raise MalformedStream("rows before the PullRowsManyInfo")
+        else:
+            many.feed(msg.chunk)
+    if many is None:
+        raise MalformedStream("empty PullRowsMany reply")
+    return {t: rows for t, (_, rows) in zip(tables, many.finish(), strict=True)}
+
 
 class ShardedTables:
     """Row calls over S shard clients: split by ``hash64(table, id) mod S``, call concurrently,
@@ -308,3 +539,52 @@ class ShardedTables:
             applied=sum(a.applied for a in acks),
             filtered=sum(a.filtered for a in acks),
         )
+
+    async def pull_rows_many(
+        self, ids: Mapping[str, Any] | KeyedIds, **kw: Any
+    ) -> dict[str, np.ndarray]:
+        """Every table's ids split by shard; one several-table request per shard, all
+        concurrently; rows reassembled per table in the caller's order."""
+        arrays = check_ids_many(ids)
+        parts = {t: self.split(t, a) for t, a in arrays.items()}
+        calls = {}
+        for i, shard in enumerate(self.shards):
+            if any(parts[t][i].shape[0] for t in arrays):
+                calls[i] = shard.pull_rows_many(
+                    {t: a[parts[t][i]] for t, a in arrays.items()}, **kw
+                )
+        if not calls:  # no ids at all: ask one shard for every table's dim and dtype
+            got0: dict[str, np.ndarray] = await self.shards[0].pull_rows_many(arrays, **kw)
+            return got0
+        got = await self.fan_out(calls)
+        out: dict[str, np.ndarray] = {}
+        for t, a in arrays.items():
+            first = next(iter(got.values()))[t]
+            block = np.empty((a.shape[0], first.shape[1]), first.dtype)
+            for i, rows in got.items():
+                block[parts[t][i]] = rows[t]
+            out[t] = block
+        return out
+
+    async def push_rows_many(
+        self, ids: Mapping[str, Any] | KeyedIds, grads: Mapping[str, Any], request_id: int
+    ) -> dict[str, RowPushAck]:
+        """Every table's ids and rows split by shard; one several-table push per shard, all
+        concurrently, every table in every shard's request (possibly with no ids) so that a
+        table carries request id ``request_id`` + its position on every shard."""
+        arrays = check_ids_many(ids)
+        rows = check_rows_many(arrays, grads)
+        parts = {t: self.split(t, a) for t, a in arrays.items()}
+        calls = {}
+        for i, shard in enumerate(self.shards):
+            if any(parts[t][i].shape[0] for t in arrays):
+                calls[i] = shard._push_rows_many_as(
+                    {t: a[parts[t][i]] for t, a in arrays.items()},
+                    {t: rows[t][parts[t][i]] for t in arrays},
+                    request_id,
+                    None,
+                )
+        got = await self.fan_out(calls) if calls else {}
+        return {
+            t: _sum_acks([g[t] for i, g in got.items() if parts[t][i].shape[0]]) for t in arrays
+        }

@@ -26,10 +26,11 @@ from paramserver.closing import Closing
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.tables import TableSpec
 from paramserver.errors import WaitTimeout
-from paramserver.worker_client.client import PushAck, connect
+from paramserver.worker_client.client import PushAck, WorkerProgress, connect
 from paramserver.worker_client.cluster import ClusterWorkerClient
 from paramserver.worker_client.embedding import RowPushAck
 from paramserver.worker_client.forwarding import Forwarded
+from paramserver.worker_client.keyed import KeyedIds
 from paramserver.worker_client.options import (
     ClientOptions,
     PullOptions,
@@ -169,6 +170,26 @@ class SyncWorkerClient(Closing):
         """:meth:`WorkerClient.push_rows`, blocking."""
         return self._run(self.client.push_rows(table, ids, grads, timeout_s=timeout_s))
 
+    def pull_rows_many(
+        self,
+        ids: Mapping[str, Any] | KeyedIds,
+        *,
+        timeout_s: float | None = None,
+        observer: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """:meth:`WorkerClient.pull_rows_many`, blocking: ``{table: rows}``."""
+        return self._run(self.client.pull_rows_many(ids, timeout_s=timeout_s, observer=observer))
+
+    def push_rows_many(
+        self,
+        ids: Mapping[str, Any] | KeyedIds,
+        grads: Mapping[str, Any],
+        *,
+        timeout_s: float | None = None,
+    ) -> dict[str, RowPushAck]:
+        """:meth:`WorkerClient.push_rows_many`, blocking: ``{table: ack}``."""
+        return self._run(self.client.push_rows_many(ids, grads, timeout_s=timeout_s))
+
     def clock(self) -> int:
         return self._run(self.client.clock())
 
@@ -181,6 +202,10 @@ class SyncWorkerClient(Closing):
 
     def status(self) -> pb.StatusResponse:
         return self._run(self.client.status())
+
+    def progress(self, worker_name: str | None = None) -> WorkerProgress:
+        """:meth:`WorkerClient.progress`, blocking."""
+        return self._run(self.client.progress(worker_name))
 
 
 def connect_sync(

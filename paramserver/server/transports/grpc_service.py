@@ -302,6 +302,17 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         return await self.table_rpcs.push_rows(request_iterator)
 
     @grpc_errors
+    async def PullRowsMany(
+        self, request_iterator: AsyncIterator[Any], context: Any
+    ) -> AsyncIterator[Any]:
+        async for msg in self.table_rpcs.pull_rows_many(request_iterator):
+            yield msg
+
+    @grpc_errors
+    async def PushRowsMany(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
+        return await self.table_rpcs.push_rows_many(request_iterator)
+
+    @grpc_errors
     async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
         return await self.shard.clock(request)
 
@@ -370,6 +381,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             ),
             last_checkpoint=obs.last_checkpoint_name,
             last_checkpoint_restored=obs.last_checkpoint_restored,
+            progress=[
+                pb.WorkerProgress(worker_name=name, steps=p.steps, clock=p.clock)
+                for name, p in core.progress.items()
+            ],
         )
 
     @grpc_errors

@@ -1,4 +1,5 @@
-"""Embedding-table RPCs of a shard (InitTable, PullRows, PushRows): decode, call, encode.
+"""Embedding-table RPCs of a shard (InitTable, PullRows, PushRows, and PullRowsMany /
+PushRowsMany over several tables): decode, call, encode.
 
 Kept apart from the dense push path. A shard serves only the ids it owns: a pull or push with
 an id of another shard (``hash64(table, id) mod S``, :func:`check_owned`) is refused
@@ -220,6 +221,159 @@ class TableRpcs:
             applied=r.applied,
             filtered=r.filtered,
             staleness=outcome.staleness,
+        )
+
+    # ------------------------------------------------------------------ several tables
+    def _segment_tables(self, header: Any, *, push: bool) -> list[EmbeddingTable]:
+        """Every segment's table, checked as a single-table header (limits per table, a
+        push's dim and worker id); a table named twice is refused (changes nothing)."""
+        seen: set[str] = set()
+        tables = []
+        for seg in header.segments:
+            if seg.table in seen:
+                raise InvalidArgument(
+                    f"table {seg.table!r} appears twice in one request; send its ids in one segment"
+                )
+            seen.add(seg.table)
+            one = tpb.RowsHeader(
+                table=seg.table, worker_id=header.worker_id, num_ids=seg.num_ids, dim=seg.dim
+            )
+            tables.append(self._check_header(one, push=push))
+        return tables
+
+    async def _read_many(
+        self, request_iterator: AsyncIterator[Any], *, push: bool
+    ) -> tuple[Any, list[EmbeddingTable], list[tuple[np.ndarray, np.ndarray]]]:
+        header, it = await self._read(request_iterator)
+        tables = self._segment_tables(header, push=push)
+        receivers = []
+        for seg, table in zip(header.segments, tables, strict=True):
+            where = f"table {table.spec.name!r}"
+            if push:
+                if seg.dtype == tensor_pb2.DTYPE_UNSPECIFIED:
+                    raise InvalidArgument(
+                        f"{where}: a PushRowsMany segment needs the gradient rows' dtype "
+                        "(FLOAT32 or the table's dtype), got DTYPE_UNSPECIFIED"
+                    )
+                dtype = tensor.dtype_from_wire(seg.dtype, where)
+                table.check_grad_dtype(dtype)
+                receivers.append(
+                    rows_wire.RowsReceiver(where, int(seg.num_ids), table.spec.dim, dtype)
+                )
+            else:
+                receivers.append(
+                    rows_wire.RowsReceiver(where, int(seg.num_ids), 0, np.dtype(np.float32))
+                )
+        many = rows_wire.SegmentsReceiver(receivers)
+        async for msg in it:
+            if msg.WhichOneof("body") != "chunk":
+                raise MalformedStream("a second header in one several-table stream")
+            many.feed(msg.chunk)
+        return header, tables, many.finish()
+
+    async def pull_rows_many(self, request_iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """PullRowsMany: every segment's ids, then one info and every segment's rows."""
+        header, _, parts = await self._read_many(request_iterator, push=False)
+        infos, rows = await self.pull_many_decoded(header, [ids for ids, _ in parts])
+        yield tpb.PullRowsManyResponse(info=tpb.PullRowsManyInfo(tables=infos))
+        for block in rows:
+            for chunk in rows_wire.chunk_rows(None, block):
+                yield tpb.PullRowsManyResponse(chunk=chunk)
+
+    async def pull_many_decoded(
+        self, header: Any, ids: list[np.ndarray]
+    ) -> tuple[list[Any], list[np.ndarray]]:
+        """Rows of several tables: every id checked, every table's consistency wait, then
+        every table read with no await in between (one moment of the shard). Returns the
+        ``PullRowsInfo`` and rows of each segment, in segment order."""
+        check_worker_identity(header.worker_id)
+        tables = self._segment_tables(header, push=False)
+        checked = [self._check_ids(t, i) for t, i in zip(tables, ids, strict=True)]
+        cluster = self.engine.core.cluster
+        while True:  # until every table admits at one moment (no await between the checks)
+            waiting = [
+                t
+                for t in tables
+                if not self.tables.check_pull(cluster, header.worker_id, t.spec.name).admitted
+            ]
+            if not waiting:
+                break
+            await self._wait_rows(header.worker_id, waiting[0].spec.name, int(header.timeout_ms))
+        self.engine.check_serving()
+        rows = [t.pull(c) for t, c in zip(tables, checked, strict=True)]
+        min_clock = self.engine.core.cluster.min_clock()
+        infos = [
+            tpb.PullRowsInfo(
+                dtype=tensor.dtype_to_wire(t.spec.np_dtype),
+                dim=t.spec.dim,
+                num_ids=int(c.shape[0]),
+                min_clock=min_clock,
+            )
+            for t, c in zip(tables, checked, strict=True)
+        ]
+        return infos, rows
+
+    async def push_rows_many(self, request_iterator: AsyncIterator[Any]) -> Any:
+        """PushRowsMany: every segment's ids and gradient rows, all or nothing."""
+        header, _, parts = await self._read_many(request_iterator, push=True)
+        return await self.push_many_decoded(header, parts)
+
+    async def push_many_decoded(
+        self, header: Any, parts: list[tuple[np.ndarray, np.ndarray]]
+    ) -> Any:
+        """A push to several tables through the one funnel, all or nothing: every segment
+        validated (:meth:`TableSet.prepare`; any refusal refuses the request with nothing
+        logged or applied), then one ``push_rows`` record per segment written as one write,
+        then every segment applied, made durable and acknowledged. Segment i carries request
+        id ``header.request_id + i``. Returns the PushRowsManyResponse."""
+        check_worker_identity(header.worker_id)
+        if not header.worker_id:
+            raise InvalidArgument("a several-table row push needs a worker_id")
+        tables = self._segment_tables(header, push=True)
+        for table, (ids, _) in zip(tables, parts, strict=True):
+            self._check_ids(table, ids)
+        engine = self.engine
+        logging_on = engine.wal is not None
+        base = int(header.request_id)
+
+        def decide(log: LogFn) -> list[RowPushOutcome]:
+            prepared = [
+                self.tables.prepare(
+                    engine.core.cluster,
+                    header.worker_id,
+                    base + i,
+                    int(header.clock),
+                    table.spec.name,
+                    ids,
+                    grads,
+                )
+                for i, (table, (ids, grads)) in enumerate(zip(tables, parts, strict=True))
+            ]
+            now = engine.now()
+            if logging_on:
+                records = [
+                    wal_records.push_rows(p, header.worker_id, now)
+                    for p in prepared
+                    if p.duplicate is None and p.ids.shape[0]
+                ]
+                log(records)  # all or none (a refused write: nothing applied)
+            return [self.tables.commit(p, now_s=now) for p in prepared]
+
+        outcomes = await engine.mutate(decide, duplicate=lambda got: any(o.duplicate for o in got))
+        for table in tables:
+            await self._maybe_expire(table)
+        return tpb.PushRowsManyResponse(
+            tables=[
+                tpb.PushRowsResponse(
+                    duplicate=o.duplicate,
+                    queued=o.queued,
+                    distinct=o.result.distinct,
+                    applied=o.result.applied,
+                    filtered=o.result.filtered,
+                    staleness=o.staleness,
+                )
+                for o in outcomes
+            ]
         )
 
     async def _maybe_expire(self, table: EmbeddingTable) -> None:
