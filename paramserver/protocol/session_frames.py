@@ -223,6 +223,8 @@ def pack_slot_batch(
             for v in values
         ]
     parts[1::2] = last.pads
+    if len(values) == 1 and not last.pads[0]:
+        del parts[1]  # (one key without padding: the join of its bytes alone is no copy)
     data = b"".join(parts)
     need = last.offsets[-1] + values[-1].nbytes + len(last.pads[-1]) if values else 0
     if len(data) != need:
