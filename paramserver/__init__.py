@@ -11,7 +11,9 @@ The public API is this package's ``__all__``::
             print(worker.pull(["w"])["w"])
 
 - Sessions with a server: :func:`connect` (async; routes over every shard of a sharded cluster),
-  :func:`connect_sync` (blocking), :class:`WorkerClient`, :class:`ClusterWorkerClient`,
+  :func:`connect_sync` (blocking), :func:`connect_from_env` / :func:`connect_sync_from_env`
+  (the server and worker name a launcher such as ``paramserver run`` sets in the environment),
+  :class:`WorkerClient`, :class:`ClusterWorkerClient`,
   :class:`SyncWorkerClient`, :class:`PushAck`, :class:`RowPushAck`, :class:`RetryPolicy`,
   :class:`ClientSecurity`.
 - What a key or table is: :class:`UpdateRule` (server-side optimizer of a dense key),
@@ -62,7 +64,9 @@ if TYPE_CHECKING:
         SyncWorkerClient,
         WorkerClient,
         connect,
+        connect_from_env,
         connect_sync,
+        connect_sync_from_env,
     )
     from paramserver.worker_client.compression import Cast, TopK
 
@@ -90,6 +94,8 @@ _LAZY = {
     "WorkerClient": "paramserver.worker_client",
     "connect": "paramserver.worker_client",
     "connect_sync": "paramserver.worker_client",
+    "connect_from_env": "paramserver.worker_client.env",
+    "connect_sync_from_env": "paramserver.worker_client.env",
     "Cast": "paramserver.worker_client.compression",
     "TopK": "paramserver.worker_client.compression",
     **{
@@ -145,8 +151,10 @@ __all__ = [
     "WorkerClient",
     "__version__",
     "connect",
+    "connect_from_env",
     "connect_reduction",
     "connect_sync",
+    "connect_sync_from_env",
     "local_cluster",
 ]
 

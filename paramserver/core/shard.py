@@ -85,6 +85,24 @@ class CoreObserver:
         """Take back :meth:`state` from a checkpoint (an empty mapping: nothing saved)."""
 
 
+@dataclass
+class NameProgress:
+    """What the registrations of one worker name completed (kept across re-registration and
+    replacement, so a restarted worker can resume its data where its name left off).
+
+    Attributes:
+        steps: Iterations completed: ``clock()`` calls of this name that advanced a clock.
+        clock: The clock its newest registration reached (a registration that joins late
+            starts at the live minimum, so ``clock`` may exceed ``steps``).
+    """
+
+    steps: int = 0
+    clock: int = 0
+
+
+#: Worker names whose progress a shard keeps (the oldest updated is forgotten first).
+PROGRESS_NAMES_KEPT = 65536
+
 #: Applies validated gradients of one push (see :meth:`ServerCore.push`).
 Applier = Callable[[list[Checked]], None]
 
@@ -171,6 +189,10 @@ class ServerCore:
         #: ``paramserver status`` lists per worker. Counted where :attr:`applied_updates` is
         #: (:meth:`_count_applied`), so WAL replay rebuilds it; checkpoints keep it.
         self.applied_by_registration: dict[str, int] = {}
+        #: Per worker name: the iterations its registrations completed and the clock reached
+        #: (:class:`NameProgress`). Counted in :meth:`clock`, so WAL replay rebuilds it;
+        #: checkpoints keep it.
+        self.progress: dict[str, NameProgress] = {}
         self.duplicate_pushes = 0
         self.rejected_pushes = 0
         #: BSP aggregates not applied because their result would overflow the key's dtype.
@@ -496,11 +518,23 @@ class ServerCore:
     def clock(self, worker_id: str, clock: int, *, log: Callable[[], None] | None = None) -> int:
         """End iteration ``clock``; closes BSP steps every live worker finished. ``log`` is
         called before the clock advances (see :meth:`ClusterState.clock`)."""
+        before = self.cluster.workers[worker_id].clock if worker_id in self.cluster.workers else -1
         new = self.cluster.clock(worker_id, clock, log=log)
-        if new == clock + 1:
-            self.observer.clocked(self.cluster.workers[worker_id].name, clock)
+        if new == clock + 1 and before == clock:  # advanced (a repeated clock changes nothing)
+            name = self.cluster.workers[worker_id].name
+            self.observer.clocked(name, clock)
+            self._count_progress(name, new)
         self._advance()
         return new
+
+    def _count_progress(self, name: str, clock: int) -> None:
+        """One more completed iteration of ``name``, which reached ``clock``."""
+        record = self.progress.pop(name, None) or NameProgress()
+        record.steps += 1
+        record.clock = clock
+        self.progress[name] = record  # (re)inserted last: the dict is oldest-updated first
+        while len(self.progress) > PROGRESS_NAMES_KEPT:
+            del self.progress[next(iter(self.progress))]
 
     def _report_progress(self) -> None:
         mark = self.bsp_step if self.aggregator is not None else self.cluster.min_clock()

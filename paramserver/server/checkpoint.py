@@ -19,8 +19,10 @@ bfloat16 tensors are stored as their uint16 bit patterns (safetensors' numpy API
 ml_dtypes), with the true dtype in the manifest.
 
 The per-worker counts ``paramserver status`` shows are part of the state: the applied gradients
-per registration (``"applied_by_registration"``) and the observer's barrier totals per worker
-name with the clock times of the step still open (``"observations"``). A checkpoint written
+per registration (``"applied_by_registration"``), the iterations each worker name completed
+and the clock it reached (``"progress"``: what a restarted worker resumes its data from) and
+the observer's barrier totals per worker name with the clock times of the step still open
+(``"observations"``). A checkpoint written
 before they were saved restores what can be derived from it: under SSP/ASP each registration's
 applied count is the number of its remembered request ids whose push was applied (exact while
 its pushes fit the dedup window); under BSP (the ids do not say which step a push joined, and a
@@ -48,7 +50,7 @@ from safetensors.numpy import load_file, save_file
 
 from paramserver.core.aggregation import GradientUpdate
 from paramserver.core.consistency import WorkerRecord
-from paramserver.core.shard import PushResult, ServerCore
+from paramserver.core.shard import NameProgress, PushResult, ServerCore
 from paramserver.core.store import ParameterStore
 from paramserver.errors import ParamServerError
 from paramserver.server.checkpoint_cut import shard_manifest
@@ -251,6 +253,7 @@ class CheckpointManager:
             "store": meta,
             "applied_updates": core.applied_updates,
             "applied_by_registration": dict(core.applied_by_registration),
+            "progress": {name: [p.steps, p.clock] for name, p in core.progress.items()},
             "observations": core.observer.state(),
             "bsp_step": core.bsp_step,
             "min_clock": cluster.min_clock(),
@@ -354,6 +357,10 @@ class CheckpointManager:
             }
         else:  # written before the counts were saved: what the dedup windows tell
             core.applied_by_registration = _applied_counts_from_dedup(core, dedup)
+        core.progress = {  # (a checkpoint written before progress was kept: none)
+            str(name): NameProgress(int(steps), int(clock))
+            for name, (steps, clock) in (manifest.get("progress") or {}).items()
+        }
         core.observer.restore(manifest.get("observations") or {})
         queue = manifest.get("bsp_queue") or {"updates": [], "release_after_step": {}}
         core.restore_bsp_queue(

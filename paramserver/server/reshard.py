@@ -15,7 +15,8 @@ a shard whose own checkpoint directory is still empty writes its part of the cut
 
 The resharded state is the cut's parameters, optimizer state and step (BSP) / minimum clock
 (SSP/ASP), and every embedding table's rows, optimizer state and frequency-filter counts, each
-row moved to shard ``hash64(table, id) mod N``; worker registrations, push dedup tables and
+row moved to shard ``hash64(table, id) mod N``, and each worker name's progress (the fewest
+iterations any old shard counted for it); worker registrations, push dedup tables and
 BSP gradients (dense or rows) queued in the open step are not carried over (workers of the new
 cluster register afresh, start at the cut's clock and redo that step). Sources may also be
 directories holding ``shard-*`` checkpoint directories (the layout this tool writes).
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from paramserver.core.optimizers import UpdateRule
-from paramserver.core.shard import ServerCore
+from paramserver.core.shard import NameProgress, ServerCore
 from paramserver.core.sharding import (
     DEFAULT_SLICE_BYTES,
     TensorLayout,
@@ -366,6 +367,7 @@ def reshard(
     applied = max(int(m.get("applied_updates", 0)) for m in cut.manifests)
     epoch = max(int(m.get("membership_epoch", 0)) for m in cut.manifests) + 1
     incarnations = max(int(m.get("incarnations", 0)) for m in cut.manifests)
+    progress = _merged_progress(cut.manifests)
     addr = list(addresses) if addresses else [f"unassigned-{i}:0" for i in range(num_shards)]
     written = []
     for i in range(num_shards):
@@ -385,6 +387,7 @@ def reshard(
         core.cluster.epoch = epoch
         core.cluster.incarnations = incarnations
         core.cluster.restore_floor(cut.step)
+        core.progress = {name: NameProgress(*p) for name, p in progress.items()}
         if core.aggregator is not None:
             core.aggregator.current_step = cut.step
         path = CheckpointManager(out_dirs[i]).save(core)
@@ -400,6 +403,21 @@ def reshard(
         "keys": len(model),
         "written": written,
     }
+
+
+def _merged_progress(manifests: Sequence[Mapping[str, Any]]) -> dict[str, tuple[int, int]]:
+    """Each worker name's (steps, clock) over the cut's shards: the fewest iterations any
+    shard counted (every shard counts every iteration of a name, so the fewest is what all of
+    them saw end); a name some shard never counted is left out."""
+    each = [
+        {
+            str(n): (int(steps), int(clock))
+            for n, (steps, clock) in (m.get("progress") or {}).items()
+        }
+        for m in manifests
+    ]
+    common = set(each[0]).intersection(*each[1:]) if each else set()
+    return {name: min(p[name] for p in each) for name in sorted(common)}
 
 
 # ------------------------------------------------------------------------------ daemon hooks

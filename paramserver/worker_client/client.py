@@ -98,6 +98,36 @@ class PushAck:
     live_workers: int
 
 
+@dataclass(frozen=True)
+class WorkerProgress:
+    """What the registrations of one worker name completed, as the cluster records it (kept
+    across re-registration and replacement, in checkpoints and the write-ahead log).
+
+    Attributes:
+        worker_name: The name.
+        steps: Iterations completed: ``clock()`` calls of this name that advanced its clock,
+            by every registration of the name (0 for a name the cluster never saw). A worker
+            that trains one batch per iteration has trained this many of its batches.
+        clock: The clock its newest registration reached (a registration that joins late
+            starts at the cluster's minimum clock, so this may exceed ``steps``).
+    """
+
+    worker_name: str
+    steps: int
+    clock: int
+
+
+def progress_of(statuses: Iterable[pb.StatusResponse], worker_name: str) -> WorkerProgress:
+    """``worker_name``'s progress over shards' statuses: the fewest iterations any shard
+    counted (every shard counts each iteration; the fewest is what all of them saw end)."""
+    found = []
+    for st in statuses:
+        mine = [(int(p.steps), int(p.clock)) for p in st.progress if p.worker_name == worker_name]
+        found.append(mine[0] if mine else (0, 0))  # a shard that never saw it: nothing done
+    steps, clock = min(found, default=(0, 0))
+    return WorkerProgress(worker_name, steps, clock)
+
+
 class ParameterServerStub(pb_grpc.ParameterServerStub):  # type: ignore[misc]
     """The generated stub, with Push requests written and Pull responses read by
     :mod:`paramserver.protocol.wire` (tensor frames without protobuf copies of their payload; the
@@ -664,6 +694,13 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         return await self._call(
             lambda: self.stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s), "status"
         )
+
+    async def progress(self, worker_name: str | None = None) -> WorkerProgress:
+        """What the registrations of ``worker_name`` (default: this worker's name) completed:
+        a worker that restarts, or replaces another under its name, resumes its data here
+        (e.g. skips ``steps`` batches it already trained). Asks the server (one Status call).
+        """
+        return progress_of([await self.status()], worker_name or self.worker_name)
 
 
 def normalized_tensors(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -47,8 +47,10 @@ EXPORTED = [
     "WorkerClient",
     "__version__",
     "connect",
+    "connect_from_env",
     "connect_reduction",
     "connect_sync",
+    "connect_sync_from_env",
     "local_cluster",
 ]
 
