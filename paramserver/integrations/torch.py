@@ -39,6 +39,8 @@ Embedding tables (``docs/embedding-tables.md``): :class:`RemoteEmbedding` and
 server table: forward pulls the batch's unique rows, backward pushes their sparse gradients
 (summed per id) for the table's server-side rule to apply. The bag takes ``per_sample_weights``,
 ``padding_idx`` and ``include_last_offset`` as ``torch.nn.EmbeddingBag`` does.
+:class:`RemoteEmbeddingBagCollection` (:mod:`paramserver.integrations.torch_collection`) pools
+many sparse features (keyed jagged ids) with one request per shard each way.
 """
 
 from __future__ import annotations
@@ -64,10 +66,19 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         name="torch",
     ) from exc
 
+from paramserver.integrations.torch_collection import (
+    KeyedJaggedIds,
+    RemoteBagTable,
+    RemoteEmbeddingBagCollection,
+)
+
 __all__ = [
+    "KeyedJaggedIds",
     "MissingGrad",
+    "RemoteBagTable",
     "RemoteEmbedding",
     "RemoteEmbeddingBag",
+    "RemoteEmbeddingBagCollection",
     "TorchWorker",
     "gradients",
     "init_from_module",
