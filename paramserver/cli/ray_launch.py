@@ -125,8 +125,9 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--base-port", type=int, default=50051, help="shard i listens on BASE_PORT+i")
     p.add_argument(
         "--state-dir",
-        default="/tmp/paramserver-ray",
-        help="per-node directory of shard-<i>/checkpoints and shard-<i>/wal",
+        help="per-node directory of shard-<i>/checkpoints and shard-<i>/wal; the same one "
+        "again resumes a job (default: one per job, <system temp dir>/paramserver-ray/<job "
+        "id>, named in the result's state_dir)",
     )
     p.add_argument(
         "--serve-args",

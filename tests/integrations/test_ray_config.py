@@ -1,10 +1,14 @@
-"""paramserver.integrations.ray without a cluster: the job config's checks, and the CLI's lazy
-import of Ray."""
+"""paramserver.integrations.ray without a cluster: the job config's checks, each job's own state
+directory, the warning about a cluster without token authentication, and the CLI's lazy import
+of Ray."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +65,57 @@ def test_ray_launch_names_the_flag_of_a_bad_value() -> None:
     assert out.returncode == 2, out.stderr
     assert "--shards and --workers must be >= 1, got 0 and 4" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_two_launches_with_default_settings_do_not_share_state(tmp_path: Path) -> None:
+    """Each launch with the default settings keeps its shards' state in a directory of its own
+    (a second job must never restore the first one's model); a given --state-dir is used as
+    it is, so passing the same one again resumes a job."""
+    pytest.importorskip(
+        "ray", reason="paramserver.integrations.ray needs Ray: pip install 'paramserver[ray]'"
+    )
+    from paramserver.cli.main import build_parser
+    from paramserver.cli.ray_launch import _job_config
+    from paramserver.integrations.ray import RayJobConfig, RayShardGroup
+
+    cli_default = _job_config(build_parser().parse_args(["ray-launch"]), RayJobConfig)
+    for config in (RayJobConfig(), cli_default):
+        first, second = RayShardGroup(config), RayShardGroup(config)
+        a, b = Path(first.state_dir), Path(second.state_dir)
+        assert a != b and a not in b.parents and b not in a.parents
+        for d in (a, b):
+            assert d.parent == Path(tempfile.gettempdir()) / "paramserver-ray"
+            assert d.name.startswith(f"{config.name}-")
+        assert first.job_id != second.job_id
+    given = RayJobConfig(state_dir=str(tmp_path))
+    assert RayShardGroup(given).state_dir == RayShardGroup(given).state_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize(("mode", "warned"), [("disabled", True), ("token", False)])
+def test_the_launcher_warns_once_when_the_cluster_has_no_token_auth(
+    mode: str, warned: bool
+) -> None:
+    """A driver that joined its cluster with Ray's token authentication off found an open
+    cluster (one with it refuses such a driver): one warning line. RAY_AUTH_MODE is read when
+    Ray loads, hence a fresh process per mode."""
+    pytest.importorskip(
+        "ray", reason="paramserver.integrations.ray needs Ray: pip install 'paramserver[ray]'"
+    )
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
+        "from paramserver.integrations.ray.placement import warn_without_token_auth; "
+        "print(warn_without_token_auth())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, "RAY_AUTH_MODE": mode},
+    )
+    assert out.stdout.strip() == str(warned)
+    lines = [line for line in out.stderr.splitlines() if "no token authentication" in line]
+    assert len(lines) == (1 if warned else 0), out.stderr
+    if warned:
+        assert "RAY_AUTH_MODE=token" in lines[0]

@@ -9,7 +9,9 @@ Layout of a job (``paramserver ray-launch``, or :func:`launch` / :class:`RayShar
   worker connects. Shard i is a Ray actor pinned to bundle i that hosts the ``paramserver
   serve`` daemon in its own process (the same flags, parsed by the same parser), bound to its
   node's IP, with its own ``--checkpoint-dir`` and write-ahead log (``--wal``) under
-  ``<state_dir>/shard-<i>`` on that node.
+  ``<state dir>/shard-<i>`` on that node. The state directory is ``state_dir`` when given (the
+  same one again resumes a job), else one per job: ``<system temp dir>/paramserver-ray/<job
+  id>`` (:func:`job_state_dir`), so two jobs never share state by default.
 * **Restarts.** The actors have ``max_restarts`` > 0 (``shard_max_restarts``). Ray re-creates a
   dead shard actor in the same bundle, hence on the same node; its constructor binds the same
   address again and restores the newest checkpoint plus the log after it, so the shard comes
@@ -41,6 +43,8 @@ import inspect
 import json
 import logging
 import os
+import secrets
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -96,6 +100,60 @@ STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
 WORKER_FAILURE = ("fail", "continue")
 #: Shard i's start count, in its state directory (survives actor restarts on the node).
 STARTS_FILE = "starts"
+#: Directory (in the system temp dir of each node) of the per-job state directories.
+DEFAULT_STATE_ROOT = "paramserver-ray"
+
+
+def new_job_id(name: str) -> str:
+    """A fresh job id: ``<name>-<UTC start time>-<8 random hex digits>``, unique per launch."""
+    return f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
+
+
+def job_state_dir(state_dir: str | None, job_id: str) -> str:
+    """The directory a job keeps its shards' state under: ``state_dir`` when given, else
+    ``<system temp dir>/paramserver-ray/<job_id>`` (one per job, never shared)."""
+    if state_dir:
+        return state_dir
+    return os.path.join(tempfile.gettempdir(), DEFAULT_STATE_ROOT, job_id)
+
+
+def token_auth_enabled() -> bool | None:
+    """Whether this process runs with Ray's token authentication (None: this Ray does not
+    say). Reads ``ray._raylet.get_authentication_mode``: Ray is loaded, so it costs
+    microseconds."""
+    try:
+        from ray._raylet import AuthenticationMode, get_authentication_mode
+
+        return bool(get_authentication_mode() == AuthenticationMode.TOKEN)
+    except (ImportError, AttributeError):
+        return None
+
+
+def warn_without_token_auth(shard: Any | None = None) -> bool:
+    """Log one warning when the Ray cluster this driver joined has no token authentication;
+    returns whether it warned.
+
+    A cluster with token authentication refuses a driver without its token, so a driver that
+    connected with authentication off found an open cluster. A driver with authentication on
+    (``RAY_AUTH_MODE=token``, or a token file that ``address="auto"`` picked up) may still have
+    joined an open one: then ``shard`` (a running shard actor, whose process runs in the mode its
+    node was started with) is asked, one actor call. ``ray start --head`` turns authentication
+    on only with ``RAY_AUTH_MODE=token`` or an existing token file.
+    """
+    enabled = token_auth_enabled()
+    if enabled and shard is not None:
+        try:
+            enabled = ray.get(shard.token_auth.remote(), timeout=30)
+        except Exception:  # a shard that does not answer: say nothing rather than guess
+            enabled = None
+    if enabled is not False:
+        return False
+    logger.warning(
+        "this Ray cluster has no token authentication: anyone who reaches its ports can run "
+        "code on it and reach the shards (start every node with RAY_AUTH_MODE=token; see "
+        "docs/engines.md)"
+    )
+    return True
 
 
 @dataclass(frozen=True)
@@ -108,7 +166,9 @@ class RayJobConfig:
         base_port: Shard i listens on ``<its node IP>:<base_port + i>`` (fixed: the same
             address after a restart).
         state_dir: Directory, on every node, under which shard i keeps ``shard-<i>/checkpoints``
-            and ``shard-<i>/wal``.
+            and ``shard-<i>/wal``; a directory holding an earlier job's state resumes that
+            job. None (the default): one per job, ``<system temp dir>/paramserver-ray/<job
+            id>`` (:func:`job_state_dir`).
         serve_args: Extra ``paramserver serve`` flags for every shard (consistency,
             staleness, checkpoint cadence, TLS, tokens...); the flags in
             :data:`MANAGED_SERVE_FLAGS` are the launcher's.
@@ -133,7 +193,7 @@ class RayJobConfig:
     num_shards: int = 2
     num_workers: int = 4
     base_port: int = 50051
-    state_dir: str = "/tmp/paramserver-ray"
+    state_dir: str | None = None
     serve_args: tuple[str, ...] = ()
     strategy: str = "SPREAD"
     shard_max_restarts: int = 3
@@ -240,12 +300,15 @@ class JobResult:
         shards: Every shard's state at the end (before teardown).
         metrics: Final metrics; the digits job: ``test_accuracy`` of the final parameters.
         elapsed_s: Seconds from the workers' submission to their last exit.
+        state_dir: Where the shards kept their state, on each shard's node (what a later
+            ``--restore-from`` reads).
     """
 
     workers: list[WorkerOutcome]
     shards: list[ShardInfo]
     metrics: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    state_dir: str = ""
 
     @property
     def ok(self) -> bool:
@@ -320,6 +383,11 @@ class ShardActor:
 
     def _run(self, coro: Any, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def token_auth(self) -> bool | None:
+        """Whether this shard's Ray worker process runs with token authentication (as its node
+        was started; None: this Ray does not say)."""
+        return token_auth_enabled()
 
     def info(self) -> ShardInfo:
         """This shard's address, node, process and counters."""
@@ -427,10 +495,14 @@ class RayShardGroup(Closing):
     Attributes:
         addresses: Shard addresses in shard order (fixed for the group's life).
         actors: The shard actors' handles, in shard order.
+        job_id: This group's job id (:func:`new_job_id`).
+        state_dir: Where its shards keep their state on their nodes (:func:`job_state_dir`).
     """
 
     def __init__(self, config: RayJobConfig) -> None:
         self.config = config
+        self.job_id = new_job_id(config.name)
+        self.state_dir = job_state_dir(config.state_dir, self.job_id)
         self.addresses: list[str] = []
         self.actors: list[Any] = []
         self._pg: PlacementGroup | None = None
@@ -469,17 +541,18 @@ class RayShardGroup(Closing):
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             self._pg, placement_group_bundle_index=i
                         ),
-                    ).remote(i, self.addresses, list(cfg.serve_args), cfg.state_dir)
+                    ).remote(i, self.addresses, list(cfg.serve_args), self.state_dir)
                 )
             refs = [a.info.remote() for a in self.actors]
             done = _ray_ready(refs, cfg.start_timeout_s, f"{cfg.num_shards} shards to serve")
             if len(done) < len(refs):
                 raise WaitTimeout(f"the shards did not all start within {cfg.start_timeout_s} s")
             ray.get(refs)  # a shard that failed to start raises here
+            warn_without_token_auth(self.actors[0])
         except BaseException:
             self.close()
             raise
-        logger.info("shards serving: %s", ",".join(self.addresses))
+        logger.info("shards serving: %s (state in %s)", ",".join(self.addresses), self.state_dir)
         return self
 
     def info(self, index: int, timeout_s: float = 60.0) -> ShardInfo:
@@ -597,6 +670,7 @@ class WorkerJob:
             shards=self.shards.infos(),
             metrics=metrics,
             elapsed_s=round(elapsed, 3),
+            state_dir=self.shards.state_dir,
         )
 
 
