@@ -19,24 +19,22 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from paramserver.cli.demos.digits import accuracy, load_digits_split
+from paramserver.cli.flags import add_client_security_flags
 from paramserver.cli.server_arg import add_server_arguments, server_address
-from paramserver.errors import ParamServerError
-from paramserver.security.tls import (
-    ClientSecurity,
-    add_client_security_flags,
-    client_security_from_args,
-)
-from paramserver.waiting import Wait
-from paramserver.worker_client.client import connect
+
+if TYPE_CHECKING:
+    from paramserver.security.tls import ClientSecurity
 
 
 async def evaluate(
     server: str, seed: int = 0, security: ClientSecurity | None = None
 ) -> dict[str, Any]:
     """Test accuracy of the cluster's current digits model (an observer read)."""
+    from paramserver.cli.demos.digits import accuracy, load_digits_split
+    from paramserver.worker_client.client import connect
+
     async with connect(
         server, worker_name="cluster-check", heartbeat=False, security=security
     ) as ps:
@@ -55,6 +53,8 @@ async def evaluate(
 
 def wait_for_results(directory: Path, names: list[str], timeout_s: float) -> dict[str, int | None]:
     """Exit status per expected job (None: not reported within ``timeout_s``)."""
+    from paramserver.waiting import Wait
+
     deadline = time.monotonic() + timeout_s
     found: dict[str, int | None] = dict.fromkeys(names)
     with Wait(f"jobs to report in {directory}", deadline=deadline) as waiting:
@@ -78,6 +78,9 @@ def wait_for_results(directory: Path, names: list[str], timeout_s: float) -> dic
 
 
 def _cmd_cluster_check(args: argparse.Namespace) -> int:
+    from paramserver.errors import ParamServerError
+    from paramserver.security.tls import client_security_from_args
+
     server = server_address(args)
     results = Path(args.results_dir)
     results.mkdir(parents=True, exist_ok=True)

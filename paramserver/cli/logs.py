@@ -23,10 +23,10 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from paramserver.errors import InvalidArgument
-from paramserver.waiting import WAIT_FIELD, WaitReport, wait_hook
+if TYPE_CHECKING:
+    from paramserver.waiting import WaitReport
 
 __all__ = [
     "LOG_FORMATS",
@@ -78,6 +78,8 @@ def resolve_log_format(flag: str | None, env: Mapping[str, str]) -> str:
     value = flag if flag is not None else env.get(LOG_FORMAT_ENV) or "text"
     value = value.strip().lower()
     if value not in LOG_FORMATS:
+        from paramserver.errors import InvalidArgument
+
         raise InvalidArgument(
             f"log format must be one of {', '.join(LOG_FORMATS)}, got {value!r} "
             f"(--log-format or {LOG_FORMAT_ENV})"
@@ -132,8 +134,14 @@ class _LibraryWaitRecords(logging.Filter):
     """Leaves out the library's own record of a wait's first report: the wait printer shows
     the same words (and then more, every few seconds)."""
 
+    def __init__(self) -> None:
+        from paramserver.waiting import WAIT_FIELD
+
+        super().__init__()
+        self._field = WAIT_FIELD
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.name == WAIT_LOGGER or not hasattr(record, WAIT_FIELD)
+        return record.name == WAIT_LOGGER or not hasattr(record, self._field)
 
 
 @contextlib.contextmanager
@@ -146,6 +154,8 @@ def wait_printer(prog: str, log_format: str) -> Iterator[None]:
     when the log level lets INFO through (``--log-level WARNING`` keeps a command quiet); the
     library's own INFO record of each wait is then left out of the log (the printer's line
     says it)."""
+    from paramserver.waiting import wait_hook
+
     log = logging.getLogger(WAIT_LOGGER)
 
     def show(report: WaitReport) -> None:

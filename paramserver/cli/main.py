@@ -1,21 +1,71 @@
 """The ``paramserver`` command line: one subcommand per entry point (``paramserver --help``).
 
 Each subcommand lives beside the code it runs; this module only wires the parsers.
-Only entry points configure logging handlers.
+:data:`COMMANDS` names every subcommand's module, which is imported only when that subcommand is
+given: ``paramserver --help`` imports none of them, ``paramserver serve ...`` only
+:mod:`paramserver.cli.serve`. A command's module keeps its own imports light (argparse, the
+standard library, :mod:`paramserver.cli.flags`) and loads what the command runs inside the
+handler, so ``paramserver COMMAND --help`` starts as fast as the interpreter.
+
+Adding a command is one entry in :data:`COMMANDS`; its module defines
+``add_subcommands(sub)``, which adds the command's parser (``sub.add_parser(NAME, ...)``) and
+sets its handler (``set_defaults(func=...)``). Only entry points configure logging handlers.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
-import grpc
+from paramserver.cli.logs import LOG_FORMAT_ENV, LOG_FORMATS
 
-from paramserver.cli.logs import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging, wait_printer
-from paramserver.errors import InvalidArgument, ParamServerError, from_rpc_error
+if TYPE_CHECKING:
+    from paramserver.errors import ParamServerError
+
+#: Every subcommand, in the order ``paramserver --help`` lists them: the module that registers
+#: and runs it (imported only when the command is given) and its line in ``paramserver --help``.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("paramserver.cli.serve", "run a parameter-server shard"),
+    "status": (
+        "paramserver.cli.serve",
+        "print a server's workers, clocks, stragglers and keys (table or JSON)",
+    ),
+    "checkpoint": ("paramserver.cli.serve", "ask a server to write a checkpoint now"),
+    "health": ("paramserver.cli.health", "gRPC health check of a server; exit 0 iff SERVING"),
+    "reshard": (
+        "paramserver.cli.ops",
+        "rewrite a sharded cluster's newest common checkpoint cut for another shard count",
+    ),
+    "worker": ("paramserver.cli.training", "train the digits model against a running server"),
+    "demo": (
+        "paramserver.cli.training",
+        "start a local cluster (1 server + N workers) training on digits",
+    ),
+    "torch-demo": (
+        "paramserver.cli.training",
+        "the demo with torch.nn workers (= demo --framework torch --workers 2)",
+    ),
+    "cluster-check": (
+        "paramserver.cli.cluster_check",
+        "verdict job of the compose cluster: jobs' exit codes + the model's accuracy",
+    ),
+    "rank-server": (
+        "paramserver.cli.rank",
+        "serve one rank's block pools (G1/G2/G3 + object tier) for an SPMD group",
+    ),
+    "spmd-demo": (
+        "paramserver.cli.rank",
+        "two instances x 2 rank servers: fill, offload, onboard, verify, report GB/s",
+    ),
+    "ray-launch": (
+        "paramserver.cli.ray_launch",
+        "run a job on a Ray cluster: shards as actors, workers as tasks (paramserver[ray])",
+    ),
+}
 
 #: Subcommands that run until stopped (or train): they take ``--log-level`` and ``--log-format``
 #: after their name too.
@@ -37,7 +87,13 @@ DESCRIPTION = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``paramserver`` parser.
+
+    Args:
+        commands: The subcommands built with their flags (their modules are imported); every
+            other one is only its name and help line. None: every subcommand with its flags.
+    """
     parser = _OneLineParser(prog="paramserver", description=DESCRIPTION)
     parser.add_argument(
         "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
@@ -49,29 +105,39 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"text (default) or json: one JSON object per line (env {LOG_FORMAT_ENV})",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    # Imported here, not at module level, so `paramserver --help` stays cheap to reach.
-    from paramserver.cli import cluster_check, ops
-    from paramserver.cli import rank as spmd_cli
-    from paramserver.cli import ray_launch as ray_cli
-    from paramserver.cli import serve as daemon
-    from paramserver.cli.demos import digits as training
-
-    for module in (daemon, ops, training, cluster_check, spmd_cli, ray_cli):
-        module.add_subcommands(sub)
-    for name, command in sub.choices.items():
-        if name in LONG_RUNNING:  # also accepted after the subcommand
-            command.add_argument(
+    # A module registers every command it holds (all of COMMANDS' names mapped to it).
+    modules = {m for name, (m, _) in COMMANDS.items() if commands is None or name in commands}
+    for name, (module, help_line) in COMMANDS.items():
+        if module not in modules:  # listed, not built: its module stays unimported
+            sub.add_parser(name, help=help_line)
+        elif name not in sub.choices:
+            importlib.import_module(module).add_subcommands(sub)
+    for name, command_parser in sub.choices.items():
+        if name in LONG_RUNNING and COMMANDS[name][0] in modules:  # also after the subcommand
+            command_parser.add_argument(
                 "--log-level",
                 default=argparse.SUPPRESS,
                 help="logging level (DEBUG, INFO, WARNING, ...)",
             )
-            command.add_argument(
+            command_parser.add_argument(
                 "--log-format",
                 choices=LOG_FORMATS,
                 default=argparse.SUPPRESS,
                 help=f"text (default) or json, one object per line (env {LOG_FORMAT_ENV})",
             )
     return parser
+
+
+def command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (the first word that is not an option or the value of
+    ``--log-level``/``--log-format``); None when it names none of :data:`COMMANDS`."""
+    words = iter(argv)
+    for word in words:
+        if word in ("--log-level", "--log-format"):
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
 
 
 def error_line(exc: ParamServerError) -> str:
@@ -96,6 +162,11 @@ def run_command(prog: str, args: argparse.Namespace, log_format: str) -> int:
     ``code`` beside the message). Exit status: 2 for bad input or usage (INVALID_ARGUMENT),
     1 for any other error, 130 on Ctrl-C. While it runs, every wait it sits in is shown
     (:func:`paramserver.cli.logs.wait_printer`)."""
+    import grpc
+
+    from paramserver.cli.logs import wait_printer
+    from paramserver.errors import InvalidArgument, ParamServerError, from_rpc_error
+
     try:
         with wait_printer(prog, log_format):
             return int(args.func(args) or 0)
@@ -115,8 +186,13 @@ def run_command(prog: str, args: argparse.Namespace, log_format: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = command_of(words)
+    parser = build_parser([command] if command is not None else [])
+    args = parser.parse_args(words)  # --help ends here, before anything below is imported
+    from paramserver.cli.logs import configure_logging
+    from paramserver.errors import InvalidArgument
+
     try:
         log_format = configure_logging(args.log_level, args.log_format)
     except InvalidArgument as exc:  # a bad PARAMSERVER_LOG_FORMAT

@@ -51,22 +51,16 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from paramserver.core.sharding import parse_address
-from paramserver.errors import InvalidArgument
-from paramserver.security.http_access import add_metrics_flags
-from paramserver.security.tls import (
+from paramserver.cli.flags import (
     add_client_security_flags,
+    add_metrics_flags,
     add_server_security_flags,
-    client_security_from_args,
-    peer_security,
-    server_security_from_args,
-    token_from_sources,
 )
-from paramserver.spmd.faults import Faults
-from paramserver.spmd.layout import parse_layout_spec
-from paramserver.spmd.rank_server.rank_config import RankServerConfig
+
+if TYPE_CHECKING:
+    from paramserver.spmd.rank_server.rank_config import RankServerConfig
 
 __all__ = [
     "DemoTargets",
@@ -186,6 +180,9 @@ def parse_rank_addresses(text: str, what: str = "addresses") -> list[str]:
         InvalidArgument: empty, a duplicate, or an item that is not ``host:port`` with a port
             in [1, 65535] (INVALID_ARGUMENT).
     """
+    from paramserver.errors import InvalidArgument
+    from paramserver.protocol.addresses import parse_address
+
     items = [item.strip() for item in text.split(",")]
     if not items or any(not item for item in items):
         raise InvalidArgument(f"{what}: expected HOST:PORT,HOST:PORT..., got {text!r}")
@@ -209,6 +206,8 @@ class DemoTargets:
     instance_b: tuple[str, ...]
 
     def __post_init__(self) -> None:
+        from paramserver.errors import InvalidArgument
+
         if not self.instance_a or len(self.instance_a) != len(self.instance_b):
             raise InvalidArgument(
                 f"instance A has {len(self.instance_a)} rank servers and B "
@@ -232,6 +231,8 @@ def demo_targets_from_args(
         InvalidArgument: only one instance given, malformed addresses, a ``--ranks`` that
             disagrees with the addresses, or a bad ``--wait-s`` (INVALID_ARGUMENT).
     """
+    from paramserver.errors import InvalidArgument
+
     a_text = args.instance_a if args.instance_a is not None else _env(env, "INSTANCE_A")
     b_text = args.instance_b if args.instance_b is not None else _env(env, "INSTANCE_B")
     wait_raw: Any = args.wait_s if args.wait_s is not None else _env(env, "WAIT_S")
@@ -277,6 +278,17 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankSe
     Raises:
         InvalidArgument: malformed values (INVALID_ARGUMENT).
     """
+    from paramserver.errors import InvalidArgument
+    from paramserver.protocol.addresses import parse_address
+    from paramserver.security.tls import (
+        peer_security,
+        server_security_from_args,
+        token_from_sources,
+    )
+    from paramserver.spmd.faults import Faults
+    from paramserver.spmd.layout import parse_layout_spec
+    from paramserver.spmd.rank_server.rank_config import RankServerConfig
+
     kwargs: dict[str, Any] = {"instance_id": args.instance_id, "rank": args.rank}
 
     def pick(flag: Any, name: str, convert: Any) -> Any:
@@ -341,6 +353,9 @@ def _run_rank_server(args: argparse.Namespace) -> int:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from paramserver.cli.demos.spmd_demo import run_demo
+    from paramserver.errors import InvalidArgument
+    from paramserver.security.tls import client_security_from_args
+    from paramserver.spmd.layout import parse_layout_spec
 
     # Bad flags: InvalidArgument, one line and exit 2 (paramserver.cli.main.run_command).
     targets, wait_s = demo_targets_from_args(args, os.environ)

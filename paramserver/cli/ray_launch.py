@@ -11,11 +11,13 @@ import shlex
 import sys
 from typing import Any
 
-from paramserver.errors import InvalidArgument
+from paramserver.cli.training import add_model_flags
 
 
 def _load_function(spec: str) -> Any:
     """``package.module:function`` -> the function (importable on every Ray node too)."""
+    from paramserver.errors import InvalidArgument
+
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise InvalidArgument(f"--train must be MODULE:FUNCTION, got {spec!r}")
@@ -70,6 +72,7 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
     except ImportError:
         print("paramserver ray-launch: needs Ray: pip install 'paramserver[ray]'", file=sys.stderr)
         return 2
+    from paramserver.errors import InvalidArgument
     from paramserver.integrations.ray.placement import DigitsJob, RayJobConfig, launch
 
     try:
@@ -108,8 +111,6 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
 
 def add_subcommands(sub: Any) -> None:
     """Register ``ray-launch``."""
-    from paramserver.cli.demos.digits import add_model_flags
-
     p = sub.add_parser(
         "ray-launch",
         help="run a job on a Ray cluster: shards as actors, workers as tasks (paramserver[ray])",

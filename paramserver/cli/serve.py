@@ -9,37 +9,28 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from paramserver.cli.server_arg import add_server_arguments, server_address
-from paramserver.reduction.reduce_daemon import ReductionDaemon
-from paramserver.security.http_access import add_metrics_flags
-from paramserver.security.tls import (
-    ServerSecurity,
+from paramserver.cli.flags import (
     add_client_security_flags,
+    add_metrics_flags,
     add_server_security_flags,
-    client_security_from_args,
-    open_channel,
 )
-from paramserver.server.allocator import (
-    DEFAULT_RETAIN_BYTES,
-    MAX_RETAIN_BYTES,
-    MIN_RETAIN_BYTES,
-    retain_freed_memory,
-    user_malloc_settings,
-)
-from paramserver.server.config import ServerConfig
-from paramserver.server.observability.status_table import status_to_dict
-from paramserver.server.serving import run_loop, serve_until_signalled
-from paramserver.server.shard_daemon import ParameterServerDaemon
-from paramserver.waiting import Wait
+from paramserver.cli.server_arg import add_server_arguments, server_address
+
+if TYPE_CHECKING:
+    from paramserver.reduction.reduce_daemon import ReductionDaemon
+    from paramserver.server.config import ServerConfig
+    from paramserver.server.shard_daemon import ParameterServerDaemon
 
 logger = logging.getLogger(__name__)
 
 
 def daemon_for(config: ServerConfig) -> ParameterServerDaemon | ReductionDaemon:
     """The daemon of ``config.mode``: a parameter-server shard (``ps``) or a reduction server."""
+    from paramserver.reduction.reduce_daemon import ReductionDaemon
+    from paramserver.server.shard_daemon import ParameterServerDaemon
+
     return ReductionDaemon(config) if config.mode == "reduce" else ParameterServerDaemon(config)
 
 
@@ -48,6 +39,8 @@ async def run_daemon(
 ) -> None:
     """Serve ``config`` until SIGTERM/SIGINT, then shut down gracefully (``notes``: INFO lines
     logged once the server listens)."""
+    from paramserver.server.serving import serve_until_signalled
+
     await serve_until_signalled(
         daemon_for(config), grace_s=config.grace_s, port_file=port_file, notes=notes
     )
@@ -61,6 +54,9 @@ def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
     Raises:
         InvalidArgument: a bad flag, or unreadable certificates or token file (INVALID_ARGUMENT).
     """
+    from paramserver.security.tls import ServerSecurity
+    from paramserver.server.config import ServerConfig
+
     cli = {
         "host": args.host,
         "port": args.port,
@@ -102,6 +98,9 @@ def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "slice_bytes": args.slice_bytes,
         "shard_map_epoch": args.shard_map_epoch,
         "restore_from": args.restore_from,
+        "replicas": args.replicas,
+        "replica_index": args.replica_index,
+        "replica_addresses": args.replica_addresses,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "metrics_token_file": args.metrics_token_file,
@@ -122,6 +121,8 @@ def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
 def _cmd_serve(args: argparse.Namespace) -> int:
     # Bad flags, unreadable certificates or token file: InvalidArgument here, before any
     # socket (the entry point prints one line and exits 2; paramserver.cli.main.run_command).
+    from paramserver.server.serving import run_loop
+
     config = serve_config(args, os.environ)
     note = _retain_freed_memory(config.malloc_retain_bytes)
     daemon = run_daemon(config, port_file=args.port_file, notes=(note,))
@@ -132,6 +133,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _retain_freed_memory(limit: int) -> str:
     """Apply ``--malloc-retain-bytes`` to this process (before it allocates much); returns what
     took effect, logged once the server listens (a failed start stays one line)."""
+    from paramserver.server.allocator import retain_freed_memory, user_malloc_settings
+
     applied = retain_freed_memory(limit, os.environ)
     if applied:
         return f"malloc: freed blocks under {applied} bytes are kept for reuse"
@@ -152,6 +155,11 @@ def _ask(
     its deadline); a failed RPC becomes one line and exit 1
     (:func:`paramserver.cli.main.run_command`). A call that takes long is a wait the command
     shows (``waiting for ADDRESS (no answer yet; gives up at ...)``)."""
+    from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+    from paramserver.security.tls import client_security_from_args, open_channel
+    from paramserver.server.serving import run_loop
+    from paramserver.waiting import Wait
+
     security = client_security_from_args(args, os.environ)
 
     async def ask() -> Any:
@@ -170,7 +178,7 @@ def _ask(
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from paramserver.api.v1 import parameter_server_pb2 as pb
-    from paramserver.server.observability.status_table import render_status
+    from paramserver.server.observability.status_table import render_status, status_to_dict
 
     address = server_address(args)
     resp = _ask(args, address, lambda stub: stub.Status(pb.StatusRequest(), timeout=args.timeout_s))
@@ -274,9 +282,10 @@ def add_subcommands(sub: Any) -> None:
         type=int,
         help="glibc malloc keeps freed blocks below this many bytes for reuse instead of "
         "returning them to the kernel, so large per-round buffers do not fault in fresh pages "
-        f"every round (default {DEFAULT_RETAIN_BYTES} = {DEFAULT_RETAIN_BYTES >> 20} MiB; "
-        f"0 keeps glibc's defaults; otherwise {MIN_RETAIN_BYTES} (128 KiB, glibc's own "
-        f"threshold) to {MAX_RETAIN_BYTES}; env PARAMSERVER_MALLOC_RETAIN_BYTES; "
+        # The numbers are paramserver.server.allocator's (the parser does not import it).
+        "every round (default 536870912 = 512 MiB; "
+        "0 keeps glibc's defaults; otherwise 131072 (128 KiB, glibc's own "
+        "threshold) to 2147483647; env PARAMSERVER_MALLOC_RETAIN_BYTES; "
         "MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_ or those "
         "GLIBC_TUNABLES in the environment take precedence)",
     )
@@ -295,6 +304,19 @@ def add_subcommands(sub: Any) -> None:
         "--checkpoint-dir starts from this shard's part of their newest common cut",
     )
     add_metrics_flags(g)
+    rep = p.add_argument_group("shard replicas (docs/durability.md#shard-replicas)")
+    rep.add_argument(
+        "--replicas",
+        type=int,
+        help="replicas of this shard (1: none, the default); more needs --wal and "
+        "--checkpoint-dir: the primary acknowledges a mutation once every backup in sync "
+        "holds it durably",
+    )
+    rep.add_argument("--replica-index", type=int, help="this replica's index (0-based)")
+    rep.add_argument(
+        "--replica-addresses",
+        help="host:port,host:port,... of every replica of this shard in index order",
+    )
     add_server_security_flags(p)
     r = p.add_argument_group("reduction server (--mode reduce)")
     r.add_argument(

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import argparse
 
-from paramserver.core.sharding import parse_address
-from paramserver.errors import InvalidArgument
-
 __all__ = ["add_server_arguments", "server_address"]
 
 
@@ -32,6 +29,9 @@ def server_address(args: argparse.Namespace) -> str:
         InvalidArgument: none given, two different ones, or not ``HOST:PORT``, naming how it
             was given (INVALID_ARGUMENT: the command exits 2).
     """
+    from paramserver.errors import InvalidArgument
+    from paramserver.protocol.addresses import parse_address
+
     positional, flag = args.server_addr, args.server
     if positional and flag and positional.strip() != flag.strip():
         raise InvalidArgument(

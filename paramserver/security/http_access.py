@@ -17,12 +17,10 @@ The metrics endpoint lists key names, worker names and counters, so it is not fo
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from paramserver.errors import InvalidArgument
 
@@ -30,7 +28,6 @@ __all__ = [
     "DEFAULT_METRICS_HOST",
     "HttpSecurity",
     "MetricsEndpointConfig",
-    "add_metrics_flags",
     "authorized",
     "unauthorized_response",
 ]
@@ -156,30 +153,6 @@ class MetricsEndpointConfig:
         return HttpSecurity.from_files(
             self.metrics_token_file, self.metrics_tls_cert, self.metrics_tls_key
         )
-
-
-def add_metrics_flags(parser: argparse.ArgumentParser | Any) -> None:
-    """``--metrics-port/--metrics-host/--metrics-token-file/--metrics-tls-cert/--metrics-tls-key``
-    (the fields of :class:`MetricsEndpointConfig`) on a daemon's command or argument group."""
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve Prometheus metrics (/metrics) and the dashboard (/) on this port of "
-        "--metrics-host (0 = ephemeral; the bound port is logged: "
-        "'metrics on http://HOST:PORT/metrics')",
-    )
-    parser.add_argument(
-        "--metrics-host",
-        help="interface of the metrics endpoint (default 127.0.0.1, loopback only; 0.0.0.0 "
-        "exposes it, e.g. to a Prometheus in another container)",
-    )
-    parser.add_argument(
-        "--metrics-token-file",
-        help="file holding a bearer token every metrics request must present "
-        "(Authorization: Bearer TOKEN; others get 401)",
-    )
-    parser.add_argument("--metrics-tls-cert", help="PEM certificate: serve the metrics over HTTPS")
-    parser.add_argument("--metrics-tls-key", help="PEM private key of --metrics-tls-cert")
 
 
 def authorized(security: HttpSecurity | None, header_lines: Iterable[bytes]) -> bool:

@@ -66,8 +66,6 @@ from paramserver.security.tokens import (
 __all__ = [
     "ClientSecurity",
     "ServerSecurity",
-    "add_client_security_flags",
-    "add_server_security_flags",
     "bind",
     "bind_failure_reason",
     "client_security_from_args",
@@ -561,32 +559,6 @@ def token_from_sources(token_file: str | None, env: Mapping[str, str]) -> str | 
         token = env.get(ENV_PREFIX + "TOKEN", "").strip()
         return token or None
     return ClientSecurity(token_file=values["token_file"]).token
-
-
-def add_server_security_flags(parser: argparse.ArgumentParser | Any) -> None:
-    """``--tls-cert/--tls-key/--tls-ca/--auth-tokens`` on a server command."""
-    g = parser.add_argument_group("security (flags win over PARAMSERVER_TLS_* / _AUTH_TOKENS)")
-    g.add_argument("--tls-cert", help="PEM certificate this server presents (turns TLS on)")
-    g.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    g.add_argument("--tls-ca", help="PEM CA bundle: require client certificates (mutual TLS)")
-    g.add_argument(
-        "--auth-tokens",
-        help="file of 'ROLE TOKEN' lines (roles worker, admin): every RPC needs a bearer token",
-    )
-
-
-def add_client_security_flags(parser: argparse.ArgumentParser | Any, *, tls: bool = True) -> None:
-    """``--tls-ca/--tls-cert/--tls-key/--tls-server-name/--token-file`` on a client command
-    (``tls=False``: only the token flag, for commands that take the TLS flags as a server)."""
-    g = parser.add_argument_group("client security (flags win over PARAMSERVER_TLS_* / _TOKEN)")
-    if tls:
-        g.add_argument("--tls-ca", help="PEM CA bundle that signed the server's certificate")
-        g.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
-        g.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    g.add_argument("--tls-server-name", help="name on the server's certificate, if not the address")
-    g.add_argument(
-        "--token-file", help="file holding the bearer token (else PARAMSERVER_TOKEN_FILE/_TOKEN)"
-    )
 
 
 def _cli_values(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:

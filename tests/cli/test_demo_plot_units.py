@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paramserver.cli.demos.digits import consistency_list
+from paramserver.cli.training import consistency_list
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -160,7 +160,7 @@ def test_schema_validation_catches_a_bad_object() -> None:
 def test_shards_workers_and_rank_servers_agree(values: Path) -> None:
     from paramserver.cli.main import build_parser
     from paramserver.cli.serve import serve_config
-    from paramserver.core.sharding import parse_addresses
+    from paramserver.protocol.addresses import parse_addresses
 
     v = values_of(values)
     objs = render(values)

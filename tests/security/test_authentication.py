@@ -31,7 +31,7 @@ from paramserver.api.v1 import (
     spmd_pb2_grpc,
     tensor_pb2,
 )
-from paramserver.cli.ops import check_health
+from paramserver.cli.health import check_health
 from paramserver.errors import MalformedStream, PermissionDenied, Unauthenticated
 from paramserver.reduction.gossip_worker import GossipWorker
 from paramserver.reduction.reduce_client import connect_reduction

@@ -14,7 +14,7 @@ import pytest
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.cli.demos.local_cluster import start_servers, stop_servers
-from paramserver.cli.ops import check_health
+from paramserver.cli.health import check_health
 from paramserver.core.sharding import home_shard, layout_key, parse_name
 from paramserver.errors import InvalidArgument, KeyNotFound, NonFiniteGradient
 from paramserver.worker_client import UpdateRule, connect, connect_sync

@@ -12,7 +12,6 @@ import pytest
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.cli.main import error_line, run_command
 from paramserver.core.aggregation import DistributedOptimizer, Synchronous
-from paramserver.core.sharding import parse_address
 from paramserver.errors import (
     InvalidArgument,
     KeyNotFound,
@@ -20,6 +19,7 @@ from paramserver.errors import (
     PermissionDenied,
     Unavailable,
 )
+from paramserver.protocol.addresses import parse_address
 from paramserver.server.observability.status_table import render_status
 
 pytestmark = pytest.mark.timeout(30)

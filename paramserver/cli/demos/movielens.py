@@ -29,7 +29,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -239,24 +238,6 @@ def run_demo(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0 if ok else 1
-
-
-def add_flags(d: Any) -> None:
-    """Flags of the movielens demo (on ``paramserver demo``)."""
-    g = d.add_argument_group("--model movielens")
-    g.add_argument("--factors", type=int, default=16, help="latent factors k (default 16)")
-    g.add_argument(
-        "--reg", type=float, default=0.05, help="L2 weight of the factors (default 0.05)"
-    )
-    g.add_argument(
-        "--limit", type=int, help="use only the first N ratings, for short runs (default: all)"
-    )
-    g.add_argument(
-        "--rmse-tolerance",
-        type=float,
-        default=0.01,
-        help="relative RMSE gap allowed (default 0.01)",
-    )
 
 
 #: The digits demo's defaults of the shared flags -> this model's (used when left unchanged).
