@@ -1,0 +1,292 @@
+"""A worker-side hot-row cache with a staleness bound (HET: Miao et al., "HET: Scaling out Huge
+Embedding Model Training via Cache-enabled Distributed Framework", VLDB 2022).
+
+With Zipf-distributed ids most rows a batch pulls are the same hot rows as the batch before.
+:class:`RowCache` wraps a worker client (the async one: ``connect``) and keeps the rows it pulled,
+each stamped with the worker's clock when it was pulled (its version), and the row gradients it
+was given, summed per id:
+
+* **Read staleness.** A row pulled at clock f is served from the cache at clock c while
+  ``c - f <= s``; otherwise it is pulled again (with the table's own consistency wait). Rows
+  past the bound are dropped at each :meth:`RowCache.clock`.
+* **Write staleness.** Gradients of clock p are summed locally per (table, id) and pushed (one
+  several-table request per shard) at the latest by the :meth:`RowCache.clock` that ends clock
+  ``p + s``; the cached copies of the pushed ids are dropped then, so the next read pulls a row
+  that holds them.
+
+**Guarantee.** For s >= 1, a row read at clock c was pulled from the server at a clock
+``f >= c - s``: it misses at most the updates other workers applied after that pull (at most
+s clocks and the current one of theirs) and this worker's own gradients of clocks ``>= f``
+(none of them older than s clocks: those were pushed, and their rows dropped, at the clock
+ending ``p + s``). Deferred gradients are summed before they are pushed, so the table's rule
+sees one push of their sum per flush instead of one push per batch (the same update for
+``sgd`` up to float rounding; a different trajectory for adaptive rules). **s = 0 is exact:**
+the cache keeps nothing and defers nothing; every read is a pull and every push is sent at
+once, so training is bit for bit that of the client it wraps.
+
+Usage::
+
+    async with connect(address, worker_name="w0") as ps:
+        cache = RowCache(ps, staleness=2)
+        rows = await cache.pull_rows("items", ids)        # hot rows from memory
+        await cache.push_rows("items", ids, grads)        # summed locally
+        await cache.clock()                               # flushes what reached the bound
+        cache.stats.hit_rate
+
+Only this worker's reads are cached; a table's server-side consistency (asp, ssp, bsp) applies
+to the pulls the cache does make. With a bsp table use s = 0 (a deferred push would miss its
+step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from paramserver.errors import InvalidArgument
+from paramserver.worker_client.embedding import RowPushAck, check_ids, check_ids_many, check_rows
+from paramserver.worker_client.keyed import KeyedIds
+
+__all__ = ["CacheStats", "RowCache"]
+
+
+@dataclass
+class CacheStats:
+    """Counters of a :class:`RowCache` (rows are counted per distinct id of a read).
+
+    Attributes:
+        rows_requested: Distinct rows the caller read.
+        rows_hit: Of those, rows served from the cache.
+        rows_pulled: Rows pulled over the wire.
+        rows_pushed: Gradient rows pushed over the wire (after summing per id).
+        flushes: Pushes of deferred gradients.
+    """
+
+    rows_requested: int = 0
+    rows_hit: int = 0
+    rows_pulled: int = 0
+    rows_pushed: int = 0
+    flushes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of distinct rows read that the cache served (0 when nothing was read)."""
+        return self.rows_hit / self.rows_requested if self.rows_requested else 0.0
+
+
+@dataclass
+class _TableCache:
+    """One table's cached rows, sorted by id, with the clock each was pulled at; and its
+    deferred gradients (per clock, not yet summed)."""
+
+    ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    rows: np.ndarray | None = None
+    fetched: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    pending: list[tuple[npt.NDArray[np.int64], np.ndarray]] = field(default_factory=list)
+    oldest_pending: int | None = None
+
+    def lookup(self, uniq: npt.NDArray[np.int64], clock: int, s: int) -> npt.NDArray[np.int64]:
+        """Positions of ``uniq`` (sorted, distinct) among the cached ids whose rows are still
+        within the bound; -1 where not."""
+        n = self.ids.shape[0]
+        if n == 0:
+            return np.full(uniq.shape[0], -1, np.int64)
+        pos = np.searchsorted(self.ids, uniq)
+        pos_c = np.minimum(pos, n - 1)
+        ok = (pos < n) & (self.ids[pos_c] == uniq) & (clock - self.fetched[pos_c] <= s)
+        return np.where(ok, pos_c, -1)
+
+    def store(self, new_ids: npt.NDArray[np.int64], new_rows: np.ndarray, clock: int) -> None:
+        """Insert or refresh rows (``new_ids`` sorted, distinct)."""
+        if self.rows is None or self.ids.shape[0] == 0:
+            self.ids = new_ids.copy()
+            self.rows = np.array(new_rows)
+            self.fetched = np.full(new_ids.shape[0], clock, np.int64)
+            return
+        keep = ~np.isin(self.ids, new_ids, assume_unique=True)
+        ids = np.concatenate([self.ids[keep], new_ids])
+        rows = np.concatenate([self.rows[keep], new_rows])
+        fetched = np.concatenate([self.fetched[keep], np.full(new_ids.shape[0], clock, np.int64)])
+        order = np.argsort(ids, kind="stable")
+        self.ids, self.rows, self.fetched = ids[order], rows[order], fetched[order]
+
+    def drop(self, mask: npt.NDArray[np.bool_]) -> None:
+        keep = ~mask
+        self.ids = self.ids[keep]
+        self.fetched = self.fetched[keep]
+        if self.rows is not None:
+            self.rows = self.rows[keep]
+
+
+def _coalesce(
+    parts: list[tuple[npt.NDArray[np.int64], np.ndarray]],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """Distinct ids (sorted) and their float32 gradient rows summed in arrival order."""
+    ids = np.concatenate([p[0] for p in parts])
+    grads = np.concatenate([np.asarray(p[1], dtype=np.float32) for p in parts])
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    out = np.zeros((uniq.shape[0], grads.shape[1]), np.float32)
+    np.add.at(out, inverse, grads)
+    return uniq, out
+
+
+class RowCache:
+    """Worker-side row cache with staleness bound ``s`` over an async worker client.
+
+    Args:
+        client: The async client (``connect``): ``pull_rows_many``, ``push_rows_many``,
+            ``clock`` and ``clock_value``.
+        staleness: The bound s in clocks (0: exact, nothing cached or deferred).
+
+    Raises:
+        InvalidArgument: a negative staleness (INVALID_ARGUMENT).
+    """
+
+    def __init__(self, client: Any, staleness: int) -> None:
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise InvalidArgument(f"RowCache staleness must be an int >= 0, got {staleness!r}")
+        self.client = client
+        self.staleness = staleness
+        self.stats = CacheStats()
+        self._tables: dict[str, _TableCache] = {}
+
+    @property
+    def clock_value(self) -> int:
+        """The worker's clock (the wrapped client's)."""
+        return int(self.client.clock_value)
+
+    # ------------------------------------------------------------------ reads
+    async def pull_rows(self, table: str, ids: Any, **kw: Any) -> np.ndarray:
+        """As the client's ``pull_rows``, served from the cache within the bound."""
+        return (await self.pull_rows_many({table: ids}, **kw))[table]
+
+    async def pull_rows_many(
+        self, ids: Mapping[str, Any] | KeyedIds, **kw: Any
+    ) -> dict[str, np.ndarray]:
+        """As the client's ``pull_rows_many``: rows within the bound from the cache, the others
+        pulled in one request per shard and cached."""
+        arrays = check_ids_many(ids)
+        s = self.staleness
+        if s == 0:  # exact: every distinct row pulled now, nothing kept
+            split = {t: np.unique(a, return_inverse=True) for t, a in arrays.items()}
+            got = await self.client.pull_rows_many({t: u for t, (u, _) in split.items()}, **kw)
+            for u, _ in split.values():
+                self.stats.rows_requested += int(u.shape[0])
+                self.stats.rows_pulled += int(u.shape[0])
+            return {t: np.asarray(got[t])[inv.reshape(-1)] for t, (_, inv) in split.items()}
+        clock = self.clock_value
+        plans = {}
+        missing: dict[str, npt.NDArray[np.int64]] = {}
+        for t, a in arrays.items():
+            uniq, inverse = np.unique(a, return_inverse=True)
+            cache = self._tables.setdefault(t, _TableCache())
+            pos = cache.lookup(uniq, clock, s)
+            miss = pos < 0
+            plans[t] = (uniq, inverse, pos, miss)
+            self.stats.rows_requested += int(uniq.shape[0])
+            self.stats.rows_hit += int(uniq.shape[0] - miss.sum())
+            if miss.any() or uniq.shape[0] == 0:
+                missing[t] = uniq[miss]
+        pulled: dict[str, np.ndarray] = {}
+        if missing:
+            pulled = await self.client.pull_rows_many(missing, **kw)
+        out: dict[str, np.ndarray] = {}
+        for t, (uniq, inverse, pos, miss) in plans.items():
+            cache = self._tables[t]
+            if t in pulled:
+                fresh = np.asarray(pulled[t])
+                self.stats.rows_pulled += int(fresh.shape[0])
+                cache_rows = cache.rows
+                dim, dtype = fresh.shape[1], fresh.dtype
+            else:
+                cache_rows = cache.rows
+                assert cache_rows is not None
+                dim, dtype = cache_rows.shape[1], cache_rows.dtype
+                fresh = np.zeros((0, dim), dtype)
+            rows = np.empty((uniq.shape[0], dim), dtype)
+            hit = ~miss
+            if hit.any():
+                assert cache_rows is not None
+                rows[hit] = cache_rows[pos[hit]]
+            rows[miss] = fresh
+            if fresh.shape[0]:
+                cache.store(uniq[miss], fresh, clock)
+            out[t] = rows[inverse.reshape(-1)]
+        return out
+
+    # ------------------------------------------------------------------ writes
+    async def push_rows(self, table: str, ids: Any, grads: Any, **kw: Any) -> RowPushAck | None:
+        """As the client's ``push_rows``; deferred (summed locally) when s >= 1, then None."""
+        arr = check_ids(ids)
+        got = await self.push_rows_many({table: arr}, {table: check_rows(grads, arr.shape[0])})
+        return None if got is None else got[table]
+
+    async def push_rows_many(
+        self, ids: Mapping[str, Any] | KeyedIds, grads: Mapping[str, Any], **kw: Any
+    ) -> dict[str, RowPushAck] | None:
+        """As the client's ``push_rows_many`` at s = 0; for s >= 1 the gradients are kept,
+        summed per id at the flush, and pushed by :meth:`clock` within the bound (returns
+        None)."""
+        if self.staleness == 0:
+            arrays = check_ids_many(ids)
+            acks: dict[str, RowPushAck] = await self.client.push_rows_many(arrays, grads, **kw)
+            self.stats.rows_pushed += sum(int(np.unique(a).shape[0]) for a in arrays.values())
+            return acks
+        arrays = check_ids_many(ids)
+        if set(grads) != set(arrays):
+            raise InvalidArgument(
+                f"gradients for tables {sorted(grads)}, ids for tables {sorted(arrays)}"
+            )
+        clock = self.clock_value
+        for t, a in arrays.items():
+            g = check_rows(grads[t], a.shape[0])
+            if not np.isfinite(g).all():  # refused now, as the server would, not at the flush
+                raise InvalidArgument(f"table {t!r}: NaN or Inf in a gradient row")
+            cache = self._tables.setdefault(t, _TableCache())
+            cache.pending.append((a.copy(), np.array(g, dtype=np.float32)))
+            if cache.oldest_pending is None:
+                cache.oldest_pending = clock
+        return None
+
+    async def flush(self) -> dict[str, RowPushAck]:
+        """Push every deferred gradient now (one several-table request per shard) and drop
+        the cached rows of the pushed ids."""
+        ids: dict[str, npt.NDArray[np.int64]] = {}
+        grads: dict[str, np.ndarray] = {}
+        for t, cache in self._tables.items():
+            if cache.pending:
+                ids[t], grads[t] = _coalesce(cache.pending)
+        if not ids:
+            return {}
+        acks: dict[str, RowPushAck] = await self.client.push_rows_many(ids, grads)
+        self.stats.flushes += 1
+        for t, u in ids.items():
+            cache = self._tables[t]
+            cache.pending = []
+            cache.oldest_pending = None
+            cache.drop(np.isin(cache.ids, u, assume_unique=True))
+            self.stats.rows_pushed += int(u.shape[0])
+        return acks
+
+    # ------------------------------------------------------------------ clock
+    async def clock(self) -> int:
+        """End the iteration: push deferred gradients that reached the bound (those of clock
+        p at the clock ending p + s), drop rows past it, then the client's ``clock``."""
+        ending = self.clock_value
+        s = self.staleness
+        # Every deferred gradient goes in one flush (the oldest decides), so none waits past
+        # its bound and one request per shard carries them all.
+        if s and any(
+            c.oldest_pending is not None and ending >= c.oldest_pending + s
+            for c in self._tables.values()
+        ):
+            await self.flush()
+        new_clock: int = await self.client.clock()
+        for cache in self._tables.values():
+            if cache.ids.shape[0]:
+                cache.drop(new_clock - cache.fetched > s)
+        return new_clock

@@ -1,0 +1,99 @@
+"""The worker-side row cache (HET's bounded staleness) on a real server (127.0.0.1:0): exact
+at s = 0, reads and deferred pushes within the bound for s >= 1 (worker_client.row_cache)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paramserver.core.tables import Initializer, TableRule, TableSpec, initial_rows
+from paramserver.errors import InvalidArgument
+from paramserver.worker_client import connect
+from paramserver.worker_client.row_cache import RowCache
+from tests.harness import running_server
+
+pytestmark = pytest.mark.timeout(120)
+
+INIT = Initializer("normal", 0.1)
+
+
+def _spec(rule: TableRule) -> TableSpec:
+    return TableSpec("emb", 4, rule=rule, initializer=INIT, seed=7)
+
+
+async def _train(ps: object, cache: RowCache | None, steps: int) -> np.ndarray:
+    """Zipf ids; gradient = rows - target (so every step depends on what was read)."""
+    rng = np.random.default_rng(5)
+    reader = cache if cache is not None else ps
+    for _ in range(steps):
+        ids = ((rng.zipf(1.2, 64) - 1) % 200).astype(np.int64)
+        rows = await reader.pull_rows_many({"emb": ids})  # type: ignore[attr-defined]
+        grads = rows["emb"] - np.float32(1.0)
+        await reader.push_rows_many({"emb": ids}, {"emb": grads})  # type: ignore[attr-defined]
+        await reader.clock()  # type: ignore[attr-defined]
+    return await ps.pull_rows("emb", np.arange(200))  # type: ignore[attr-defined,no-any-return]
+
+
+async def test_staleness_zero_is_bit_for_bit_no_cache() -> None:
+    rule = TableRule("adagrad", lr=0.3)
+    async with running_server(consistency="asp") as d:
+        async with connect(d.address, "plain") as ps:
+            await ps.init_table(_spec(rule))
+            want = await _train(ps, None, 12)
+    async with running_server(consistency="asp") as d:
+        async with connect(d.address, "cached") as ps:
+            await ps.init_table(_spec(rule))
+            cache = RowCache(ps, staleness=0)
+            got = await _train(ps, cache, 12)
+    assert got.tobytes() == want.tobytes()
+    assert cache.stats.rows_hit == 0 and cache.stats.rows_pulled == cache.stats.rows_requested
+
+
+async def test_reads_and_deferred_pushes_stay_within_the_bound() -> None:
+    """sgd lr 0.5, gradient 1.0 on id 3 every clock, s = 2: reads at clocks 0..2 are the row
+    pulled at clock 0; the gradients of clocks 0..2 reach the server at the clock ending 2;
+    the read at clock 3 is pulled again and holds all three."""
+    s, lr = 2, 0.5
+    init = initial_rows(7, np.array([3]), 4, INIT)[0]
+    async with running_server(consistency="asp") as d:
+        async with connect(d.address, "w") as ps, connect(d.address, "obs") as obs:
+            await ps.init_table(_spec(TableRule("sgd", lr=lr)))
+            cache = RowCache(ps, staleness=s)
+            one = np.ones((1, 4), np.float32)
+            for clock in range(6):
+                row = (await cache.pull_rows("emb", [3]))[0]
+                pushed_clocks = 0 if clock <= s else 3  # the flush at the end of clock 2
+                want = init - np.float32(lr) * np.float32(pushed_clocks)
+                np.testing.assert_array_equal(row, want.astype(np.float32))
+                await cache.push_rows("emb", [3], one)
+                server = (await obs.pull_rows("emb", [3], observer=True))[0]
+                np.testing.assert_array_equal(server, want.astype(np.float32))  # deferred
+                await cache.clock()
+            server = (await obs.pull_rows("emb", [3], observer=True))[0]
+    # clocks 0..2 flushed at the end of 2, clocks 3..5 at the end of 5
+    np.testing.assert_allclose(server, init - np.float32(lr * 6), rtol=1e-6)
+    assert cache.stats.rows_pulled == 2 and cache.stats.rows_hit == 4
+    assert cache.stats.flushes == 2 and cache.stats.hit_rate == pytest.approx(4 / 6)
+
+
+async def test_other_workers_updates_show_within_s_clocks() -> None:
+    """Another worker pushes to id 9 every clock; a cached read at clock c returns the server's
+    row as it was at some clock >= c - s (observed independently by a plain reader)."""
+    s = 1
+    async with running_server(consistency="asp") as d:
+        async with connect(d.address, "a") as a, connect(d.address, "b") as b:
+            await a.init_table(_spec(TableRule("sgd", lr=1.0)))
+            cache = RowCache(a, staleness=s)
+            seen: list[np.ndarray] = []
+            for clock in range(6):
+                seen.append((await b.pull_rows("emb", [9]))[0].copy())
+                row = (await cache.pull_rows("emb", [9]))[0]
+                assert any(np.array_equal(row, v) for v in seen[max(0, clock - s) :])
+                await b.push_rows("emb", [9], np.ones((1, 4), np.float32))
+                await b.clock()
+                await cache.clock()
+
+
+def test_negative_staleness_is_refused() -> None:
+    with pytest.raises(InvalidArgument):
+        RowCache(object(), staleness=-1)
