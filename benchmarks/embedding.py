@@ -257,9 +257,7 @@ def run_paramserver(
         cpu0 = _proc_cpu_s(pid)
         results = _run_procs(_ps_worker, (address, dim, session, fused), workers, rounds)
         extra: dict[str, Any] = {"server_cpu_s": round(_proc_cpu_s(pid) - cpu0, 3)}
-        # Read back over the plain streams: independent of the transport under test (and of
-        # the Session's first shared-memory pull, which returned wrong rows on a fresh client
-        # when this benchmark was written).
+        # Read back over the plain streams: independent of the transport under test.
         with connect_sync(address, "bench-verify", session=False) as ps:
             extra.update(
                 verify(
