@@ -40,6 +40,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "paramserver.cli.ops",
         "rewrite a sharded cluster's newest common checkpoint cut for another shard count",
     ),
+    "export-tables": (
+        "paramserver.cli.export",
+        "write embedding tables' stored ids and rows from checkpoints, for serving",
+    ),
     "worker": ("paramserver.cli.training", "train the digits model against a running server"),
     "demo": (
         "paramserver.cli.training",
