@@ -300,8 +300,10 @@ def add_subcommands(sub: Any) -> None:
     g.add_argument("--shard-map-epoch", type=int, help="bump when the cluster is resharded")
     g.add_argument(
         "--restore-from",
-        help="DIR,DIR,...: checkpoint dirs of an earlier cluster (any shard count); an empty "
-        "--checkpoint-dir starts from this shard's part of their newest common cut",
+        help="DIR,DIR,...: state of an earlier cluster's shards (state dirs with "
+        "checkpoints/ and wal/, checkpoint dirs, or a dir of shard-<i> dirs; any shard count): "
+        "an empty --checkpoint-dir starts from their newest checkpoints plus their write-ahead "
+        "logs replayed after them, so nothing they acknowledged is lost",
     )
     add_metrics_flags(g)
     rep = p.add_argument_group("shard replicas (docs/durability.md#shard-replicas)")

@@ -42,7 +42,6 @@ from paramserver.core.sharding import (
     encode_layout,
     home_shard,
     layout_key,
-    parse_addresses,
     parse_name,
     plan_layout,
 )
@@ -422,8 +421,9 @@ def _merged_progress(manifests: Sequence[Mapping[str, Any]]) -> dict[str, tuple[
 
 # ------------------------------------------------------------------------------ daemon hooks
 def prepare_checkpoint_dir(config: ServerConfig) -> None:
-    """Before a shard restores: reshard ``restore_from`` into an empty checkpoint directory,
-    and refuse checkpoints written for another place in another cluster.
+    """Before a shard restores: refuse checkpoints written for another place in another
+    cluster (``--restore-from`` is restored before this, by
+    :func:`paramserver.server.restore.prepare_checkpoint_dir`).
 
     Raises:
         ReshardError: the newest checkpoint belongs to another shard index or shard count.
@@ -432,25 +432,6 @@ def prepare_checkpoint_dir(config: ServerConfig) -> None:
         return
     directory = Path(config.checkpoint_dir)
     existing = _committed(directory) if directory.is_dir() else []
-    if not existing and config.restore_from:
-        summary = reshard(
-            parse_sources(config.restore_from),
-            config.num_shards,
-            [directory] * config.num_shards,  # only this shard's part is written
-            slice_bytes=config.slice_bytes,
-            addresses=parse_addresses(config.shard_addresses) if config.shard_addresses else None,
-            only=config.shard_index,
-            allow_inexact=True,
-        )
-        logger.info(
-            "resharded cut at step %d of %d shards into shard %d of %d (%s)",
-            summary["cut_step"],
-            summary["from_shards"],
-            config.shard_index,
-            config.num_shards,
-            summary["written"][0],
-        )
-        return
     for path in reversed(existing):
         try:
             info = _shard_info(json.loads((path / "manifest.json").read_text(encoding="utf-8")))

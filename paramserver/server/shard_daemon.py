@@ -42,7 +42,7 @@ from paramserver.server.observability.prometheus import (
     metrics_for,
 )
 from paramserver.server.observability.status_table import status_to_dict
-from paramserver.server.reshard import prepare_checkpoint_dir
+from paramserver.server.restore import prepare_checkpoint_dir
 from paramserver.server.serving import ServingDaemon, start_grpc_server
 from paramserver.server.shard_service import ShardService
 from paramserver.server.transports import link_service as local_link
@@ -99,7 +99,7 @@ class ParameterServerDaemon(ServingDaemon):
             )
         engine = ServerEngine(self.config)
         self.engine = engine
-        prepare_checkpoint_dir(self.config)  # restore-time resharding; refuse foreign shards
+        prepare_checkpoint_dir(self.config)  # --restore-from; refuse foreign shards
         self._recover(engine)
         interceptors, self.metrics = metrics_for(engine, self._transport_stats)
         if self.metrics is not None:
