@@ -14,7 +14,8 @@
     ├── FailedPrecondition                (FAILED_PRECONDITION)
     │   ├── WorkerNotFound                unknown, evicted or fenced worker id
     │   ├── StaleUpdate                   stale, future or duplicate step
-    │   └── WrongShard                    table row ids that another shard owns
+    │   ├── WrongShard                    table row ids that another shard owns
+    │   └── StaleEpoch                    replication from a primary deposed by a newer epoch
     ├── AlreadyExists                     (ALREADY_EXISTS) a live worker name
     │   ├── KeyConflict                   a key re-declared with another dtype or shape
     │   └── TableConflict                 a table re-declared with another declaration
@@ -26,7 +27,8 @@
     ├── CapacityExceeded                  (RESOURCE_EXHAUSTED) table memory budget, table count
     │                                     or process memory exhausted; nothing applied
     ├── Unavailable                       (UNAVAILABLE) server unreachable or shutting down
-    │   └── StorageError                  WAL/checkpoint I/O failed (EIO); see the message
+    │   ├── StorageError                  WAL/checkpoint I/O failed (EIO); see the message
+    │   └── NotPrimary                    a shard replica that is not (or no longer) primary
     ├── Unauthenticated                   (UNAUTHENTICATED) missing or unknown bearer token
     └── PermissionDenied                  (PERMISSION_DENIED) the token's role may not call it
 
@@ -168,6 +170,11 @@ class WrongShard(FailedPrecondition):
     shard map out of date (a resharded cluster)."""
 
 
+class StaleEpoch(FailedPrecondition):
+    """A shard replica refused a replication stream from a primary whose epoch is older than
+    one it has seen: that primary was deposed, and nothing it sends is acknowledged."""
+
+
 class AlreadyExists(ParamServerError):
     """A worker name that is already registered and live. ALREADY_EXISTS."""
 
@@ -246,6 +253,12 @@ class StorageError(Unavailable):
     errors), or the log failed earlier and the server accepts no more mutations until it is
     restarted. UNAVAILABLE (retryable: a restarted server replays its log, and a retried push
     is still applied once)."""
+
+
+class NotPrimary(Unavailable):
+    """This shard replica does not hold the primary role (a backup, or a primary deposed
+    under a newer epoch): it neither applies nor serves client calls. UNAVAILABLE
+    (retryable: a client that knows the shard's replicas retries at the primary)."""
 
 
 #: errno values that mean "out of space" (ENOSPC; EDQUOT where the platform has it).

@@ -91,11 +91,9 @@ class ServerConfig(MetricsEndpointConfig):
         slice_bytes: Tensors above this many bytes are split into slices of it over the
             shards (see :mod:`paramserver.core.sharding`).
         shard_map_epoch: Epoch of the shard map (bump it when the cluster is resharded).
-        restore_from: Comma-separated state directories of an earlier cluster's shards (any
-            shard count; see :mod:`paramserver.server.restore`): when ``checkpoint_dir`` holds
-            no checkpoint yet, this shard's part of their state (each old shard's newest
-            checkpoint plus its write-ahead log replayed after it) is written into it on
-            start.
+        restore_from: Comma-separated checkpoint directories of an earlier cluster (any shard
+            count): when ``checkpoint_dir`` holds no checkpoint yet, this shard's part of
+            their newest common cut is resharded into it on start.
         shared_memory: Same-host data paths: accept workers' shared-memory segments for tensor
             bytes on the Session stream, and offer them the local-link socket for the Session
             itself (:mod:`paramserver.server.transports.link_service`). False: gRPC only, as
@@ -106,6 +104,13 @@ class ServerConfig(MetricsEndpointConfig):
         tls_ca: PEM CA bundle: require client certificates signed by it (mutual TLS).
         auth_tokens: File of ``ROLE TOKEN`` lines (roles ``worker``, ``admin``): every RPC but
             health and reflection then needs a bearer token.
+        replicas: Replicas of this shard (1: no replication). With more, one replica is the
+            primary and streams every write-ahead-log record to the others (backups); a
+            mutation is acknowledged only once every backup in sync holds it durably (see
+            :mod:`paramserver.server.replication`). Needs ``wal`` and ``checkpoint_dir``.
+        replica_index: This replica's index in ``replica_addresses``.
+        replica_addresses: Comma-separated ``host:port`` of every replica of this shard, in
+            replica-index order (each serves clients and the replication stream there).
         malloc_retain_bytes: glibc malloc keeps freed blocks below this many bytes in the
             process for reuse instead of returning them to the kernel (no fresh zeroed pages
             for every round's buffers; see :mod:`paramserver.server.allocator`); 0 keeps glibc's
@@ -162,6 +167,9 @@ class ServerConfig(MetricsEndpointConfig):
     tls_ca: str | None = None
     auth_tokens: str | None = None
     malloc_retain_bytes: int = DEFAULT_RETAIN_BYTES
+    replicas: int = 1
+    replica_index: int = 0
+    replica_addresses: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -232,6 +240,30 @@ class ServerConfig(MetricsEndpointConfig):
         except ValueError as exc:
             raise InvalidArgument(f"malloc_retain_bytes: {exc}") from None
         self._check_sharding()
+        self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        if self.replicas < 1 or not 0 <= self.replica_index < self.replicas:
+            raise InvalidArgument(
+                f"replicas must be >= 1 and replica_index in [0, replicas); got replicas "
+                f"{self.replicas}, replica_index {self.replica_index}"
+            )
+        if self.replicas == 1:
+            return
+        if self.mode != "ps" or not self.wal or not self.checkpoint_dir:
+            raise InvalidArgument(
+                "replicas > 1 needs mode ps, wal and checkpoint_dir (backups copy the log)"
+            )
+        given = len(parse_addresses(self.replica_addresses)) if self.replica_addresses else 0
+        if given != self.replicas:
+            raise InvalidArgument(
+                f"replica_addresses must name {self.replicas} replicas, names {given}"
+            )
+
+    @property
+    def replica_address_list(self) -> tuple[str, ...]:
+        """Every replica's ``host:port`` (empty without replicas)."""
+        return parse_addresses(self.replica_addresses) if self.replica_addresses else ()
 
     def _check_sharding(self) -> None:
         shards = len(parse_addresses(self.shard_addresses)) if self.shard_addresses else 1

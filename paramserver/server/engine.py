@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from paramserver.api.v1 import wal_pb2 as wal_pb
 from paramserver.core.consistency import Admission, Consistency
@@ -46,6 +46,20 @@ T = TypeVar("T")
 #: Appends one decided mutation's record to the log, or several records as one all-or-nothing
 #: write (a push to several tables: one record per table; see :meth:`ServerEngine.mutate`).
 LogFn = Callable[[wal_pb.WalRecord | list[wal_pb.WalRecord]], None]
+
+
+class ReplicaRole(Protocol):
+    """The shard's replica role (:mod:`paramserver.server.replication`), when it has backups."""
+
+    def check_primary(self) -> None:
+        """Raise :class:`~paramserver.errors.NotPrimary` unless this replica is primary."""
+
+    async def replicated(self, sequence: int) -> None:
+        """Return once every backup in sync holds record ``sequence`` durably.
+
+        Raises:
+            NotPrimary: (UNAVAILABLE) this replica was deposed: nothing is acknowledged.
+        """
 
 
 class Backpressure:
@@ -165,6 +179,9 @@ class ServerEngine(LeaseReaperBase):
         self.storage_failure: StorageError | None = None
         #: Told once of that failure (the daemon turns health NOT_SERVING).
         self.on_storage_failure: Callable[[StorageError], None] | None = None
+        #: The replica role when the shard has backups: a mutation is acknowledged only once
+        #: every backup in sync holds it durably, and only a primary serves.
+        self.replication: ReplicaRole | None = None
         #: Big push applies and pull copies in worker threads, keys reserved (see offload.py).
         self.offload = Offload(lambda: self.core.store, min_bytes=config.offload_min_bytes)
         self.core.step_applier = self.offload.apply_detached
@@ -259,6 +276,8 @@ class ServerEngine(LeaseReaperBase):
         if seq == 0 and self.wal is not None and duplicate is not None and duplicate(answer):
             seq = self.wal.next_sequence - 1  # the original was logged before: wait for it
         await self.durable(seq)
+        if self.replication is not None and seq > 0:
+            await self.replication.replicated(seq)  # every backup in sync holds it durably
         return answer
 
     # ------------------------------------------------------------------ durability
@@ -270,6 +289,8 @@ class ServerEngine(LeaseReaperBase):
         """
         if self.storage_failure is not None:
             raise StorageError(self.storage_failure.message)
+        if self.replication is not None:
+            self.replication.check_primary()
 
     def log(self, record: wal_pb.WalRecord) -> int:
         """Write a decided mutation's record to the log, before the mutation is applied.

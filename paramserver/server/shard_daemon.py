@@ -42,7 +42,10 @@ from paramserver.server.observability.prometheus import (
     metrics_for,
 )
 from paramserver.server.observability.status_table import status_to_dict
-from paramserver.server.restore import prepare_checkpoint_dir
+from paramserver.server.replication import SERVICE_NAME as REPLICATION_SERVICE
+from paramserver.server.replication import Replica, ReplicationServicer
+from paramserver.server.replication import add_to_server as add_replication
+from paramserver.server.reshard import prepare_checkpoint_dir
 from paramserver.server.serving import ServingDaemon, start_grpc_server
 from paramserver.server.shard_service import ShardService
 from paramserver.server.transports import link_service as local_link
@@ -84,6 +87,9 @@ class ParameterServerDaemon(ServingDaemon):
         self.security: ServerSecurity | None = ServerSecurity.of_config(config)
         #: Channels to the other shards, for the dashboard's cluster view (opened on first use).
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        #: This shard replica's role when ``replicas`` > 1 (see
+        #: :mod:`paramserver.server.replication`).
+        self.replica: Replica | None = None
 
     @property
     def address(self) -> str:
@@ -99,7 +105,7 @@ class ParameterServerDaemon(ServingDaemon):
             )
         engine = ServerEngine(self.config)
         self.engine = engine
-        prepare_checkpoint_dir(self.config)  # --restore-from; refuse foreign shards
+        prepare_checkpoint_dir(self.config)  # restore-time resharding; refuse foreign shards
         self._recover(engine)
         interceptors, self.metrics = metrics_for(engine, self._transport_stats)
         if self.metrics is not None:
@@ -111,10 +117,17 @@ class ParameterServerDaemon(ServingDaemon):
             interceptors = [*self.security.interceptors(self._refusal_counter()), *interceptors]
         self.servicer = ParameterServerServicer(ShardService(engine), self)
         servicer = self.servicer
+        replica = self._replica(engine)
+
+        def add_services(server: grpc.aio.Server) -> None:
+            add_to_server(servicer, server)
+            if replica is not None:
+                add_replication(ReplicationServicer(replica.backup), server)
+
         endpoint = await start_grpc_server(
             f"{self.config.host}:{self.config.port}",
-            lambda server: add_to_server(servicer, server),
-            service_names=(SERVICE_NAME,),
+            add_services,
+            service_names=(SERVICE_NAME,) + ((REPLICATION_SERVICE,) if replica else ()),
             security=self.security,
             interceptors=interceptors,
             max_receive_message_bytes=self.config.max_receive_message_bytes,
@@ -126,13 +139,16 @@ class ParameterServerDaemon(ServingDaemon):
             self.metrics.dashboard.info["address"] = self.address
         await self._start_local_link()
         self.shard_map = shard_map_of(self.config, self.address)
-        engine.start()
+        if replica is None:
+            engine.start()
         if self.checkpoints is not None and self.config.checkpoint_every_s > 0:
             self._timer = asyncio.get_running_loop().create_task(
                 self._checkpoint_timer(), name="paramserver-checkpoint-timer"
             )
         await endpoint.set_serving(True)
         engine.on_storage_failure = self._storage_failed
+        if replica is not None:
+            await self._start_replica(replica)
         logger.info(
             "paramserver listening on %s:%d (%s, staleness %d, aggregation %s, lease %d ms%s)",
             self.config.host,
@@ -143,6 +159,48 @@ class ParameterServerDaemon(ServingDaemon):
             self.config.lease_ms,
             ", write-ahead log on" if engine.wal is not None else "",
         )
+
+    def _replica(self, engine: ServerEngine) -> Replica | None:
+        """This shard replica's role, a backup until promoted (None without replicas)."""
+        cfg = self.config
+        if cfg.replicas == 1:
+            return None
+        assert self.checkpoints is not None  # replicas need checkpoint_dir (config checks)
+        client = peer_security(self.security, None) if self.security is not None else None
+        replica = Replica(
+            engine,
+            self.checkpoints,
+            shard_index=cfg.shard_index,
+            index=cfg.replica_index,
+            addresses=cfg.replica_address_list,
+            security=client,
+            set_health=self._primary_health,
+        )
+        self.replica = replica
+        engine.replication = replica
+        return replica
+
+    async def _start_replica(self, replica: Replica) -> None:
+        """Serve as a backup (clients see NOT_SERVING); replica 0 is primary at epoch 1 (no
+        failover yet: no authority elects another)."""
+        await self._primary_health(False)
+        if self.config.replica_index == 0:
+            await replica.promote(1)
+
+    async def _primary_health(self, serving: bool) -> None:
+        """Health of the parameter-server service: SERVING only at the primary, so a client
+        channel over all replicas (gRPC client-side health checking) calls the primary."""
+        endpoint = self._endpoint
+        if endpoint is None or endpoint.health is None:
+            return
+        from grpc_health.v1 import health_pb2
+
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await endpoint.health.set(SERVICE_NAME, status)
 
     def _storage_failed(self, exc: StorageError) -> None:
         """The write-ahead log failed with memory possibly ahead of it: health NOT_SERVING
@@ -376,6 +434,8 @@ class ParameterServerDaemon(ServingDaemon):
             await asyncio.gather(*stopping)
         if self._pending:
             await asyncio.gather(*self._pending, return_exceptions=True)
+        if self.replica is not None:
+            await self.replica.stop()
         if self.engine is not None:
             await self.engine.stop()
             if self.checkpoints is not None:

@@ -42,7 +42,7 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from paramserver.api.v1 import wal_pb2 as wal_pb
@@ -91,6 +91,9 @@ class WriteAheadLog:
         #: Set once the log can no longer be trusted to hold every applied record (an fsync
         #: failed, or a partial record could not be cut off): every later append raises it.
         self.failed: StorageError | None = None
+        #: Told the serialized records of every successful append, in sequence order (the
+        #: shard's mutation stream, which replication sends to the backups).
+        self.on_append: Callable[[list[bytes]], None] | None = None
 
     # ------------------------------------------------------------------ reading
     def segments(self) -> list[Path]:
@@ -225,6 +228,8 @@ class WriteAheadLog:
         self.appended_bytes += len(frame)
         seq = int(record.sequence)
         self._written = seq
+        if self.on_append is not None:
+            self.on_append([payload])
         return seq
 
     def append_many(self, records: list[wal_pb.WalRecord]) -> int:
@@ -250,10 +255,12 @@ class WriteAheadLog:
             raise WalError("write-ahead log is not open")
         now = time.time()
         frames = []
+        payloads = []
         for i, record in enumerate(records):
             record.sequence = self.next_sequence + i
             record.unix_s = now
             payload = record.SerializeToString()
+            payloads.append(payload)
             frames.append(_FRAME.pack(len(payload), zlib.crc32(payload)) + payload)
         blob = b"".join(frames)
         view = memoryview(blob)
@@ -270,22 +277,24 @@ class WriteAheadLog:
         self.appended_bytes += len(blob)
         seq = int(records[-1].sequence)
         self._written = seq
+        if self.on_append is not None:
+            self.on_append(payloads)
         return seq
 
-    def append_many(self, records: list[wal_pb.WalRecord]) -> int:
-        """Append several records as one write: all of them, or (on a write error) none.
+    def append_copies(self, records: list[tuple[int, bytes]]) -> int:
+        """Append records another log wrote (a backup copying its primary's stream), keeping
+        their sequence numbers and bytes; one write, all or none.
 
-        What one all-or-nothing mutation logs as several records (a push to several tables,
-        one record per table) goes through here, so a failed write never leaves part of it
-        in the log. A crash in the middle of the write may leave a prefix of the records on
-        disk; none of them was acknowledged, and the client's retry of the same request ids
-        completes the rest (the logged ones are answered as duplicates).
+        Args:
+            records: ``(sequence, serialized WalRecord)`` pairs; the first sequence must be
+                :attr:`next_sequence` and the rest consecutive.
 
         Returns:
             The last record's sequence (0 for no records).
 
         Raises:
-            StorageFull / StorageError: as :meth:`append`; nothing of the records is in the log.
+            WalError: a sequence out of order (the stream and this log disagree).
+            StorageFull / StorageError: as :meth:`append`; nothing of the records is written.
         """
         if not records:
             return 0
@@ -293,14 +302,13 @@ class WriteAheadLog:
             raise StorageError(self.failed.message)
         if self._fd is None:
             raise WalError("write-ahead log is not open")
-        now = time.time()
-        frames = []
-        for i, record in enumerate(records):
-            record.sequence = self.next_sequence + i
-            record.unix_s = now
-            payload = record.SerializeToString()
-            frames.append(_FRAME.pack(len(payload), zlib.crc32(payload)) + payload)
-        blob = b"".join(frames)
+        for i, (seq, _) in enumerate(records):
+            if seq != self.next_sequence + i:
+                raise WalError(
+                    f"replicated record {seq} does not follow this log's "
+                    f"{self.next_sequence + i - 1}"
+                )
+        blob = b"".join(_FRAME.pack(len(p), zlib.crc32(p)) + p for _, p in records)
         view = memoryview(blob)
         start = self._size
         try:
@@ -313,9 +321,23 @@ class WriteAheadLog:
         self._size = start + len(blob)
         self.next_sequence += len(records)
         self.appended_bytes += len(blob)
-        seq = int(records[-1].sequence)
-        self._written = seq
-        return seq
+        self._written = records[-1][0]
+        return self._written
+
+    def restart_at(self, last_sequence: int) -> None:
+        """Drop every segment and continue with a new one after ``last_sequence`` (a backup
+        seeded with its primary's state at that sequence; the seed's checkpoint holds it).
+
+        Call it only with no :meth:`durable` waiter pending.
+        """
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        for seg in self.segments():
+            seg.unlink()
+        self.next_sequence = last_sequence + 1
+        self._written = self._synced = last_sequence
+        self._open_segment(self.directory / f"{_PREFIX}{self.next_sequence:016d}{_SUFFIX}")
 
     def _cut_back(self, size: int, cause: OSError) -> None:
         """Cut a partially written record off the open segment (a write failed midway)."""
