@@ -45,7 +45,6 @@ and ``--token-file`` (an admin token: ``connect_remote`` imports peer metadata, 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import logging
 import os
@@ -332,14 +331,10 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankSe
 
 
 def run_event_loop(coro: Any, loop: str) -> Any:
-    """Run ``coro`` to completion on uvloop (when installed and asked for) or asyncio."""
-    if loop == "uvloop":
-        try:
-            import uvloop
-        except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-            return asyncio.run(coro)
-        return uvloop.run(coro)
-    return asyncio.run(coro)
+    """Run ``coro`` to completion on uvloop (``loop == "uvloop"``, when installed) or asyncio."""
+    from paramserver.serving.bootstrap import run_loop
+
+    return run_loop(coro, use_uvloop=loop == "uvloop")
 
 
 def _run_rank_server(args: argparse.Namespace) -> int:

@@ -39,7 +39,7 @@ async def run_daemon(
 ) -> None:
     """Serve ``config`` until SIGTERM/SIGINT, then shut down gracefully (``notes``: INFO lines
     logged once the server listens)."""
-    from paramserver.server.serving import serve_until_signalled
+    from paramserver.serving.bootstrap import serve_until_signalled
 
     await serve_until_signalled(
         daemon_for(config), grace_s=config.grace_s, port_file=port_file, notes=notes
@@ -121,7 +121,7 @@ def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
 def _cmd_serve(args: argparse.Namespace) -> int:
     # Bad flags, unreadable certificates or token file: InvalidArgument here, before any
     # socket (the entry point prints one line and exits 2; paramserver.cli.main.run_command).
-    from paramserver.server.serving import run_loop
+    from paramserver.serving.bootstrap import run_loop
 
     config = serve_config(args, os.environ)
     note = _retain_freed_memory(config.malloc_retain_bytes)
@@ -157,7 +157,7 @@ def _ask(
     shows (``waiting for ADDRESS (no answer yet; gives up at ...)``)."""
     from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
     from paramserver.security.tls import client_security_from_args, open_channel
-    from paramserver.server.serving import run_loop
+    from paramserver.serving.bootstrap import run_loop
     from paramserver.waiting import Wait
 
     security = client_security_from_args(args, os.environ)

@@ -17,7 +17,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import Any, Protocol, Unpack
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from paramserver.core.consistency import (
     Admission,
     ClusterState,
     Consistency,
+    DeathPolicy,
     MembershipChange,
     RegisterOptions,
     WorkerRecord,
@@ -44,10 +45,36 @@ from paramserver.errors import (
 )
 from paramserver.protocol.limits import check_key, shown
 
-if TYPE_CHECKING:  # the server layer builds the config; the core only reads it
-    from paramserver.server.config import ServerConfig
-
 logger = logging.getLogger(__name__)
+
+
+class ShardSettings(Protocol):
+    """What the shard's core reads of its configuration (the server builds a
+    :class:`~paramserver.server.config.ServerConfig`, which has all of it; units and meaning
+    are the config's)."""
+
+    @property
+    def consistency_model(self) -> Consistency: ...
+    @property
+    def staleness(self) -> int: ...
+    @property
+    def lease_ms(self) -> int: ...
+    @property
+    def policy(self) -> DeathPolicy: ...
+    @property
+    def aggregation(self) -> str: ...
+    @property
+    def allow_non_finite(self) -> bool: ...
+    @property
+    def max_staleness(self) -> int | None: ...
+    @property
+    def table_max_ids(self) -> int: ...
+    @property
+    def table_max_request_bytes(self) -> int: ...
+    @property
+    def table_max_tables(self) -> int: ...
+    @property
+    def table_memory_bytes(self) -> int: ...
 
 
 class CoreObserver:
@@ -156,7 +183,7 @@ class ServerCore:
         config: The shard's configuration (consistency, staleness, aggregation, lease, policy).
     """
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ShardSettings) -> None:
         self.config = config
         self.consistency = config.consistency_model
         self.cluster = ClusterState(

@@ -61,7 +61,8 @@ from paramserver.security.tls import (
     endpoint_security,
     open_channel,
 )
-from paramserver.server.serving import grpc_errors, start_grpc_server
+from paramserver.serving.bootstrap import start_grpc_server
+from paramserver.serving.error_status import grpc_errors
 
 __all__ = ["GossipWorker"]
 

@@ -11,16 +11,12 @@ from paramserver.errors import InvalidArgument
 from paramserver.reduction.reduce_service import (
     SERVICE_NAME,
     ReductionEngine,
+    ReductionSettings,
     add_reduction_service,
 )
 from paramserver.security.tls import ServerSecurity
-from paramserver.server.config import ServerConfig
-from paramserver.server.observability.prometheus import (
-    MetricsServer,
-    auth_refusal_counter,
-    rpc_metrics_server,
-)
-from paramserver.server.serving import ServingDaemon, start_grpc_server
+from paramserver.serving.bootstrap import ServingDaemon, start_grpc_server
+from paramserver.serving.metrics import MetricsServer, auth_refusal_counter, rpc_metrics_server
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +33,7 @@ class ReductionDaemon(ServingDaemon):
         InvalidArgument: (INVALID_ARGUMENT) ``config.mode`` is not ``"reduce"``.
     """
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ReductionSettings) -> None:
         if config.mode != "reduce":
             raise InvalidArgument(f"ReductionDaemon serves mode 'reduce', not {config.mode!r}")
         self.config = config

@@ -41,7 +41,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import grpc
 import numpy as np
@@ -71,10 +71,10 @@ from paramserver.errors import (
     WorkerNotFound,
 )
 from paramserver.protocol import tensor
+from paramserver.security.http_access import HttpSecurity
 from paramserver.security.tokens import check_worker_identity
-from paramserver.server.config import ServerConfig
-from paramserver.server.serving import grpc_errors
-from paramserver.server.wakeups import LeaseReaperBase
+from paramserver.serving.error_status import grpc_errors
+from paramserver.serving.lease_reaper import LeaseReaperBase
 
 __all__ = [
     "SERVICE_NAME",
@@ -110,7 +110,51 @@ _AGGREGATION_PB: Final[dict[str, int]] = {
 }
 
 
-def strategy_from_config(config: ServerConfig) -> Strategy:
+class ReductionSettings(Protocol):
+    """What the reduction server reads of its configuration (``paramserver serve --mode
+    reduce`` builds a :class:`~paramserver.server.config.ServerConfig`, which has all of it).
+    Units and meaning are the config's."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def lease_ms(self) -> int: ...
+    @property
+    def wait_timeout_ms(self) -> int: ...
+    @property
+    def grace_s(self) -> float: ...
+    @property
+    def aggregation(self) -> str: ...
+    @property
+    def allow_non_finite(self) -> bool: ...
+    @property
+    def max_tensor_bytes(self) -> int | None: ...
+    @property
+    def max_receive_message_bytes(self) -> int: ...
+    @property
+    def reduce_strategy(self) -> str: ...
+    @property
+    def replicas_to_aggregate(self) -> int | None: ...
+    @property
+    def staleness_threshold(self) -> int: ...
+    @property
+    def scale_by_staleness(self) -> bool: ...
+    @property
+    def min_updates(self) -> int: ...
+    @property
+    def fanout(self) -> int: ...
+    @property
+    def metrics_host(self) -> str: ...
+    @property
+    def metrics_port(self) -> int | None: ...
+    def metrics_security(self) -> HttpSecurity | None: ...
+
+
+def strategy_from_config(config: ReductionSettings) -> Strategy:
     """The aggregation strategy a ``reduce``-mode config asks for.
 
     Args:
@@ -590,7 +634,7 @@ class ReductionCoordinator:
 # Waiting
 
 
-class ReductionEngine(LeaseReaperBase):
+class ReductionEngine(LeaseReaperBase[ReductionSettings]):
     """Owns the coordinator, wakes waiting reduces on change, and runs the lease reaper.
 
     Construct and use it inside a running event loop.
@@ -607,7 +651,9 @@ class ReductionEngine(LeaseReaperBase):
     _reaper_label = "reduction lease reaper"
     _reaper_logger = logger
 
-    def __init__(self, config: ServerConfig, *, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: ReductionSettings, *, now: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__(config, now=now)
         self.coordinator = ReductionCoordinator(
             strategy_from_config(config),
@@ -820,7 +866,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
         )
 
 
-def add_reduction_service(server: grpc.aio.Server, config: ServerConfig) -> ReductionEngine:
+def add_reduction_service(server: grpc.aio.Server, config: ReductionSettings) -> ReductionEngine:
     """Create a :class:`ReductionEngine` and register its servicer on ``server``.
 
     Call :meth:`ReductionEngine.start` once the server runs, :meth:`ReductionEngine.stop` after

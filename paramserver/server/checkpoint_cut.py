@@ -23,7 +23,7 @@ SSP's guarantees allow a reader to see; a restore may re-apply those).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from paramserver.core.sharding import PLACEMENT, ShardMap, parse_addresses
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 def shard_manifest(core: ServerCore) -> dict[str, Any]:
     """The ``"shard"`` section of a checkpoint manifest of ``core`` (call without yielding)."""
-    cfg = core.config
+    cfg = cast("ServerConfig", core.config)  # the server built the core with its config
     if core.aggregator is not None:
         step = core.bsp_step
         exact = True

@@ -37,8 +37,8 @@ from paramserver.server import wal_records
 from paramserver.server.apply_threads import Offload
 from paramserver.server.config import ServerConfig
 from paramserver.server.observability.hooks import ServingHooks, ShardObservations
-from paramserver.server.wakeups import LeaseReaperBase
 from paramserver.server.wal import WriteAheadLog
+from paramserver.serving.lease_reaper import LeaseReaperBase
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class InflightTicket:
             self.worker_id = None
 
 
-class ServerEngine(LeaseReaperBase):
+class ServerEngine(LeaseReaperBase[ServerConfig]):
     """Owns the core, wakes waiters on change, and runs the lease reaper.
 
     Construct and use it inside a running event loop; it creates its asyncio objects lazily.

@@ -1,6 +1,6 @@
 """The parameter-server shard daemon: a :class:`ParameterServerDaemon` serves one shard.
 
-It binds a grpc.aio server (:func:`paramserver.server.serving.start_grpc_server`) with the
+It binds a grpc.aio server (:func:`paramserver.serving.bootstrap.start_grpc_server`) with the
 parameter-server servicer, the standard gRPC health service (``grpc.health.v1``: SERVING while
 up, NOT_SERVING from the start of a graceful shutdown, before the server stops) and server
 reflection. :meth:`ParameterServerDaemon.stop` stops accepting calls at once, finishes what is in
@@ -34,24 +34,21 @@ from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.checkpoint_cut import shard_map_of
 from paramserver.server.config import ServerConfig
 from paramserver.server.engine import ServerEngine
-from paramserver.server.observability.dashboard import PEER_TIMEOUT_S, Dashboard, gather_peers
-from paramserver.server.observability.prometheus import (
-    MetricsServer,
-    TransportStats,
-    auth_refusal_counter,
-    metrics_for,
-)
+from paramserver.server.observability.prometheus import TransportStats, metrics_for
+from paramserver.server.observability.shard_dashboard import ShardDashboard
 from paramserver.server.observability.status_table import status_to_dict
 from paramserver.server.replication import SERVICE_NAME as REPLICATION_SERVICE
 from paramserver.server.replication import Replica, ReplicationServicer
 from paramserver.server.replication import add_to_server as add_replication
 from paramserver.server.reshard import prepare_checkpoint_dir
-from paramserver.server.serving import ServingDaemon, start_grpc_server
 from paramserver.server.shard_service import ShardService
 from paramserver.server.transports import link_service as local_link
 from paramserver.server.transports.grpc_service import ParameterServerServicer, add_to_server
 from paramserver.server.wal import WriteAheadLog
 from paramserver.server.wal_records import replay_into
+from paramserver.serving.bootstrap import ServingDaemon, start_grpc_server
+from paramserver.serving.dashboard import PEER_TIMEOUT_S, gather_peers
+from paramserver.serving.metrics import MetricsServer, auth_refusal_counter
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +230,7 @@ class ParameterServerDaemon(ServingDaemon):
         self.local_link = link
         self.servicer.sessions.local_link = link
 
-    def _dashboard(self, registry: Any) -> Dashboard:
+    def _dashboard(self, registry: Any) -> ShardDashboard:
         """The metrics port's page of this shard: its Status and, in a sharded cluster, every
         other shard's, read over gRPC from the shard map's addresses."""
         cfg = self.config
@@ -278,8 +275,8 @@ class ParameterServerDaemon(ServingDaemon):
             "checkpoint_every_s": cfg.checkpoint_every_s,
             "lease_ms": cfg.lease_ms,
         }
-        return Dashboard(
-            "ps", registry, info=info, status=status, peers=peers if cfg.num_shards > 1 else None
+        return ShardDashboard(
+            registry, info=info, status=status, peers=peers if cfg.num_shards > 1 else None
         )
 
     def _transport_stats(self) -> TransportStats:

@@ -18,7 +18,7 @@ from paramserver.core.table_set import TableSet
 from paramserver.core.tables import TableLimits
 from paramserver.errors import CapacityExceeded, InvalidArgument
 from paramserver.protocol.table_spec import TableRule, TableSpec
-from paramserver.server.serving import abort_with
+from paramserver.serving.error_status import abort_with
 from tests.harness import running_server
 
 pytestmark = pytest.mark.timeout(60)

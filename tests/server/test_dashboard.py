@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from paramserver.server.observability.prometheus import auth_refusal_counter
+from paramserver.serving.metrics import auth_refusal_counter
 from paramserver.spmd import SpmdParallelWorkers, Tier
 from paramserver.spmd.layout import Layout
 from paramserver.spmd.rank_server import RankServerConfig, start_rank_server

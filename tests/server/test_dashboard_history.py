@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from paramserver.server.observability.dashboard import ASSETS, Dashboard, asset
 from paramserver.server.observability.prometheus import PromServingHooks
+from paramserver.server.observability.shard_dashboard import ShardDashboard
+from paramserver.serving.dashboard import ASSETS, Dashboard, asset
 
 
 class Clock:
@@ -27,7 +28,7 @@ async def test_samples_count_pushes_bytes_and_key_rates() -> None:
     registry = CollectorRegistry()
     hooks = PromServingHooks(registry)
     now = Clock()
-    dash = Dashboard("ps", registry, history=3, now=now)
+    dash = ShardDashboard(registry, history=3, now=now)
     grad = {"w": np.ones(8, np.float32)}
     hooks.pushed("Session", grad, 0.001, ok=True)
     hooks.pushed("Push", grad, 0.001, ok=True)
@@ -53,8 +54,10 @@ async def test_samples_count_pushes_bytes_and_key_rates() -> None:
 
 
 def test_unknown_kind_is_refused() -> None:
-    with pytest.raises(ValueError, match="ps, rank, reduce"):
+    with pytest.raises(ValueError, match="rank, reduce"):
         Dashboard("web", CollectorRegistry())
+    with pytest.raises(ValueError, match="rank, reduce"):  # a shard's is a ShardDashboard
+        Dashboard("ps", CollectorRegistry())
 
 
 def test_the_page_names_only_its_own_files() -> None:

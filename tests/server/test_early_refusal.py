@@ -14,7 +14,7 @@ import pytest
 
 from paramserver.errors import DimensionMismatch
 from paramserver.protocol import tensor
-from paramserver.server.transports.early_refusal import DRAIN_S
+from paramserver.serving.early_refusal import DRAIN_S
 from paramserver.worker_client import UpdateRule, connect
 from tests.harness import ServerProcess
 

@@ -29,8 +29,8 @@ from paramserver.errors import TLS_MISMATCH_HINT, InvalidArgument, Unavailable, 
 from paramserver.security.tls import ClientSecurity, ServerSecurity, peer_security
 from paramserver.security.tokens import TokenTable
 from paramserver.server.config import ServerConfig
-from paramserver.server.observability.prometheus import MetricsServer
 from paramserver.server.shard_daemon import ParameterServerDaemon
+from paramserver.serving.metrics import MetricsServer
 from paramserver.spmd.rank_server import RankServerConfig, start_rank_server
 from paramserver.worker_client import UpdateRule, connect, connect_sync
 from tests.harness import ScriptProcess, ServerProcess, running_server

@@ -385,7 +385,7 @@ def progress_format(args: argparse.Namespace, env: Mapping[str, str]) -> str:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from paramserver.server.serving import run_loop
+    from paramserver.serving.bootstrap import run_loop
 
     cfg = TrainConfig(
         server=server_address(args),
@@ -802,7 +802,7 @@ def _show_event(
 
 
 def _final_accuracy(address: str, args: argparse.Namespace) -> float:
-    from paramserver.server.serving import run_loop
+    from paramserver.serving.bootstrap import run_loop
 
     async def read() -> float:
         async with connect(address, worker_name="demo-evaluator", heartbeat=False) as ps:

@@ -47,9 +47,9 @@ import numpy as np
 
 from paramserver.api.v1 import spmd_pb2
 from paramserver.cli.demos.rank_launcher import RankServerCluster, wait_serving
-from paramserver.cli.rank import run_event_loop
 from paramserver.errors import ParamServerError
 from paramserver.security.tls import ClientSecurity
+from paramserver.serving.bootstrap import run_loop
 from paramserver.spmd.group import ObjectKeys, SpmdParallelWorkers
 from paramserver.spmd.hashing import sequence_hashes
 from paramserver.spmd.layout import Layout, Tier, parse_layout_spec
@@ -354,7 +354,7 @@ def run_demo(
             security=security,
         )
         try:
-            return int(run_event_loop(coro, loop))
+            return int(run_loop(coro, use_uvloop=loop == "uvloop"))
         except (ParamServerError, TimeoutError) as exc:
             message = exc.message if isinstance(exc, ParamServerError) else str(exc)
             print(f"spmd-demo: FAILED: {message}", file=sys.stderr)

@@ -437,7 +437,7 @@ def _worker_main(
 ) -> dict[str, Any]:
     """Body of worker task ``index``: connect to the cluster, run the job, leave."""
     from paramserver.cli.demos.digits import TrainConfig, train_worker
-    from paramserver.server.serving import run_loop
+    from paramserver.serving.bootstrap import run_loop
     from paramserver.worker_client import RetryPolicy, connect, connect_sync
 
     node_ip = ray.util.get_node_ip_address()
@@ -471,7 +471,7 @@ def _worker_main(
 def _evaluate_digits_main(addresses: Sequence[str], job: DigitsJob) -> dict[str, Any]:
     """Test accuracy of the cluster's current parameters (an observer pull: no membership)."""
     from paramserver.cli.demos.digits import digits_model, load_digits_split
-    from paramserver.server.serving import run_loop
+    from paramserver.serving.bootstrap import run_loop
     from paramserver.worker_client import connect
 
     async def read() -> dict[str, Any]:

@@ -39,7 +39,6 @@ Definitions (docs/observability.md "Definitions"):
 from __future__ import annotations
 
 import bisect
-import contextvars
 import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -49,6 +48,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 
 from paramserver.core.shard import CoreObserver
+from paramserver.serving.metrics import CURRENT_RPC
 
 __all__ = [
     "CURRENT_RPC",
@@ -63,12 +63,6 @@ __all__ = [
     "observed_push",
     "observed_snapshot",
 ]
-
-#: gRPC method serving the current call ("Push", "Pull", "Session"...), set by the metrics
-#: interceptor; "local" for calls made in-process (tests, WAL replay).
-CURRENT_RPC: contextvars.ContextVar[str] = contextvars.ContextVar(
-    "paramserver_current_rpc", default="local"
-)
 
 #: Upper bounds (inclusive, clocks) of the staleness-in-clocks histogram buckets.
 STALENESS_CLOCK_BOUNDS: tuple[float, ...] = (0, 1, 2, 3, 4, 5, 6, 8, 10, 16, 32, 64, 128)

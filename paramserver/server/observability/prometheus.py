@@ -1,11 +1,9 @@
 """Prometheus metrics of a server shard (``paramserver serve --metrics-port 9100``).
 
-Two sources, one private :class:`prometheus_client.CollectorRegistry` per daemon:
+One private :class:`prometheus_client.CollectorRegistry` per daemon, holding what every daemon
+counts (:class:`~paramserver.serving.metrics.RpcMetrics`: calls, durations and the consistency
+wait of pulls, per method) and the shard's own series:
 
-* :class:`RpcMetrics`, a ``grpc.aio`` server interceptor: calls per method and outcome
-  (``paramserver_rpcs_total``), call durations (``paramserver_rpc_duration_seconds``) and the
-  consistency wait of pulls (``paramserver_pull_wait_seconds``: time to the first message of a
-  Pull, which the server sends once the wait admitted it).
 * :class:`CoreCollector`, read at scrape time from the shard's state: applied / duplicate /
   rejected / dropped pushes, live workers, minimum clock, BSP step, keys, stored bytes, pushes in
   flight, the shard's place in the cluster, open Session streams, mapped shared-memory segments
@@ -20,134 +18,39 @@ Two sources, one private :class:`prometheus_client.CollectorRegistry` per daemon
 Label cardinality: per-key series are bounded by :data:`MAX_KEY_LABELS` (later keys share the
 label ``key="_other"``) and per-worker series by ``ShardObservations.max_workers`` names.
 
-The exposition endpoint is a tiny HTTP/1.0 server on the daemon's own event loop
-(:class:`MetricsServer`), so a scrape reads the state between two events, never half-way through
-one, and no thread shares the core.
+The endpoint is :class:`~paramserver.serving.metrics.MetricsServer` (the dashboard's page is
+:class:`~paramserver.server.observability.shard_dashboard.ShardDashboard`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from paramserver.errors import Unavailable
-from paramserver.method_handlers import behaviour_of, same_shape
-from paramserver.security.http_access import HttpSecurity, authorized, unauthorized_response
-from paramserver.security.tls import bind_failure_reason
 from paramserver.server.engine import ServerEngine
-from paramserver.server.observability.dashboard import ASSETS, Dashboard, asset
-from paramserver.server.observability.hooks import CURRENT_RPC, BucketCounts, ServingHooks
+from paramserver.server.observability.hooks import BucketCounts, ServingHooks
 from paramserver.server.observability.table_metrics import TableCollector
+from paramserver.serving.metrics import WAIT_BUCKETS, MetricsServer, RpcMetrics
 
 logger = logging.getLogger(__name__)
 
-_WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 _BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(11))  # 1 KiB .. 1 GiB
-
-#: Longest request or header line the metrics endpoint reads; a longer one is answered 431.
-MAX_REQUEST_LINE_BYTES = 8192
-#: Header lines the metrics endpoint skips at most before answering.
-MAX_HEADER_LINES = 100
-
-#: Page policy: every asset from this origin, nothing inline, no frames.
-_PAGE_POLICY = (
-    "Content-Security-Policy: default-src 'self'; img-src 'self' data:; frame-ancestors 'none'\r\n"
-)
 
 #: Keys that get their own ``key`` label; later ones are summed under ``key="_other"``.
 MAX_KEY_LABELS = 256
-
-
-#: The current server reflection service (grpcurl and newer tools ask for it first).
-REFLECTION_V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
-
-
-def _reflection_v1_registered() -> None:
-    """Add ``grpc/reflection/v1/reflection.proto`` to the default descriptor pool.
-
-    grpcio-reflection ships only ``v1alpha``; ``v1`` is the same file with another package
-    (every message and field number alike), so its descriptor is that file renamed, and the
-    v1alpha messages read and write v1's bytes unchanged.
-    """
-    from google.protobuf import descriptor_pb2, descriptor_pool
-    from grpc_reflection.v1alpha import reflection_pb2
-
-    pool = descriptor_pool.Default()
-    name = "grpc/reflection/v1/reflection.proto"
-    try:
-        pool.FindFileByName(name)
-        return
-    except KeyError:
-        pass
-    proto = descriptor_pb2.FileDescriptorProto()
-    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
-    old_pkg = proto.package
-    proto.name, proto.package = name, "grpc.reflection.v1"
-    proto.options.Clear()
-
-    def moved(type_name: str) -> str:
-        return type_name.replace(f".{old_pkg}.", ".grpc.reflection.v1.")
-
-    for message in proto.message_type:
-        for fld in message.field:
-            if fld.HasField("type_name"):  # (scalar fields have none: leave it unset)
-                fld.type_name = moved(fld.type_name)
-    for service in proto.service:
-        for method in service.method:
-            method.input_type = moved(method.input_type)
-            method.output_type = moved(method.output_type)
-    pool.Add(proto)
-
-
-def enable_reflection(server: grpc.aio.Server, *service_names: str) -> None:
-    """Serve the standard gRPC server reflection service, as ``grpc.reflection.v1`` and
-    ``grpc.reflection.v1alpha``, listing ``service_names``, the health service and itself
-    (``grpcurl``, ``grpc_cli`` and Postman use it)."""
-    from grpc_health.v1 import health
-    from grpc_reflection.v1alpha import reflection_pb2
-
-    _reflection_v1_registered()
-    names = (
-        *service_names,
-        health.SERVICE_NAME,
-        REFLECTION_V1_SERVICE_NAME,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
-    v1 = reflection.aio.ReflectionServicer(names)
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                REFLECTION_V1_SERVICE_NAME,
-                {
-                    "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-                        v1.ServerReflectionInfo,
-                        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-                        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
-                    )
-                },
-            ),
-        )
-    )
 
 
 class _KeyLabels:
@@ -164,89 +67,6 @@ class _KeyLabels:
             self.known.add(key)
             return key
         return "_other"
-
-
-class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Counts and times every RPC; times the consistency wait of pulls."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.rpcs = Counter(
-            "paramserver_rpcs",
-            "RPCs handled, by method and outcome (ok / error / cancelled)",
-            ["method", "outcome"],
-            registry=registry,
-        )
-        self.duration = Histogram(
-            "paramserver_rpc_duration_seconds",
-            "RPC handling time in seconds, by method",
-            ["method"],
-            registry=registry,
-            buckets=_WAIT_BUCKETS,
-        )
-        self.pull_wait = Histogram(
-            "paramserver_pull_wait_seconds",
-            "Time a pull waited for the consistency model before its first message, seconds",
-            registry=registry,
-            buckets=_WAIT_BUCKETS,
-        )
-
-    def _done(self, method: str, outcome: str, t0: float) -> None:
-        self.rpcs.labels(method, outcome).inc()
-        self.duration.labels(method).observe(time.perf_counter() - t0)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = str(handler_call_details.method).rsplit("/", 1)[-1]
-        behaviour = behaviour_of(handler)
-        wrap = self._wrap_stream if handler.response_streaming else self._wrap_unary
-        return same_shape(handler, wrap(method, behaviour))
-
-    def _wrap_unary(self, method: str, behaviour: Any) -> Any:
-        async def call(request: Any, context: Any) -> Any:
-            t0 = time.perf_counter()
-            outcome = "error"
-            CURRENT_RPC.set(method)
-            try:
-                result = await behaviour(request, context)
-                outcome = "ok"
-                return result
-            except asyncio.CancelledError:
-                outcome = "cancelled"
-                raise
-            finally:
-                self._done(method, outcome, t0)
-
-        return call
-
-    def _wrap_stream(self, method: str, behaviour: Any) -> Any:
-        if not inspect.isasyncgenfunction(behaviour):  # context.write style: time the call
-            return self._wrap_unary(method, behaviour)
-
-        async def call(request: Any, context: Any) -> AsyncIterator[Any]:
-            t0 = time.perf_counter()
-            outcome = "error"
-            first = True
-            CURRENT_RPC.set(method)
-            try:
-                async for item in behaviour(request, context):
-                    if first and method == "Pull":
-                        self.pull_wait.observe(time.perf_counter() - t0)
-                    first = False
-                    yield item
-                outcome = "ok"
-            except (asyncio.CancelledError, GeneratorExit):
-                outcome = "cancelled"
-                raise
-            finally:
-                self._done(method, outcome, t0)
-
-        return call
 
 
 @dataclass(frozen=True)
@@ -463,7 +283,7 @@ class PromServingHooks(ServingHooks):
             "Seconds to apply (or queue) a decoded push, WAL commit included, by RPC",
             ["rpc", "outcome"],
             registry=registry,
-            buckets=_WAIT_BUCKETS,
+            buckets=WAIT_BUCKETS,
         )
         self.pulls = Counter(
             "paramserver_pulls",
@@ -476,7 +296,7 @@ class PromServingHooks(ServingHooks):
             "Seconds a pull waited for the consistency model, by RPC",
             ["rpc"],
             registry=registry,
-            buckets=_WAIT_BUCKETS,
+            buckets=WAIT_BUCKETS,
         )
         self.pull_bytes = Counter(
             "paramserver_pull_bytes",
@@ -516,179 +336,6 @@ class PromServingHooks(ServingHooks):
     def pulled(self, rpc: str, key: str, nbytes: int) -> None:
         self.pull_bytes.labels(rpc).inc(nbytes)
         self.key_pulled.labels(self._key_label(key)).inc(nbytes)
-
-
-class MetricsServer:
-    """``GET /metrics`` in the Prometheus text format, ``/`` the dashboard page and
-    ``/api/status`` its JSON (:mod:`paramserver.server.observability.dashboard`), served on the
-    running
-    event loop.
-
-    Args:
-        registry: What to expose.
-        host: Interface to bind.
-        port: TCP port (0: ephemeral; :attr:`port` holds the bound one after :meth:`start`).
-        dashboard: The page's data (default: RPC counts of ``registry``).
-    """
-
-    def __init__(
-        self,
-        registry: CollectorRegistry,
-        host: str,
-        port: int,
-        dashboard: Dashboard | None = None,
-        security: HttpSecurity | None = None,
-    ) -> None:
-        self.registry = registry
-        self.host = host
-        self.port = port
-        #: The page and JSON at ``/`` and ``/api/status`` (RPC counts only, when not given).
-        self.dashboard = dashboard if dashboard is not None else Dashboard("reduce", registry)
-        #: TLS and bearer token of the endpoint (:mod:`paramserver.security.http_access`).
-        self.security = security
-        self._server: asyncio.Server | None = None
-
-    async def _route(self, method: str, path: str, query: str = "") -> tuple[str, str, bytes]:
-        """``(status line, content type, body)`` of a request for ``path?query``."""
-        if method not in ("GET", "HEAD"):
-            return "405 Method Not Allowed", "text/plain", b"only GET and HEAD\n"
-        if path == "/metrics":
-            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.registry)
-        if path == "/api/status":
-            try:
-                return "200 OK", "application/json", await self.dashboard.body(query)
-            except ValueError:
-                return "400 Bad Request", "text/plain", b"since must be Unix seconds\n"
-        name = "index.html" if path == "/" else path.lstrip("/")
-        if name in ASSETS:
-            return "200 OK", ASSETS[name], asset(name)
-        return "404 Not Found", "text/plain", b"not found: try / (dashboard) or /metrics\n"
-
-    async def start(self) -> None:
-        """Listen on ``host:port``.
-
-        Raises:
-            Unavailable: the port cannot be bound (in use, not an address here...), the address
-                and the reason named (UNAVAILABLE).
-        """
-        try:
-            self._server = await asyncio.start_server(
-                self._handle,
-                self.host,
-                self.port,
-                limit=MAX_REQUEST_LINE_BYTES,
-                ssl=self.security.ssl_context() if self.security is not None else None,
-            )
-        except OSError as exc:
-            address = f"{self.host}:{self.port}"
-            raise Unavailable(
-                f"could not bind metrics port {address}: {bind_failure_reason(address, exc)}"
-            ) from None
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        await self.dashboard.start()
-        scheme = "https" if self.security is not None and self.security.tls_cert else "http"
-        logger.info(
-            "metrics on %s://%s:%d/metrics, dashboard on %s://%s:%d/",
-            scheme,
-            self.host,
-            self.port,
-            scheme,
-            self.host,
-            self.port,
-        )
-
-    async def stop(self) -> None:
-        await self.dashboard.stop()
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
-            self._server = None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            try:
-                request = await asyncio.wait_for(reader.readline(), 10.0)
-                headers: list[bytes] = []
-                for _ in range(MAX_HEADER_LINES):  # read the headers (bounded)
-                    line = await asyncio.wait_for(reader.readline(), 10.0)
-                    if line in (b"\r\n", b"\n", b""):
-                        break
-                    headers.append(line)
-            except ValueError:  # a line over MAX_REQUEST_LINE_BYTES (StreamReader's limit)
-                peer = writer.get_extra_info("peername")
-                logger.warning(
-                    "metrics endpoint: request line over %d bytes from %s; answered 431",
-                    MAX_REQUEST_LINE_BYTES,
-                    peer,
-                )
-                body = f"request line over {MAX_REQUEST_LINE_BYTES} bytes\n".encode()
-                writer.write(
-                    b"HTTP/1.0 431 Request Header Fields Too Large\r\n"
-                    b"Content-Type: text/plain\r\nConnection: close\r\n"
-                    + f"Content-Length: {len(body)}\r\n\r\n".encode("latin-1")
-                    + body
-                )
-                await writer.drain()
-                # Let the client read the answer: stop sending, then drop what it still sends
-                # (closing with unread input would reset the connection first).
-                if writer.can_write_eof():
-                    writer.write_eof()
-                with contextlib.suppress(TimeoutError, ValueError, ConnectionError):
-                    async with asyncio.timeout(1.0):
-                        while await reader.read(65536):
-                            pass
-                return
-            if not authorized(self.security, headers):
-                writer.write(unauthorized_response())
-                await writer.drain()
-                return
-            parts = request.decode("latin-1").split()
-            method = parts[0] if parts else ""
-            path, _, query = (parts[1] if len(parts) >= 2 else "").partition("?")
-            status, ctype, body = await self._route(method, path, query)
-            head = (
-                f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\n"
-                "X-Content-Type-Options: nosniff\r\nCache-Control: no-store\r\n"
-            )
-            if ctype.startswith("text/html"):
-                head += _PAGE_POLICY
-            writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode("latin-1"))
-            if method != "HEAD":
-                writer.write(body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError, UnicodeDecodeError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-
-def auth_refusal_counter(registry: CollectorRegistry) -> Callable[[str, str], None]:
-    """``paramserver_auth_refusals_total{method, code}`` in ``registry``: calls the token check
-    refused (UNAUTHENTICATED / PERMISSION_DENIED), by RPC method. Returns the callback to give
-    :meth:`paramserver.security.tls.ServerSecurity.interceptors` as ``on_refusal``."""
-    refusals = Counter(
-        "paramserver_auth_refusals",
-        "Calls refused by the bearer-token check, by RPC method and status code",
-        ["method", "code"],
-        registry=registry,
-    )
-
-    def count(method: str, code: str) -> None:
-        refusals.labels(method, code).inc()
-
-    return count
-
-
-def rpc_metrics_server(
-    host: str, port: int, security: HttpSecurity | None = None
-) -> tuple[RpcMetrics, MetricsServer]:
-    """RPC counts and durations of any ``grpc.aio`` server (the interceptor) and an (unstarted)
-    endpoint exposing them, in a registry of their own (``--mode reduce``)."""
-    registry = CollectorRegistry()
-    return RpcMetrics(registry), MetricsServer(registry, host, port, security=security)
 
 
 def new_registry(

@@ -1,7 +1,7 @@
 """gRPC servicer of the parameter server: decode, call the shard, encode. Nothing else.
 
 Every dense-key request goes through :class:`~paramserver.server.shard_service.ShardService`;
-:func:`~paramserver.server.serving.grpc_errors` maps errors to status codes (any exception
+:func:`~paramserver.serving.error_status.grpc_errors` maps errors to status codes (any exception
 that is not a :class:`~paramserver.errors.ParamServerError` is logged and becomes INTERNAL, so
 nothing a client sends can crash the server).
 """
@@ -35,10 +35,10 @@ from paramserver.protocol import tensor, wire
 from paramserver.protocol.limits import shown
 from paramserver.server.checkpoint_cut import shard_map_of
 from paramserver.server.engine import InflightTicket
-from paramserver.server.serving import abort_with, grpc_errors
 from paramserver.server.shard_service import ShardHost, ShardService
 from paramserver.server.transports.session_service import SessionService
 from paramserver.server.transports.table_service import TableRpcs, table_infos
+from paramserver.serving.error_status import abort_with, grpc_errors
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 Modules: :mod:`.rank_config` (config, constants), :mod:`.rank_state` (pools, peers, the command
 funnel), :mod:`.transfer` (local and remote transfers, one path for onboard and offload),
 :mod:`.object_tier` (blocks <-> objects), :mod:`.rank_service` (the gRPC servicer and its
-error decorator over :func:`paramserver.server.serving.grpc_errors`), :mod:`.rank_daemon`
-(start through :func:`paramserver.server.serving.start_grpc_server`, serve).
+error decorator over :func:`paramserver.serving.error_status.grpc_errors`), :mod:`.rank_daemon`
+(start through :func:`paramserver.serving.bootstrap.start_grpc_server`, serve).
 
 The names below load their module on first use, so a client that needs only
 :mod:`.rank_config` (the rank client, the CLI's flag parsing) does not load the server.

@@ -25,12 +25,9 @@ from typing import Any
 import grpc
 
 from paramserver.api.v1 import spmd_pb2_grpc
-from paramserver.server.observability.dashboard import Dashboard
-from paramserver.server.observability.prometheus import (
-    MetricsServer,
-    auth_refusal_counter,
-)
-from paramserver.server.serving import GrpcEndpoint, start_grpc_server
+from paramserver.serving.bootstrap import GrpcEndpoint, start_grpc_server
+from paramserver.serving.dashboard import Dashboard
+from paramserver.serving.metrics import MetricsServer, auth_refusal_counter
 from paramserver.spmd.objects import FilesystemObjectStore
 from paramserver.spmd.rank_metrics import RankMetrics
 from paramserver.spmd.rank_server.rank_config import (

@@ -13,8 +13,8 @@ Each handler only decodes its request, calls the rank's logic and encodes the an
 * :mod:`~paramserver.spmd.rank_server.transfer`: local transfers and the one remote transfer
   path (onboard | offload; shared memory or gRPC streams);
 * :mod:`~paramserver.spmd.rank_server.object_tier`: blocks <-> objects and object streams;
-* :mod:`paramserver.server.serving`: the error mapping every handler wears (:func:`rank_rpc`
-  wraps its :func:`~paramserver.server.serving.grpc_errors`) and, in
+* :mod:`paramserver.serving`: the error mapping every handler wears (:func:`rank_rpc`
+  wraps :func:`~paramserver.serving.error_status.grpc_errors`) and, in
   :mod:`~paramserver.spmd.rank_server.rank_daemon`, the ``grpc.aio`` bootstrap.
 """
 
@@ -31,7 +31,7 @@ import grpc
 
 from paramserver.api.v1 import spmd_pb2
 from paramserver.errors import InvalidArgument, MalformedStream
-from paramserver.server.serving import grpc_errors
+from paramserver.serving.error_status import grpc_errors
 from paramserver.spmd.layout import Tier
 from paramserver.spmd.rank_server.object_tier import (
     get_object,
@@ -100,7 +100,7 @@ def _guarded(servicer: Any, context: grpc.aio.ServicerContext) -> Iterator[None]
 def rank_rpc(fn: F) -> F:
     """The decorator of every rank-server handler (unary or server-streaming).
 
-    :func:`paramserver.server.serving.grpc_errors` maps the errors (a
+    :func:`paramserver.serving.error_status.grpc_errors` maps the errors (a
     :class:`~paramserver.errors.ParamServerError` becomes its status, anything else a logged
     INTERNAL); inside it each failure is counted (``Status.commands_failed``) and the handler is
     cancelled when its RPC ends first (:func:`_cancel_when_rpc_ends`).

@@ -10,12 +10,10 @@ and keeps the cumulative counters of the last ``history`` samples, so rates (pus
 bytes/s, transfer bytes/s) are differences of two samples divided by the seconds between them,
 as Prometheus ``rate()`` computes them. Per sample, by kind of server:
 
-* ``ps`` (a parameter-server shard): applied updates, pushes and their bytes (the push seam's
-  ``paramserver_push_bytes`` histogram, outcome ok), pulls and pulled bytes, the staleness
-  histogram in clocks (cumulative counts per bucket), BSP barrier lag and steps per worker (the
-  :data:`MAX_CHARTED_WORKERS` worst stragglers), Heartbeat RPCs and their handling seconds.
-  The JSON adds the shard's ``Status`` (what ``paramserver status --json`` prints) and, in a
-  sharded cluster, every other shard's, read over gRPC from the addresses of the shard map.
+* ``ps`` (a parameter-server shard): see
+  :mod:`paramserver.server.observability.shard_dashboard`. The JSON adds the shard's ``Status``
+  (what ``paramserver status --json`` prints) and, in a sharded cluster, every other shard's,
+  read over gRPC from the addresses of the shard map.
 * ``rank`` (a rank server): bytes and commands per transfer direction, tiers and path.
 * ``reduce`` (a reduction server): RPCs per method.
 
@@ -31,7 +29,7 @@ import logging
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from importlib import resources
 from typing import Any
 
@@ -39,19 +37,23 @@ from prometheus_client import CollectorRegistry
 
 import paramserver
 from paramserver.closing import cancelled
-from paramserver.server.observability.hooks import STALENESS_CLOCK_BOUNDS
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "ASSETS",
     "DEFAULT_HISTORY",
-    "MAX_CHARTED_WORKERS",
     "PEER_TIMEOUT_S",
     "Dashboard",
+    "Sampler",
+    "Series",
     "asset",
     "gather_peers",
+    "rank_sample",
     "read_samples",
+    "rpc_sample",
+    "series_by",
+    "series_sum",
 ]
 
 #: Files of the page, served at ``/<name>`` (``/`` is ``index.html``), with their content type.
@@ -63,10 +65,6 @@ ASSETS: dict[str, str] = {
 
 #: Samples kept (at one a second: the last five minutes).
 DEFAULT_HISTORY = 300
-#: Workers whose barrier lag each sample keeps (the worst stragglers by total lag).
-MAX_CHARTED_WORKERS = 16
-#: Samples over which the per-key push and pull rates are computed.
-KEY_RATE_SAMPLES = 10
 #: Seconds a read of another shard's Status may take.
 PEER_TIMEOUT_S = 2.0
 
@@ -89,11 +87,11 @@ def read_samples(registry: CollectorRegistry) -> dict[str, Series]:
     return out
 
 
-def _sum(series: Series | None, **match: str) -> float:
+def series_sum(series: Series | None, **match: str) -> float:
     return sum(v for labels, v in series or [] if all(labels.get(k) == m for k, m in match.items()))
 
 
-def _by(series: Series | None, label: str, **match: str) -> dict[str, float]:
+def series_by(series: Series | None, label: str, **match: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for labels, v in series or []:
         if all(labels.get(k) == m for k, m in match.items()):
@@ -117,79 +115,37 @@ def _by_transfer(series: Series | None) -> dict[str, float]:
     return out
 
 
-def ps_sample(s: dict[str, Series]) -> dict[str, Any]:
-    """The history entry of a parameter-server shard from its registry's samples."""
-    lag = _by(s.get("paramserver_bsp_barrier_lag_seconds_total"), "worker")
-    steps = _by(s.get("paramserver_bsp_barrier_steps_total"), "worker")
-    worst = sorted(lag, key=lambda w: (-lag[w], w))[:MAX_CHARTED_WORKERS]
-    buckets = {
-        labels.get("le", ""): v
-        for labels, v in s.get("paramserver_update_staleness_clocks_bucket", [])
-    }
-    staleness = [buckets.get(repr(float(b)), 0.0) for b in STALENESS_CLOCK_BOUNDS]
-    staleness.append(buckets.get("+Inf", 0.0))
-    return {
-        "applied": _sum(s.get("paramserver_applied_updates_total")),
-        "pushes": _sum(s.get("paramserver_push_bytes_count"), outcome="ok"),
-        "push_bytes": _sum(s.get("paramserver_push_bytes_sum"), outcome="ok"),
-        "pulls": _sum(s.get("paramserver_pulls_total"), outcome="ok"),
-        "pull_bytes": _sum(s.get("paramserver_pull_bytes_total")),
-        "staleness_clocks": staleness,
-        "barrier_lag_s": {w: lag[w] for w in worst},
-        "barrier_steps": {w: steps.get(w, 0.0) for w in worst},
-        "heartbeats": _sum(s.get("paramserver_rpc_duration_seconds_count"), method="Heartbeat"),
-        "heartbeat_s": _sum(s.get("paramserver_rpc_duration_seconds_sum"), method="Heartbeat"),
-    }
-
-
 def rank_sample(s: dict[str, Series]) -> dict[str, Any]:
     """The history entry of a rank server: bytes and commands per direction, tiers and path."""
     return {
         "transfer_bytes": _by_transfer(s.get("paramserver_rank_transfer_bytes_total")),
         "transfers": _by_transfer(s.get("paramserver_rank_transfers_total")),
         "transfer_s": _by_transfer(s.get("paramserver_rank_transfer_seconds_sum")),
-        "failed": _sum(s.get("paramserver_rank_commands_failed_total")),
-        "inflight": _sum(s.get("paramserver_rank_inflight_commands")),
+        "failed": series_sum(s.get("paramserver_rank_commands_failed_total")),
+        "inflight": series_sum(s.get("paramserver_rank_inflight_commands")),
     }
 
 
 def rpc_sample(s: dict[str, Series]) -> dict[str, Any]:
     """The history entry of any gRPC server: RPCs per method (all outcomes)."""
-    return {"rpcs": _by(s.get("paramserver_rpcs_total"), "method")}
+    return {"rpcs": series_by(s.get("paramserver_rpcs_total"), "method")}
 
 
-_SAMPLERS: dict[str, Callable[[dict[str, Series]], dict[str, Any]]] = {
-    "ps": ps_sample,
-    "rank": rank_sample,
-    "reduce": rpc_sample,
-}
-
-
-def _key_rates(window: Sequence[tuple[float, dict[str, float], dict[str, float]]]) -> Any:
-    """Bytes/s pushed and pulled per key between the oldest and newest entry of ``window``."""
-    if len(window) < 2:
-        return {}
-    (t0, pushed0, pulled0), (t1, pushed1, pulled1) = window[0], window[-1]
-    dt = t1 - t0
-    if dt <= 0:
-        return {}
-    keys = set(pushed1) | set(pulled1)
-    return {
-        k: {
-            "push_bytes_per_s": max(0.0, pushed1.get(k, 0.0) - pushed0.get(k, 0.0)) / dt,
-            "pull_bytes_per_s": max(0.0, pulled1.get(k, 0.0) - pulled0.get(k, 0.0)) / dt,
-            "pushed_bytes": pushed1.get(k, 0.0),
-            "pulled_bytes": pulled1.get(k, 0.0),
-        }
-        for k in sorted(keys)
-    }
+#: What a sample holds, by kind of server.
+Sampler = Callable[[dict[str, Series]], dict[str, Any]]
 
 
 class Dashboard:
     """The history and the JSON behind a metrics port's page.
 
+    A kind of server with more to show subclasses it (a shard's:
+    :class:`~paramserver.server.observability.shard_dashboard.ShardDashboard`, kind ``ps``),
+    adding its sampler to :attr:`SAMPLERS` and its facts in :meth:`_sampled` and
+    :meth:`_facts`.
+
     Args:
-        kind: ``ps``, ``rank`` or ``reduce`` (what the samples and the page show).
+        kind: A key of :attr:`SAMPLERS`: ``rank`` or ``reduce`` here (what the samples and the
+            page show).
         registry: The metrics registry the endpoint exposes.
         info: Static facts about the server shown on the page (address, shard index...).
         status: Returns this shard's Status as a dict (``paramserver status --json``); ps only.
@@ -199,6 +155,9 @@ class Dashboard:
         history: Samples kept.
         now: Wall clock in Unix seconds (injectable for tests).
     """
+
+    #: The sample of each kind of server, from its registry's samples.
+    SAMPLERS: dict[str, Sampler] = {"rank": rank_sample, "reduce": rpc_sample}
 
     def __init__(
         self,
@@ -212,8 +171,10 @@ class Dashboard:
         history: int = DEFAULT_HISTORY,
         now: Callable[[], float] = time.time,
     ) -> None:
-        if kind not in _SAMPLERS:
-            raise ValueError(f"dashboard kind must be one of {', '.join(_SAMPLERS)}, got {kind!r}")
+        if kind not in self.SAMPLERS:
+            raise ValueError(
+                f"dashboard kind must be one of {', '.join(self.SAMPLERS)}, got {kind!r}"
+            )
         self.kind = kind
         self.registry = registry
         self.info = dict(info or {})
@@ -222,9 +183,6 @@ class Dashboard:
         self.period_s = period_s
         self.now = now
         self.history: deque[dict[str, Any]] = deque(maxlen=history)
-        self._keys: deque[tuple[float, dict[str, float], dict[str, float]]] = deque(
-            maxlen=KEY_RATE_SAMPLES + 1
-        )
         self._task: asyncio.Task[None] | None = None
         self._sample_failed = False
         self._peers_lock = asyncio.Lock()
@@ -234,17 +192,17 @@ class Dashboard:
     def sample(self) -> dict[str, Any]:
         """Read the registry once and append the entry to :attr:`history` (returned)."""
         samples = read_samples(self.registry)
-        entry = {"t": round(self.now(), 3), **_SAMPLERS[self.kind](samples)}
+        entry = {"t": round(self.now(), 3), **self.SAMPLERS[self.kind](samples)}
         self.history.append(entry)
-        if self.kind == "ps":
-            self._keys.append(
-                (
-                    entry["t"],
-                    _by(samples.get("paramserver_key_pushed_bytes_total"), "key"),
-                    _by(samples.get("paramserver_key_pulled_bytes_total"), "key"),
-                )
-            )
+        self._sampled(entry["t"], samples)
         return entry
+
+    def _sampled(self, t: float, samples: dict[str, Series]) -> None:
+        """Called with every sample taken at Unix time ``t`` (a subclass keeps more of it)."""
+
+    def _facts(self) -> dict[str, Any]:
+        """What the snapshot adds for this kind of server (a subclass's)."""
+        return {}
 
     async def start(self) -> None:
         """Take the first sample and start sampling every ``period_s`` seconds."""
@@ -280,10 +238,9 @@ class Dashboard:
             return self._peers_view
 
     async def snapshot(self, since_unix_s: float | None = None) -> dict[str, Any]:
-        """What ``GET /api/status`` answers: the server's facts, its Status (ps), the other
-        shards' (sharded ps), the history (oldest first, cumulative counters; only the
-        samples after ``since_unix_s`` when given) and, for a shard, bytes/s pushed and
-        pulled per key over the last ~10 samples."""
+        """What ``GET /api/status`` answers: the server's facts (and its kind's,
+        :meth:`_facts`), its Status and its peers' when given, and the history (oldest first,
+        cumulative counters; only the samples after ``since_unix_s`` when given)."""
         out: dict[str, Any] = {
             "kind": self.kind,
             "version": paramserver.__version__,
@@ -291,9 +248,7 @@ class Dashboard:
             "period_s": self.period_s,
             "server": self.info,
         }
-        if self.kind == "ps":
-            out["staleness_clock_bounds"] = list(STALENESS_CLOCK_BOUNDS)
-            out["key_rates"] = _key_rates(list(self._keys))
+        out.update(self._facts())
         if self.status is not None:
             out["status"] = await self.status()
         if self.peers is not None:

@@ -1,93 +1,119 @@
-"""One bootstrap and one error mapping for every paramserver gRPC server.
+"""One bootstrap for every paramserver gRPC server.
 
 The parameter-server shard (:class:`~paramserver.server.shard_daemon.ParameterServerDaemon`),
 the reduction server (:class:`~paramserver.reduction.reduce_daemon.ReductionDaemon`), a rank
 server (:mod:`paramserver.spmd.rank_server`) and a gossip peer's push-sum endpoint
 (:class:`~paramserver.reduction.GossipWorker`) all start through :func:`start_grpc_server`
 (options, keepalive, authentication interceptors, health, reflection, bind, start; nothing left
-bound when a step fails) and map their errors with :func:`grpc_errors`: a
-:class:`~paramserver.errors.ParamServerError` becomes ``context.abort(code, message)`` with the
-error's class in the trailing metadata, anything else a logged INTERNAL, and a refused client
-stream is read to its end before the status is sent (grpc/grpc#36066). :func:`serve_until_signalled`
-runs a started daemon until SIGTERM/SIGINT.
+bound when a step fails); :func:`serve_until_signalled` runs a started daemon until
+SIGTERM/SIGINT. Their errors are mapped by :mod:`paramserver.serving.error_status`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import inspect
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from paramserver.closing import AsyncClosing
-from paramserver.errors import ERROR_CLASS_METADATA_KEY, CapacityExceeded, ParamServerError
 from paramserver.protocol.keepalive import SERVER_KEEPALIVE_OPTIONS
-from paramserver.protocol.limits import cut_details
 from paramserver.security.tls import ServerSecurity, bind
-from paramserver.server.observability.prometheus import enable_reflection
-from paramserver.server.transports.early_refusal import announce_refusal, drain_request_stream
+
+__all__ = [
+    "REFLECTION_V1_SERVICE_NAME",
+    "GrpcEndpoint",
+    "ServingDaemon",
+    "enable_reflection",
+    "run_loop",
+    "serve_until_signalled",
+    "start_grpc_server",
+    "write_atomic",
+]
 
 logger = logging.getLogger(__name__)
 
-F = TypeVar("F", bound=Callable[..., Any])
+
+#: The current server reflection service (grpcurl and newer tools ask for it first).
+REFLECTION_V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
-    """End the call with ``exc``'s status (a :class:`ParamServerError`; a MemoryError becomes
-    :class:`~paramserver.errors.CapacityExceeded`, RESOURCE_EXHAUSTED), or a logged INTERNAL."""
-    if isinstance(exc, MemoryError):
-        logger.error("%s ran out of memory", method, exc_info=exc)
-        exc = CapacityExceeded(f"{method}: the server could not allocate the memory it needs")
-    if isinstance(exc, ParamServerError):
-        details = cut_details(exc.message)
-        logger.debug("%s refused: %s", method, details)
-        context.set_trailing_metadata(((ERROR_CLASS_METADATA_KEY, type(exc).__name__),))
-        await context.abort(exc.code, details)
-    logger.error("%s failed with an unexpected error", method, exc_info=exc)
-    await context.abort(
-        grpc.StatusCode.INTERNAL, cut_details(f"internal error in {method}: {exc!r}")
+def _reflection_v1_registered() -> None:
+    """Add ``grpc/reflection/v1/reflection.proto`` to the default descriptor pool.
+
+    grpcio-reflection ships only ``v1alpha``; ``v1`` is the same file with another package
+    (every message and field number alike), so its descriptor is that file renamed, and the
+    v1alpha messages read and write v1's bytes unchanged.
+    """
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    pool = descriptor_pool.Default()
+    name = "grpc/reflection/v1/reflection.proto"
+    try:
+        pool.FindFileByName(name)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    old_pkg = proto.package
+    proto.name, proto.package = name, "grpc.reflection.v1"
+    proto.options.Clear()
+
+    def moved(type_name: str) -> str:
+        return type_name.replace(f".{old_pkg}.", ".grpc.reflection.v1.")
+
+    for message in proto.message_type:
+        for fld in message.field:
+            if fld.HasField("type_name"):  # (scalar fields have none: leave it unset)
+                fld.type_name = moved(fld.type_name)
+    for service in proto.service:
+        for method in service.method:
+            method.input_type = moved(method.input_type)
+            method.output_type = moved(method.output_type)
+    pool.Add(proto)
+
+
+def enable_reflection(server: grpc.aio.Server, *service_names: str) -> None:
+    """Serve the standard gRPC server reflection service, as ``grpc.reflection.v1`` and
+    ``grpc.reflection.v1alpha``, listing ``service_names``, the health service and itself
+    (``grpcurl``, ``grpc_cli`` and Postman use it)."""
+    from grpc_health.v1 import health
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    _reflection_v1_registered()
+    names = (
+        *service_names,
+        health.SERVICE_NAME,
+        REFLECTION_V1_SERVICE_NAME,
+        reflection.SERVICE_NAME,
     )
-
-
-def grpc_errors(fn: F) -> F:
-    """Turn ParamServerError into its status code; anything else into a logged INTERNAL."""
-    name = fn.__name__
-    if inspect.isasyncgenfunction(fn):
-
-        @functools.wraps(fn)
-        async def gen_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
-            try:
-                async for item in fn(self, request, context):
-                    yield item
-            except (grpc.aio.AbortError, GeneratorExit):
-                raise
-            except Exception as exc:
-                await abort_with(context, exc, name)
-
-        return gen_wrapper  # type: ignore[return-value]
-
-    @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: Any) -> Any:
-        try:
-            return await fn(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await announce_refusal(context, request, exc)  # the client stops writing at once
-            await drain_request_stream(request)
-            await abort_with(context, exc, name)
-
-    return wrapper  # type: ignore[return-value]
+    reflection.enable_server_reflection(names, server)
+    v1 = reflection.aio.ReflectionServicer(names)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                REFLECTION_V1_SERVICE_NAME,
+                {
+                    "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                        v1.ServerReflectionInfo,
+                        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+                    )
+                },
+            ),
+        )
+    )
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""What the server engines share around their waits: the change notification that wakes every
-waiter, the lease reaper task, and the graceful-shutdown flag.
+"""What the engines of the daemons that lease workers share around their waits: the change
+notification that wakes every waiter, the lease reaper task, and the graceful-shutdown flag.
 
 :class:`LeaseReaperBase` is subclassed by :class:`~paramserver.server.engine.ServerEngine` and
-:class:`~paramserver.reduction.reduce_service.ReductionEngine`; each supplies its own reap step.
+:class:`~paramserver.reduction.reduce_service.ReductionEngine`; each supplies its own reap step
+and its own configuration type (any with ``lease_ms``: :class:`LeaseSettings`).
 """
 
 from __future__ import annotations
@@ -12,19 +13,32 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 from paramserver.closing import cancelled
-from paramserver.server.config import ServerConfig
+
+__all__ = ["LeaseReaperBase", "LeaseSettings"]
 
 
-class LeaseReaperBase(ABC):
+class LeaseSettings(Protocol):
+    """What the reaper reads of its engine's configuration."""
+
+    @property
+    def lease_ms(self) -> int:
+        """Worker lease in milliseconds (the reaper ticks every eighth of it, at most 0.25 s)."""
+        ...
+
+
+ConfigT = TypeVar("ConfigT", bound=LeaseSettings)
+
+
+class LeaseReaperBase(ABC, Generic[ConfigT]):
     """Wakes waiters on change, runs the lease reaper, and flags a graceful shutdown.
 
     Construct and use it inside a running event loop; it creates its asyncio objects lazily.
 
     Args:
-        config: Server configuration (``lease_ms`` sets the reaper's tick).
+        config: The engine's configuration (``lease_ms`` sets the reaper's tick).
         now: Monotonic clock in seconds (injectable for tests).
     """
 
@@ -34,7 +48,7 @@ class LeaseReaperBase(ABC):
     #: The logger a failed sweep is reported to.
     _reaper_logger: ClassVar[logging.Logger]
 
-    def __init__(self, config: ServerConfig, *, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: ConfigT, *, now: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.now = now
         self._change: asyncio.Future[None] | None = None
