@@ -14,6 +14,7 @@ to it and waits for the result with a deadline. Usage::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import threading
 from collections.abc import Coroutine, Iterable, Mapping
@@ -138,6 +139,17 @@ class SyncWorkerClient(Closing):
     def push(self, grads: Mapping[str, np.ndarray], **options: Unpack[PushOptions]) -> PushAck:
         """:meth:`WorkerClient.push`, blocking (the same keyword arguments)."""
         return self._run(self.client.push(grads, **options))
+
+    def push_async(
+        self, grads: Mapping[str, np.ndarray], **options: Unpack[PushOptions]
+    ) -> concurrent.futures.Future[PushAck]:
+        """Start :meth:`WorkerClient.push` on the client's loop and return at once (e.g. from
+        a backward hook, so the push overlaps the rest of backward); ``.result()`` of the
+        future waits for the acknowledgement and raises what the push raised. The caller must
+        not modify ``grads`` until then."""
+        if self._loop is None:
+            raise RuntimeError("SyncWorkerClient is not open: use `with connect_sync(...)`")
+        return asyncio.run_coroutine_threadsafe(self.client.push(grads, **options), self._loop)
 
     def pull(
         self, keys: Iterable[str] | None = None, **options: Unpack[PullOptions]
