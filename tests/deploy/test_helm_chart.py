@@ -296,3 +296,239 @@ def test_schema_refuses_bad_values(setting: str, complaint: str) -> None:
     result = helm("template", "rel", str(CHART), "--set", setting, check=False)
     assert result.returncode != 0
     assert complaint in result.stderr, result.stderr
+
+
+def pod_specs(objs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(object name, pod spec) of every StatefulSet and Job."""
+    return [
+        (o["metadata"]["name"], o["spec"]["template"]["spec"])
+        for o in objs
+        if o["kind"] in ("StatefulSet", "Job")
+    ]
+
+
+def shard_set(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    (sts,) = [
+        s
+        for s in by_kind(objs, "StatefulSet")
+        if s["spec"]["template"]["spec"]["containers"][0]["name"] == "shard"
+    ]
+    return sts
+
+
+def env_of(container: dict[str, Any], pod_name: str) -> dict[str, str]:
+    """The container's literal environment as the kubelet builds it for pod ``pod_name``:
+    ``$(VAR)`` references to earlier entries expanded, fieldRef metadata.name = pod name."""
+    out: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            value = e["value"]
+            for name, known in out.items():
+                value = value.replace(f"$({name})", known)
+            out[e["name"]] = value
+        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            out[e["name"]] = pod_name
+    return out
+
+
+def probe_argv(probe: dict[str, Any]) -> list[str]:
+    cmd = probe["exec"]["command"]
+    assert cmd[:2] == ["paramserver", "health"], cmd
+    return list(cmd[1:])
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=lambda p: p.stem)
+def test_metrics_are_reachable_at_the_pod_address_with_their_auth_and_tls(values: Path) -> None:
+    """The metrics endpoint binds a non-loopback interface inside the pod (the Service's
+    metrics port forwards to the pod address), and its token and certificate come from the
+    Secrets the values name, through the flags `paramserver serve` reads."""
+    import ipaddress
+
+    from paramserver.cli.main import build_parser
+
+    v = values_of(values)["shards"]
+    objs = render(values)
+    sts = shard_set(objs)
+    pod = sts["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    f = flags(c["args"])
+    if not v["metricsPort"]:
+        assert not {k for k in f if k.startswith("metrics-")}
+        return
+    host = f["metrics-host"]
+    assert host == v["metricsHost"]
+    assert host == "0.0.0.0" or not ipaddress.ip_address(host).is_loopback
+    args = build_parser().parse_args([a.replace("$(SHARD_INDEX)", "0") for a in c["args"]])
+    assert (args.metrics_port, args.metrics_host) == (v["metricsPort"], host)
+    (port,) = [p for p in c["ports"] if p["name"] == "metrics"]
+    assert port["containerPort"] == v["metricsPort"]
+    svc = {o["metadata"]["name"]: o for o in by_kind(objs, "Service")}[sts["spec"]["serviceName"]]
+    (svc_port,) = [p for p in svc["spec"]["ports"] if p["name"] == "metrics"]
+    assert svc_port["targetPort"] == "metrics" and svc_port["port"] == v["metricsPort"]
+
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    secrets = {vol["name"]: vol["secret"] for vol in pod["volumes"] if "secret" in vol}
+
+    def secret_file(path: str) -> tuple[str, str]:
+        """(Secret name, key) of the file the container sees at ``path``."""
+        for name, mount in mounts.items():
+            if path.startswith(mount + "/") and name in secrets:
+                rel = path[len(mount) + 1 :]
+                items = {i["path"]: i["key"] for i in secrets[name].get("items", [])}
+                return secrets[name]["secretName"], items.get(rel, rel)
+        raise AssertionError(f"{path} is on no Secret volume")
+
+    if v["metricsAuth"]["enabled"]:
+        assert secret_file(args.metrics_token_file) == (
+            v["metricsAuth"]["secretName"],
+            "metrics-token",
+        )
+    else:
+        assert args.metrics_token_file is None
+    if v["metricsTls"]["enabled"]:
+        name = v["metricsTls"]["secretName"]
+        assert secret_file(args.metrics_tls_cert) == (name, "tls.crt")
+        assert secret_file(args.metrics_tls_key) == (name, "tls.key")
+    else:
+        assert args.metrics_tls_cert is None and args.metrics_tls_key is None
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=lambda p: p.stem)
+def test_probes_have_timeouts_and_check_each_pods_own_tls_name(
+    values: Path, tmp_path: Path
+) -> None:
+    """Every probe states its timeout, period and failure threshold (the values'); an exec
+    probe's `paramserver health` gives up before the probe's timeout; with TLS each pod's
+    probe checks the certificate against that pod's own DNS name (built by the real client
+    settings from the rendered environment), never shard 0's."""
+    from paramserver.cli.main import build_parser
+    from paramserver.security.tls import client_security_from_args
+    from tests.harness.pki import make_pki, make_tokens
+
+    all_values = values_of(values)
+    tls = all_values["tls"]["enabled"]
+    objs = render(values)
+    sts = shard_set(objs)
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    timing = all_values["shards"]["probes"]
+    for kind in ("readiness", "liveness", "startup"):
+        probe = c[f"{kind}Probe"]
+        assert probe["timeoutSeconds"] == timing["timeoutS"]
+        assert probe["periodSeconds"] == timing[kind]["periodS"]
+        assert probe["failureThreshold"] == timing[kind]["failureThreshold"]
+    ranks = [s for s in by_kind(objs, "StatefulSet") if s is not sts]
+    for r in ranks:
+        (rc,) = r["spec"]["template"]["spec"]["containers"]
+        for kind in ("readiness", "liveness"):
+            probe = rc[f"{kind}Probe"]
+            assert probe["timeoutSeconds"] == all_values["rankServers"]["probeTimeoutS"]
+            assert probe["periodSeconds"] > 0 and probe["failureThreshold"] > 0
+
+    pki, tokens = make_pki(tmp_path / "pki"), make_tokens(tmp_path / "tokens")
+    files = {
+        "/etc/paramserver/tls/ca.crt": pki.ca,
+        "/etc/paramserver/tls/tls.crt": pki.client_cert,
+        "/etc/paramserver/tls/tls.key": pki.client_key,
+        "/etc/paramserver/auth/worker-token": str(Path(tokens.path).with_name("worker")),
+    }
+    Path(files["/etc/paramserver/auth/worker-token"]).write_text(tokens.worker + "\n")
+    for stateful in [sts, *ranks]:
+        (container,) = stateful["spec"]["template"]["spec"]["containers"]
+        service = stateful["spec"]["serviceName"]
+        for i in range(stateful["spec"]["replicas"]):
+            pod_name = f"{stateful['metadata']['name']}-{i}"
+            own_name = f"{pod_name}.{service}.{NAMESPACE}.svc.{all_values['clusterDomain']}"
+            env = env_of(container, pod_name)
+            for kind in ("readiness", "liveness", "startup"):
+                probe = container.get(f"{kind}Probe")
+                if probe is None:
+                    continue
+                if not tls:
+                    assert "grpc" in probe and "exec" not in probe
+                    assert "PARAMSERVER_TLS_SERVER_NAME" not in env
+                    continue
+                argv = [
+                    f"{a.split('=', 1)[0]}={files[a.split('=', 1)[1]]}"
+                    if "=" in a and a.split("=", 1)[1] in files
+                    else a
+                    for a in probe_argv(probe)
+                ]
+                args = build_parser().parse_args(argv)
+                assert args.timeout_s < probe["timeoutSeconds"]
+                assert args.tls_server_name is None  # from the pod's environment
+                security = client_security_from_args(args, env)
+                assert security is not None and security.tls_server_name == own_name
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=lambda p: p.stem)
+def test_secrets_are_mounted_owner_read_only(values: Path) -> None:
+    """Every Secret volume of every pod is mounted 0400 (kubelet adds group read for the pod's
+    fsGroup, its own group), read-only."""
+    objs = render(values)
+    seen = 0
+    for name, spec in pod_specs(objs):
+        secret_volumes = {vol["name"] for vol in spec.get("volumes", []) if "secret" in vol}
+        for vol in spec.get("volumes", []):
+            if "secret" in vol:
+                assert vol["secret"].get("defaultMode") == 0o400, (name, vol)
+                seen += 1
+        for c in [*spec["containers"], *spec.get("initContainers", [])]:
+            for m in c.get("volumeMounts", []):
+                if m["name"] in secret_volumes:
+                    assert m.get("readOnly") is True, (name, m)
+    v = values_of(values)
+    uses_secrets = (
+        v["tls"]["enabled"]
+        or v["auth"]["enabled"]
+        or (
+            v["shards"]["metricsPort"]
+            and (v["shards"]["metricsAuth"]["enabled"] or v["shards"]["metricsTls"]["enabled"])
+        )
+    )
+    assert (seen > 0) == bool(uses_secrets)
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=lambda p: p.stem)
+def test_shard_pods_spread_over_nodes(values: Path) -> None:
+    """Pod anti-affinity over the values' topology key, selecting exactly the shard pods:
+    required (hard), preferred with the top weight (soft), or none (off)."""
+    v = values_of(values)["shards"]
+    pod = shard_set(render(values))["spec"]["template"]
+    affinity = pod["spec"].get("affinity")
+    if v["spread"] == "off" and not v["affinity"]:
+        assert affinity is None
+        return
+    anti = affinity["podAntiAffinity"]
+    if v["spread"] == "hard":
+        (term,) = anti["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert "preferredDuringSchedulingIgnoredDuringExecution" not in anti
+    else:
+        (weighted,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert weighted["weight"] == 100
+        term = weighted["podAffinityTerm"]
+    assert term["topologyKey"] == v["spreadTopologyKey"]
+    selector = term["labelSelector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert selector["app.kubernetes.io/component"] == "shard"
+
+
+def test_an_explicit_affinity_replaces_the_spread() -> None:
+    sts = shard_set(render(None, "--set", "shards.affinity.nodeAffinity.x=1"))
+    assert sts["spec"]["template"]["spec"]["affinity"] == {"nodeAffinity": {"x": 1}}
+
+
+def test_the_shards_outlive_the_worker_job() -> None:
+    """Chosen on purpose: the shards keep serving the trained model after the worker Job ends
+    (until `helm uninstall`). Nothing in the chart ties them to the Job: no owner reference, no
+    hook that deletes or scales them, and the Job's pods do not share their labels."""
+    objs = render(None)
+    sts = shard_set(objs)
+    (job,) = by_kind(objs, "Job")
+    assert "ownerReferences" not in sts["metadata"]
+    for obj in objs:
+        assert not any(
+            k.startswith("helm.sh/hook") for k in obj["metadata"].get("annotations", {})
+        ), obj["metadata"]["name"]
+    job_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert not sts["spec"]["selector"]["matchLabels"].items() <= job_labels.items()
+    assert "keep serving" in (CHART / "values.yaml").read_text()

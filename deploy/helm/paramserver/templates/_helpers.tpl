@@ -25,6 +25,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-shards" (include "paramserver.fullname" .) -}}
 {{- end -}}
 
+{{/* DNS suffix of the shards' pods: pod <name> is <name><this> (from the headless Service). */}}
+{{- define "paramserver.shardDomain" -}}
+{{- printf ".%s.%s.svc.%s" (include "paramserver.shardService" .) .Release.Namespace .Values.clusterDomain -}}
+{{- end -}}
+
 {{/* host:port of shard i (dict "root" $ "index" i). */}}
 {{- define "paramserver.shardAddress" -}}
 {{- $root := .root -}}
@@ -87,11 +92,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - name: tls
   secret:
     secretName: {{ required "tls.secretName is required when tls.enabled" .Values.tls.secretName }}
+    defaultMode: 256  # 0400: keys and tokens readable by their owner only
 {{- end }}
 {{- if .Values.auth.enabled }}
 - name: auth
   secret:
     secretName: {{ required "auth.secretName is required when auth.enabled" .Values.auth.secretName }}
+    defaultMode: 256  # 0400
 {{- end }}
 {{- end -}}
 
@@ -111,9 +118,11 @@ capabilities:
   drop: [ALL]
 {{- end -}}
 
-{{/* Probe of a server on `port`, service `service`: gRPC health, or `paramserver health`
-     with TLS (kubelet's gRPC probes speak plain text). (dict "root" $ "port" p "service" s
-     "server" "host:port as named on the certificate") */}}
+{{/* Probe of a server on `port`, service `service`, with its timing `p` (timeoutS, periodS,
+     failureThreshold): gRPC health, or with TLS `paramserver health` (kubelet's gRPC probes
+     speak plain text), which starts in ~0.1 CPU-s, checks the certificate against the pod's own
+     name (PARAMSERVER_TLS_SERVER_NAME in the container's environment) and gives up a second
+     before the probe's timeout. (dict "root" $ "port" p "service" s "p" timing) */}}
 {{- define "paramserver.healthProbe" -}}
 {{- $root := .root -}}
 {{- if $root.Values.tls.enabled }}
@@ -122,12 +131,28 @@ exec:
     - paramserver
     - health
     - --server=127.0.0.1:{{ .port }}
-    - --tls-server-name={{ .serverName }}
     - --service={{ .service }}
+    - --timeout-s={{ max 1 (sub (int .p.timeoutS) 1) }}
     {{- with include "paramserver.clientSecurityArgs" $root | trim }}{{ . | nindent 4 }}{{- end }}
 {{- else }}
 grpc:
   port: {{ .port }}
   service: {{ .service | quote }}
+{{- end }}
+timeoutSeconds: {{ .p.timeoutS }}
+periodSeconds: {{ .p.periodS }}
+failureThreshold: {{ .p.failureThreshold }}
+{{- end -}}
+
+{{/* The container's own DNS name as the TLS server name of its probes (dict "root" $ "domain"
+     ".<service>.<namespace>.svc.<cluster domain>"): env entries, POD_NAME first. */}}
+{{- define "paramserver.podNameEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+{{- if .root.Values.tls.enabled }}
+- name: PARAMSERVER_TLS_SERVER_NAME
+  value: "$(POD_NAME){{ .domain }}"
 {{- end }}
 {{- end -}}
