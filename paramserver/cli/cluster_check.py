@@ -33,7 +33,7 @@ async def evaluate(
 ) -> dict[str, Any]:
     """Test accuracy of the cluster's current digits model (an observer read)."""
     from paramserver.cli.demos.digits import accuracy, load_digits_split
-    from paramserver.worker_client.client import connect
+    from paramserver.worker_client.cluster import connect
 
     async with connect(
         server, worker_name="cluster-check", heartbeat=False, security=security

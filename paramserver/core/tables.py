@@ -39,6 +39,7 @@ and over a Python dict (a per-id interpreter loop and ~100 bytes per entry).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Final
@@ -352,6 +353,146 @@ CHUNK_TARGET_BYTES: Final = 8 << 20
 _BOOKKEEPING: Final = ("last_clock", "last_s")
 
 
+# ------------------------------------------------------------------------------ row rules
+#: (shape per row, dtype, value of a new row) of each per-row field.
+Fields = dict[str, tuple[tuple[int, ...], np.dtype[Any], float]]
+Kernel = Any  # a compiled apply of core.row_kernels (numba dispatcher)
+
+
+@dataclass(frozen=True)
+class RowRule:
+    """One table rule: everything about it in one registry entry (:data:`ROW_RULES`).
+
+    Its declaration (kind name, defaults, proto value) is :class:`TableRule`; this entry holds
+    what the table does with it.
+
+    Attributes:
+        name: The kind (``TableRule.kind``).
+        state: The optimizer state a stored row keeps beside it, for a rule and a dim.
+        kernel: The float32 apply: compiled kernels (``row_kernels``), the table's chunked
+            store, its chunk shift, the coalesced rows' slots and gradients (m, dim) float32.
+        step: The same arithmetic in numpy on gathered float32 rows ``w`` (m, dim) and their
+            state, updated in place (half-precision tables and the overflow check).
+        source: Where the rule comes from.
+    """
+
+    name: str
+    state: Callable[[TableRule, int], Fields]
+    kernel: Callable[
+        [Kernel, Any, int, npt.NDArray[np.int64], npt.NDArray[np.float32], TableRule], None
+    ]
+    step: Callable[
+        [npt.NDArray[np.float32], npt.NDArray[np.float32], dict[str, np.ndarray], TableRule], None
+    ]
+    source: str
+
+
+def _sgd_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
+    w -= np.float32(r.lr) * g
+
+
+def _adagrad_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
+    acc = state["acc"]
+    acc += g * g
+    w -= np.float32(r.lr) * g / (np.sqrt(acc) + np.float32(r.eps))
+
+
+def _rowwise_adagrad_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
+    acc_row = state["acc"]
+    acc_row += np.mean(g * g, axis=1, dtype=F32)
+    w -= np.float32(r.lr) * g / (np.sqrt(acc_row) + np.float32(r.eps))[:, None]
+
+
+def _adam_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
+    """Lazy adam: torch.optim.SparseAdam's arithmetic, the step counted per row."""
+    steps = state["steps"]
+    steps += 1
+    m = state["m"]
+    v = state["v"]
+    m += (g - m) * np.float32(1.0 - r.beta1)
+    v += (g * g - v) * np.float32(1.0 - r.beta2)
+    t = steps.astype(np.float64)
+    step_size = (r.lr * np.sqrt(1.0 - r.beta2**t) / (1.0 - r.beta1**t)).astype(F32)
+    w -= step_size[:, None] * (m / (np.sqrt(v) + np.float32(r.eps)))
+
+
+def _adam_kernel(k: Kernel, a: Any, shift: int, where: Any, g: Any, r: TableRule) -> None:
+    k.apply_adam(
+        a["rows"].addrs,
+        a["m"].addrs,
+        a["v"].addrs,
+        a["steps"].addrs,
+        shift,
+        where,
+        g,
+        float(r.lr),
+        float(r.beta1),
+        float(r.beta2),
+        np.float32(r.eps),
+    )
+
+
+#: Every table rule, by kind; its keys are exactly :data:`TABLE_RULE_KINDS` (checked at import),
+#: so a kind that passes validation always has an apply.
+ROW_RULES: Final[dict[str, RowRule]] = {
+    rule.name: rule
+    for rule in (
+        RowRule(
+            "sgd",
+            lambda r, d: {},
+            lambda k, a, shift, where, g, r: k.apply_sgd(
+                a["rows"].addrs, shift, where, g, np.float32(r.lr)
+            ),
+            _sgd_step,
+            "plain SGD on the pushed rows",
+        ),
+        RowRule(
+            "adagrad",
+            lambda r, d: {"acc": ((d,), F32, r.initial_accumulator)},
+            lambda k, a, shift, where, g, r: k.apply_adagrad(
+                a["rows"].addrs,
+                a["acc"].addrs,
+                shift,
+                where,
+                g,
+                np.float32(r.lr),
+                np.float32(r.eps),
+            ),
+            _adagrad_step,
+            "Duchi et al. 2011, element-wise",
+        ),
+        RowRule(
+            "rowwise_adagrad",
+            lambda r, d: {"acc": ((), F32, r.initial_accumulator)},
+            lambda k, a, shift, where, g, r: k.apply_rowwise_adagrad(
+                a["rows"].addrs,
+                a["acc"].addrs,
+                shift,
+                where,
+                g,
+                np.float32(r.lr),
+                np.float32(r.eps),
+            ),
+            _rowwise_adagrad_step,
+            "row-wise adagrad: one accumulator per row (FBGEMM / TorchRec)",
+        ),
+        RowRule(
+            "adam",
+            lambda r, d: {
+                "m": ((d,), F32, 0.0),
+                "v": ((d,), F32, 0.0),
+                "steps": ((), np.dtype(np.int64), 0.0),
+            },
+            _adam_kernel,
+            _adam_step,
+            "lazy adam: torch.optim.SparseAdam",
+        ),
+    )
+}
+if tuple(ROW_RULES) != tuple(TABLE_RULE_KINDS):  # pragma: no cover - a registry out of step
+    raise ImportError(f"table rules {tuple(ROW_RULES)} != declared kinds {TABLE_RULE_KINDS}")
+
+
 class EmbeddingTable:
     """One table's stored rows, optimizer state and memory-policy bookkeeping.
 
@@ -403,15 +544,7 @@ class EmbeddingTable:
             "last_clock": ((), np.dtype(np.int64), 0.0),
             "last_s": ((), np.dtype(np.float64), 0.0),
         }
-        kind = s.rule.kind
-        if kind == "adagrad":
-            out["acc"] = ((d,), F32, s.rule.initial_accumulator)
-        elif kind == "rowwise_adagrad":
-            out["acc"] = ((), F32, s.rule.initial_accumulator)
-        elif kind == "adam":
-            out["m"] = ((d,), F32, 0.0)
-            out["v"] = ((d,), F32, 0.0)
-            out["steps"] = ((), np.dtype(np.int64), 0.0)
+        out.update(ROW_RULES[s.rule.kind].state(s.rule, d))
         return out
 
     @property
@@ -816,30 +949,7 @@ class EmbeddingTable:
                 a[name].scatter(where, arr)
             a["rows"].scatter(where, w.astype(s.np_dtype))
             return
-        k = kernels()
-        rows = self._store["rows"].addrs
-        lr, eps = np.float32(r.lr), np.float32(r.eps)
-        if r.kind == "sgd":
-            k.apply_sgd(rows, self._shift, where, g, lr)
-        elif r.kind == "adagrad":
-            k.apply_adagrad(rows, self._store["acc"].addrs, self._shift, where, g, lr, eps)
-        elif r.kind == "rowwise_adagrad":
-            k.apply_rowwise_adagrad(rows, self._store["acc"].addrs, self._shift, where, g, lr, eps)
-        else:
-            a = self._store
-            k.apply_adam(
-                rows,
-                a["m"].addrs,
-                a["v"].addrs,
-                a["steps"].addrs,
-                self._shift,
-                where,
-                g,
-                float(r.lr),
-                float(r.beta1),
-                float(r.beta2),
-                eps,
-            )
+        ROW_RULES[r.kind].kernel(kernels(), self._store, self._shift, where, g, r)
 
     def _rule_step(
         self, w: npt.NDArray[np.float32], g: npt.NDArray[np.float32], state: dict[str, np.ndarray]
@@ -850,26 +960,7 @@ class EmbeddingTable:
         half-precision tables and :meth:`check_range`.
         """
         r = self.spec.rule
-        if r.kind == "sgd":
-            w -= np.float32(r.lr) * g
-        elif r.kind == "adagrad":
-            acc = state["acc"]
-            acc += g * g
-            w -= np.float32(r.lr) * g / (np.sqrt(acc) + np.float32(r.eps))
-        elif r.kind == "rowwise_adagrad":
-            acc_row = state["acc"]
-            acc_row += np.mean(g * g, axis=1, dtype=F32)
-            w -= np.float32(r.lr) * g / (np.sqrt(acc_row) + np.float32(r.eps))[:, None]
-        else:  # lazy adam (torch.optim.SparseAdam's arithmetic, step counted per row)
-            steps = state["steps"]
-            steps += 1
-            m = state["m"]
-            v = state["v"]
-            m += (g - m) * np.float32(1.0 - r.beta1)
-            v += (g * g - v) * np.float32(1.0 - r.beta2)
-            t = steps.astype(np.float64)
-            step_size = (r.lr * np.sqrt(1.0 - r.beta2**t) / (1.0 - r.beta1**t)).astype(F32)
-            w -= step_size[:, None] * (m / (np.sqrt(v) + np.float32(r.eps)))
+        ROW_RULES[r.kind].step(w, g, state, r)
 
     # ------------------------------------------------------------------ memory policy
     def _expiry_mask(self, now_s: float, clock: int) -> npt.NDArray[np.bool_]:

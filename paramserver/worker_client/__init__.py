@@ -16,8 +16,8 @@ tables in one request per shard (``{table: ids}`` or :class:`KeyedIds`; see
 
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.tables import Initializer, TableRule, TableSpec
-from paramserver.worker_client.client import PushAck, WorkerClient, WorkerProgress, connect
-from paramserver.worker_client.cluster import ClusterWorkerClient, connect_cluster
+from paramserver.worker_client.client import PushAck, WorkerClient, WorkerProgress
+from paramserver.worker_client.cluster import ClusterWorkerClient, connect, connect_cluster
 from paramserver.worker_client.embedding import RowPushAck
 from paramserver.worker_client.env import WorkerEnv, connect_from_env, connect_sync_from_env
 from paramserver.worker_client.keyed import KeyedIds

@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Unpack
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -51,15 +51,11 @@ from paramserver.waiting import Wait
 from paramserver.worker_client.compression import Compression, GradientCompressor
 from paramserver.worker_client.embedding import TableClientMixin
 from paramserver.worker_client.lifecycle import ServiceSession, name_taken
-from paramserver.worker_client.options import ClientOptions
 from paramserver.worker_client.pull_buffers import DEFAULT_MAX_BYTES, PullBuffers
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
 from paramserver.worker_client.transport.base import PullResult, PullSpec, PushPayload, Transports
 from paramserver.worker_client.transport.session_stream import SessionTransport
 from paramserver.worker_client.transport.streams import SEND_CHUNK_BYTES, StreamTransport
-
-if TYPE_CHECKING:
-    from paramserver.worker_client.cluster import ClusterWorkerClient
 
 logger = logging.getLogger(__name__)
 
@@ -794,18 +790,3 @@ async def cast_gradients(
         out[key] = value.astype(want)
     return out
 
-
-def connect(
-    address: str, worker_name: str, *, discover: bool = True, **options: Unpack[ClientOptions]
-) -> ClusterWorkerClient:
-    """Open a worker session: ``async with connect(addr, worker_name="w0") as ps: ...``.
-
-    ``address`` may be any shard of a sharded cluster: the session asks it for the shard map
-    on open and routes every call over the shards (see
-    :class:`paramserver.worker_client.cluster.ClusterWorkerClient`; ``discover=False`` talks
-    to ``address`` alone). The other keyword arguments are those of :class:`WorkerClient`
-    (:class:`~paramserver.worker_client.options.ClientOptions`).
-    """
-    from paramserver.worker_client.cluster import ClusterWorkerClient
-
-    return ClusterWorkerClient(address, worker_name, discover=discover, **options)

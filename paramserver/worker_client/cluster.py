@@ -73,7 +73,6 @@ from paramserver.worker_client.client import (
     WorkerProgress,
     await_workers,
     cast_gradients,
-    connect,
     progress_of,
 )
 from paramserver.worker_client.compression import GradientCompressor
@@ -889,6 +888,20 @@ class ClusterWorkerClient(AsyncClosing):
         """:meth:`WorkerClient.push_rows_many` (one request per shard, all or nothing on
         each shard)."""
         return await self._api.push_rows_many(ids, grads, timeout_s=timeout_s)
+
+
+def connect(
+    address: str, worker_name: str, *, discover: bool = True, **options: Unpack[ClientOptions]
+) -> ClusterWorkerClient:
+    """Open a worker session: ``async with connect(addr, worker_name="w0") as ps: ...``.
+
+    ``address`` may be any shard of a sharded cluster: the session asks it for the shard map
+    on open and routes every call over the shards (see
+    :class:`paramserver.worker_client.cluster.ClusterWorkerClient`; ``discover=False`` talks
+    to ``address`` alone). The other keyword arguments are those of :class:`WorkerClient`
+    (:class:`~paramserver.worker_client.options.ClientOptions`).
+    """
+    return ClusterWorkerClient(address, worker_name, discover=discover, **options)
 
 
 def connect_cluster(

@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
-from paramserver.core.sharding import parse_address
 from paramserver.errors import InvalidArgument
+from paramserver.protocol.addresses import parse_address
 from paramserver.worker_client.options import ClientOptions
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ def connect_from_env(
     Raises:
         InvalidArgument: see :meth:`WorkerEnv.from_env` (INVALID_ARGUMENT).
     """
-    from paramserver.worker_client.client import connect
+    from paramserver.worker_client.cluster import connect
 
     worker = WorkerEnv.from_env(env)
     opts = _options(worker, env, dict(options))

@@ -27,8 +27,8 @@ from paramserver.closing import Closing
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.tables import TableSpec
 from paramserver.errors import WaitTimeout
-from paramserver.worker_client.client import PushAck, WorkerProgress, connect
-from paramserver.worker_client.cluster import ClusterWorkerClient
+from paramserver.worker_client.client import PushAck, WorkerProgress
+from paramserver.worker_client.cluster import ClusterWorkerClient, connect
 from paramserver.worker_client.embedding import RowPushAck
 from paramserver.worker_client.forwarding import Forwarded
 from paramserver.worker_client.keyed import KeyedIds

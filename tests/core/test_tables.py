@@ -532,3 +532,21 @@ def test_rows_of_a_table_without_expiry_carry_no_bookkeeping() -> None:
     adam.push(np.arange(10, dtype=np.int64), np.ones((10, 16), np.float32), now_s=0, clock=0)
     assert adam.state_bytes() == 10 * (16 * 4 * 2 + 8)
     assert adam.stored_bytes() == 10 * adam.row_bytes + adam.index.nbytes
+
+
+def test_every_table_rule_has_exactly_one_registry_entry_and_wire_value() -> None:
+    """One entry per table rule: the declared kinds, the registry's applies and the wire's
+    TableRuleKind values (UNSPECIFIED reads as sgd) are the same set, so a kind that passes
+    validation always reaches its own apply (no silent default)."""
+    from paramserver.api.v1 import tables_pb2 as tpb
+    from paramserver.core.tables import ROW_RULES, TABLE_RULE_KINDS
+    from paramserver.protocol import rows_wire
+
+    assert tuple(ROW_RULES) == TABLE_RULE_KINDS
+    wire = {
+        v.name.removeprefix("TABLE_RULE_KIND_").lower() for v in tpb.TableRuleKind.DESCRIPTOR.values
+    }
+    assert wire - {"unspecified"} == set(ROW_RULES)
+    for kind in ROW_RULES:
+        spec = TableSpec("t", 3, rule=TableRule(kind))
+        assert rows_wire.spec_from_proto(rows_wire.spec_to_proto(spec)).rule.kind == kind

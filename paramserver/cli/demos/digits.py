@@ -42,7 +42,7 @@ from paramserver.security.tls import (
     client_security_from_args,
 )
 from paramserver.waiting import Wait
-from paramserver.worker_client.client import connect
+from paramserver.worker_client.cluster import connect
 from paramserver.worker_client.compression import Cast, Compression, TopK
 from paramserver.worker_client.retry import RetryPolicy
 

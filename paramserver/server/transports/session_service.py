@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import numpy as np
@@ -48,10 +48,20 @@ from paramserver.server.engine import InflightTicket
 
 if TYPE_CHECKING:
     from paramserver.server.shard_service import ShardService
-    from paramserver.server.transports.link_service import LocalLinkServer
     from paramserver.server.transports.table_service import TableRpcs
 
 logger = logging.getLogger(__name__)
+
+
+class LinkTickets(Protocol):
+    """What a Session needs of the shard's local-link server
+    (:class:`~paramserver.server.transports.link_service.LocalLinkServer`, which imports this
+    module): a ticket for a client that asks to move its session onto the link."""
+
+    def issue_ticket(self, worker_id: str) -> pb.LocalLink:
+        """A fresh single-use ticket for ``worker_id``."""
+        ...
+
 
 _SHUTDOWN = "paramserver: server shutting down"
 
@@ -126,7 +136,7 @@ class SessionService:
         #: Tasks of the streams waiting for their next request (ended by begin_shutdown).
         self._idle: set[asyncio.Task[Any]] = set()
         #: The same-host local link, when the daemon runs one (its tickets go out on open).
-        self.local_link: LocalLinkServer | None = None
+        self.local_link: LinkTickets | None = None
 
     def begin_shutdown(self) -> None:
         """End every stream once it has no request in hand (idle ones at once), so a graceful
