@@ -157,7 +157,7 @@ def connect_from_env(
     Raises:
         InvalidArgument: see :meth:`WorkerEnv.from_env` (INVALID_ARGUMENT).
     """
-    from paramserver.worker_client.client import connect
+    from paramserver.worker_client.cluster import connect
 
     worker = WorkerEnv.from_env(env)
     opts = _options(worker, env, dict(options))
