@@ -526,9 +526,7 @@ RULES: Final[dict[str, RuleKind]] = {
     for r in (
         RuleKind("assign", ps_pb2.RULE_KIND_ASSIGN, {}, (), None, "w = g"),
         RuleKind("add", ps_pb2.RULE_KIND_ADD, {}, (), None, "w += g"),
-        RuleKind(
-            "sgd", ps_pb2.RULE_KIND_SGD, {}, ("momentum_buffer",), _sgd, "torch.optim.SGD"
-        ),
+        RuleKind("sgd", ps_pb2.RULE_KIND_SGD, {}, ("momentum_buffer",), _sgd, "torch.optim.SGD"),
         RuleKind(
             "adam",
             ps_pb2.RULE_KIND_ADAM,
