@@ -14,6 +14,7 @@
     ├── FailedPrecondition                (FAILED_PRECONDITION)
     │   ├── WorkerNotFound                unknown, evicted or fenced worker id
     │   ├── StaleUpdate                   stale, future or duplicate step
+    │   ├── ReadOnly                      a mutation sent to a read-only server (serve --read-only)
     │   ├── WrongShard                    table row ids that another shard owns
     │   └── StaleEpoch                    replication from a primary deposed by a newer epoch
     ├── AlreadyExists                     (ALREADY_EXISTS) a live worker name
@@ -168,6 +169,13 @@ class WrongShard(FailedPrecondition):
     table, the shard's index, the shard count and an offending id; nothing applied. The
     product's clients route every id to its owner, so this means a misrouting client or a
     shard map out of date (a resharded cluster)."""
+
+
+class ReadOnly(FailedPrecondition):
+    """A mutation (register, leave, clock, init, push, a table declaration or row push) sent to
+    a read-only server (``paramserver serve --read-only --from-export DIR``), which serves
+    pulls only. FAILED_PRECONDITION (trailer ``ReadOnly``; not retried); nothing changed. Read
+    from such a server with a client that does not register (``register=False``)."""
 
 
 class StaleEpoch(FailedPrecondition):

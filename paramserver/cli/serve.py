@@ -98,6 +98,8 @@ def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "slice_bytes": args.slice_bytes,
         "shard_map_epoch": args.shard_map_epoch,
         "restore_from": args.restore_from,
+        "read_only": True if args.read_only else None,
+        "from_export": args.from_export,
         "replicas": args.replicas,
         "replica_index": args.replica_index,
         "replica_addresses": args.replica_addresses,
@@ -306,6 +308,23 @@ def add_subcommands(sub: Any) -> None:
         "logs replayed after them, so nothing they acknowledged is lost",
     )
     add_metrics_flags(g)
+    ro = p.add_argument_group(
+        "serving trained tables (docs/embedding-tables.md#export-for-serving)"
+    )
+    ro.add_argument(
+        "--read-only",
+        action="store_true",
+        help="answer pulls only: every mutation (register, clock, init, push, table "
+        "declaration, row push) is refused with ReadOnly (FAILED_PRECONDITION); needs "
+        "--from-export. Readers connect without registering (register=False)",
+    )
+    ro.add_argument(
+        "--from-export",
+        metavar="DIR",
+        help="serve the tables of this export (paramserver export-tables) read-only, as the "
+        "training cluster answered pulls: stored rows bit for bit, the initial row of any "
+        "other id; a sharded server loads only its own ids",
+    )
     rep = p.add_argument_group("shard replicas (docs/durability.md#shard-replicas)")
     rep.add_argument(
         "--replicas",

@@ -94,6 +94,13 @@ class ServerConfig(MetricsEndpointConfig):
         restore_from: Comma-separated checkpoint directories of an earlier cluster (any shard
             count): when ``checkpoint_dir`` holds no checkpoint yet, this shard's part of
             their newest common cut is resharded into it on start.
+        read_only: Serve pulls only: every mutation (register, leave, clock, init, push,
+            table declaration, row push) is refused with ReadOnly (FAILED_PRECONDITION) at
+            the engine's one mutation funnel. Needs ``from_export``; no ``wal``,
+            ``checkpoint_dir``, ``restore_from`` or replicas (nothing is ever written).
+        from_export: A table export (``paramserver export-tables``; see
+            :mod:`paramserver.server.table_export`) whose tables this shard serves, its own
+            ids only in a sharded cluster. Needs ``read_only``.
         shared_memory: Same-host data paths: accept workers' shared-memory segments for tensor
             bytes on the Session stream, and offer them the local-link socket for the Session
             itself (:mod:`paramserver.server.transports.link_service`). False: gRPC only, as
@@ -161,6 +168,8 @@ class ServerConfig(MetricsEndpointConfig):
     slice_bytes: int = 4 << 20
     shard_map_epoch: int = 0
     restore_from: str | None = None
+    read_only: bool = False
+    from_export: str | None = None
     shared_memory: bool = True
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -240,6 +249,7 @@ class ServerConfig(MetricsEndpointConfig):
         except ValueError as exc:
             raise InvalidArgument(f"malloc_retain_bytes: {exc}") from None
         self._check_sharding()
+        self._check_read_only()
         self._check_replicas()
 
     def _check_replicas(self) -> None:
@@ -264,6 +274,26 @@ class ServerConfig(MetricsEndpointConfig):
     def replica_address_list(self) -> tuple[str, ...]:
         """Every replica's ``host:port`` (empty without replicas)."""
         return parse_addresses(self.replica_addresses) if self.replica_addresses else ()
+
+    def _check_read_only(self) -> None:
+        if bool(self.read_only) != bool(self.from_export):
+            raise InvalidArgument(
+                "read_only and from_export go together: a read-only server serves a table "
+                "export (paramserver serve --read-only --from-export DIR; an export holds no "
+                "optimizer state to train on)"
+            )
+        if not self.read_only:
+            return
+        writes = [
+            name
+            for name in ("wal", "checkpoint_dir", "wal_dir", "restore_from")
+            if getattr(self, name)
+        ]
+        if writes or self.mode != "ps" or getattr(self, "replicas", 1) != 1:
+            raise InvalidArgument(
+                "a read-only server writes nothing and has no replicas: drop "
+                + ", ".join(writes or ["mode reduce / replicas"])
+            )
 
     def _check_sharding(self) -> None:
         shards = len(parse_addresses(self.shard_addresses)) if self.shard_addresses else 1

@@ -27,6 +27,7 @@ from paramserver.core.consistency import Admission, Consistency
 from paramserver.core.shard import ServerCore
 from paramserver.errors import (
     Aborted,
+    ReadOnly,
     ResourceExhausted,
     StorageError,
     StorageFull,
@@ -257,10 +258,18 @@ class ServerEngine(LeaseReaperBase[ServerConfig]):
             ``decide``'s answer, once its record (or its original's) is durable.
 
         Raises:
+            ReadOnly (FAILED_PRECONDITION): a read-only server (``config.read_only``) refuses
+                every mutation here, before ``decide`` runs, whatever its kind.
             StorageError (UNAVAILABLE): the log failed earlier or now (its fsync); StorageFull
                 (RESOURCE_EXHAUSTED): the disk is full (nothing applied); whatever ``decide``
                 raises.
         """
+        if self.config.read_only:
+            raise ReadOnly(
+                "this server is read-only (serve --read-only --from-export): it answers pulls "
+                "and refuses every change (registration, clock, declaration, push); read "
+                "with a client that does not register (connect(..., register=False))"
+            )
         self.check_serving()
         seq = 0
 

@@ -42,6 +42,7 @@ from paramserver.server.replication import Replica, ReplicationServicer
 from paramserver.server.replication import add_to_server as add_replication
 from paramserver.server.reshard import prepare_checkpoint_dir
 from paramserver.server.shard_service import ShardService
+from paramserver.server.table_export import load_export
 from paramserver.server.transports import link_service as local_link
 from paramserver.server.transports.grpc_service import ParameterServerServicer, add_to_server
 from paramserver.server.wal import WriteAheadLog
@@ -323,6 +324,14 @@ class ParameterServerDaemon(ServingDaemon):
         """Restore the newest verified checkpoint, replay the WAL after it, open the WAL."""
         cfg = self.config
         t0 = time.monotonic()
+        if cfg.from_export:  # --read-only: the export's tables, this shard's ids
+            loaded = load_export(
+                engine.core.tables,
+                Path(cfg.from_export),
+                shard_index=cfg.shard_index,
+                num_shards=cfg.num_shards,
+            )
+            logger.info("serving table export %s read-only: rows %s", cfg.from_export, loaded)
         if cfg.checkpoint_dir:
             self.checkpoints = CheckpointManager(
                 Path(cfg.checkpoint_dir), keep=cfg.keep_checkpoints

@@ -12,7 +12,8 @@ written from the newest committed checkpoint of each shard of a cluster (rows of
 merged; optimizer state, filter counts and queues left out). :class:`ExportedTables` loads it
 and answers pulls exactly as the training cluster did: a stored id gets its stored row, bit for
 bit, and any other id its initial row (a pure function of the table's seed and the id), as a
-pull of an unstored id does on the cluster.
+pull of an unstored id does on the cluster. :func:`load_export` installs an export in a shard's
+tables, which is what ``paramserver serve --read-only --from-export DIR`` serves.
 """
 
 from __future__ import annotations
@@ -27,12 +28,19 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from paramserver.core.table_set import merge_table_states
+from paramserver.core.table_set import TableSet, merge_table_states, split_table_states
 from paramserver.core.tables import EmbeddingTable, TableSpec
 from paramserver.errors import InvalidArgument, TableNotFound
 from paramserver.server.checkpoint import CheckpointError, CheckpointManager
 
-__all__ = ["EXPORT_FORMAT", "ExportedTables", "export_tables", "read_checkpoint_tables"]
+__all__ = [
+    "EXPORT_FORMAT",
+    "ExportedTables",
+    "export_state",
+    "export_tables",
+    "load_export",
+    "read_checkpoint_tables",
+]
 
 #: The ``format`` value of ``tables.json``.
 EXPORT_FORMAT = "paramserver-tables/1"
@@ -115,6 +123,81 @@ def export_tables(
     return written
 
 
+def _read_export(directory: Path) -> dict[str, tuple[TableSpec, np.ndarray, np.ndarray]]:
+    """name -> (declaration, stored ids (n,) int64, rows (n, dim) in the storage dtype).
+
+    Raises:
+        InvalidArgument: not an export of this format, or a file that does not match its
+            index (INVALID_ARGUMENT).
+    """
+    directory = Path(directory)
+    try:
+        index = json.loads((directory / "tables.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"{directory}: not a table export ({exc})") from exc
+    if index.get("format") != EXPORT_FORMAT:
+        raise InvalidArgument(
+            f"{directory}: export format {index.get('format')!r}, expected {EXPORT_FORMAT!r}"
+        )
+    out = {}
+    for name, entry in index["tables"].items():
+        spec = TableSpec.from_dict(entry["spec"])
+        raw = load_file(str(directory / entry["file"]))
+        ids = raw["ids"].astype(np.int64, copy=False)
+        rows = raw["rows"]
+        if spec.np_dtype == ml_dtypes.bfloat16:
+            rows = rows.view(ml_dtypes.bfloat16)
+        if rows.shape != (ids.shape[0], spec.dim) or rows.dtype != spec.np_dtype:
+            raise InvalidArgument(
+                f"{directory}: table {name!r}: rows {rows.dtype} {rows.shape} do not match "
+                f"{ids.shape[0]} ids of dim {spec.dim} ({spec.dtype})"
+            )
+        out[name] = (spec, ids, rows)
+    return out
+
+
+def export_state(directory: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """An export as the state of one shard holding every row
+    (:meth:`~paramserver.core.table_set.TableSet.state`'s arrays and manifest): stored ids and
+    rows, zero optimizer state, no filter counts, no queued pushes.
+
+    Raises:
+        InvalidArgument: as :func:`_read_export` (INVALID_ARGUMENT).
+    """
+    arrays: dict[str, np.ndarray] = {}
+    manifest: dict[str, Any] = {"tables": {}, "dedup": {}}
+    for name, (spec, ids, rows) in _read_export(directory).items():
+        n = ids.shape[0]
+        for field, empty in EmbeddingTable(spec).state_arrays().items():  # fields, dtypes
+            arrays[f"table/{name}/{field}"] = np.zeros((n, *empty.shape[1:]), empty.dtype)
+        arrays[f"table/{name}/ids"] = ids
+        arrays[f"table/{name}/rows"] = rows
+        arrays[f"table/{name}/pending_ids"] = np.zeros(0, np.int64)
+        arrays[f"table/{name}/pending_counts"] = np.zeros(0, np.int64)
+        manifest["tables"][name] = {"spec": spec.to_dict(), "newest_clock": -1, "queued": []}
+    return arrays, manifest
+
+
+def load_export(
+    tables: TableSet, directory: Path, *, shard_index: int = 0, num_shards: int = 1
+) -> dict[str, int]:
+    """Replace ``tables`` by an export's tables: in a cluster of ``num_shards`` shards, the
+    rows of the ids shard ``shard_index`` owns (``hash64(table, id) mod S``), so each
+    read-only shard answers its ids as the training cluster did.
+
+    Returns:
+        Rows loaded per table.
+
+    Raises:
+        InvalidArgument: as :func:`export_state` (INVALID_ARGUMENT).
+    """
+    arrays, manifest = export_state(directory)
+    if num_shards > 1:
+        arrays, manifest = split_table_states(arrays, manifest, num_shards)[shard_index]
+    tables.restore(arrays, manifest)
+    return {name: int(t.n) for name, t in tables.tables.items()}
+
+
 class ExportedTables:
     """Tables loaded from an export: pulls as the training cluster answered them.
 
@@ -127,43 +210,9 @@ class ExportedTables:
     """
 
     def __init__(self, directory: Path) -> None:
-        directory = Path(directory)
-        try:
-            index = json.loads((directory / "tables.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise InvalidArgument(f"{directory}: not a table export ({exc})") from exc
-        if index.get("format") != EXPORT_FORMAT:
-            raise InvalidArgument(
-                f"{directory}: export format {index.get('format')!r}, expected {EXPORT_FORMAT!r}"
-            )
-        self.tables: dict[str, EmbeddingTable] = {}
-        for name, entry in index["tables"].items():
-            spec = TableSpec.from_dict(entry["spec"])
-            raw = load_file(str(directory / entry["file"]))
-            ids = raw["ids"].astype(np.int64, copy=False)
-            rows = raw["rows"]
-            if spec.np_dtype == ml_dtypes.bfloat16:
-                rows = rows.view(ml_dtypes.bfloat16)
-            if rows.shape != (ids.shape[0], spec.dim) or rows.dtype != spec.np_dtype:
-                raise InvalidArgument(
-                    f"{directory}: table {name!r}: rows {rows.dtype} {rows.shape} do not match "
-                    f"{ids.shape[0]} ids of dim {spec.dim} ({spec.dtype})"
-                )
-            self.tables[name] = self._table(spec, ids, rows)
-
-    @staticmethod
-    def _table(spec: TableSpec, ids: np.ndarray, rows: np.ndarray) -> EmbeddingTable:
-        table = EmbeddingTable(spec)
-        n = ids.shape[0]
-        arrays = {}
-        for field, empty in table.state_arrays().items():  # the fields and their dtypes
-            arrays[field] = np.zeros((n, *empty.shape[1:]), empty.dtype)
-        arrays["ids"] = ids
-        arrays["rows"] = rows
-        arrays["pending_ids"] = np.zeros(0, np.int64)
-        arrays["pending_counts"] = np.zeros(0, np.int64)
-        table.load_state_arrays(arrays)
-        return table
+        loaded = TableSet()
+        load_export(loaded, Path(directory))
+        self.tables: dict[str, EmbeddingTable] = loaded.tables
 
     def specs(self) -> dict[str, TableSpec]:
         """Every table's declaration."""

@@ -192,6 +192,11 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             (:mod:`paramserver.worker_client.pull_buffers`).
         pull_buffer_max_bytes: Most bytes of results kept for reuse by this client (an int
             >= 0; else InvalidArgument, INVALID_ARGUMENT, here).
+        register: False: a reader that never registers (no lease, heartbeats or leave);
+            every pull is an observer read, admitted at once whatever the consistency;
+            calls made as a worker (push, clock) fail without a registration. What a
+            read-only server (``paramserver serve --read-only``) needs: it refuses every
+            registration.
         cast_gradients: Cast every pushed gradient to its key's stored dtype first (e.g. a
             float64 gradient, numpy's default, for a float32 key), as ``push(..., cast=True)``
             does for one push. Off by default: a gradient of another dtype is refused
@@ -223,6 +228,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         recycle_pull_buffers: bool = True,
         pull_buffer_max_bytes: int = DEFAULT_MAX_BYTES,
         cast_gradients: bool = False,
+        register: bool = True,
     ) -> None:
         super().__init__(
             address,
@@ -237,6 +243,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             security=security,
         )
         self.auto_reregister = auto_reregister
+        self.registers = bool(register)
         self.cast_gradients = bool(cast_gradients)
         #: Stored dtype of each key this client has learnt (for ``cast``).
         self._key_dtypes: dict[str, np.dtype[Any]] = {}
@@ -328,6 +335,8 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             return await self._call(attempt, what, retryable)
 
     async def _reregister(self, why: str) -> bool:
+        if not self.registers:
+            return False  # a reader stays one
         old = self.worker_id
         try:
             # Continue the old registration: a push retried after this is still applied once.

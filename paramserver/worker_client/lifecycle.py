@@ -68,6 +68,8 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
 
     #: The server's view as last seen (the service's own view message).
     view: Any
+    #: Register on open (False: a reader that never registers; no heartbeats, no leave).
+    registers: bool = True
 
     def __init__(
         self,
@@ -160,9 +162,11 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
-        """Open the channel, register, and start heartbeats."""
+        """Open the channel, register, and start heartbeats (a reader: the channel only)."""
         self._channel = open_channel(self.address, self.security, self._open_options())
         self._stub = self._new_stub(self._channel)
+        if not self.registers:
+            return
         try:
             await self.register()
         except BaseException:

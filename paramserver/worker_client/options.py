@@ -50,6 +50,7 @@ class ClientOptions(SessionOptions, total=False):
     recycle_pull_buffers: bool
     pull_buffer_max_bytes: int
     cast_gradients: bool
+    register: bool
 
 
 class PushOptions(TypedDict, total=False):
