@@ -65,6 +65,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "paramserver.cli.rank",
         "two instances x 2 rank servers: fill, offload, onboard, verify, report GB/s",
     ),
+    "run": ("paramserver.cli.run", "run your training script as N workers on a local cluster"),
     "ray-launch": (
         "paramserver.cli.ray_launch",
         "run a job on a Ray cluster: shards as actors, workers as tasks (paramserver[ray])",
