@@ -41,9 +41,32 @@ _FLAG_OF = {
     "start_timeout_s": "--start-timeout-s",
     "job_timeout_s": "--timeout-s",
     "retry_deadline_s": "--retry-deadline-s",
-    "serve_args": "--serve-args",
+    "server: ": "--serve-args: ",  # the messages about RayJobConfig.server
     "strategy": "--strategy",
 }
+
+
+def server_settings(serve_args: str) -> dict[str, Any]:
+    """``--serve-args`` (``paramserver serve`` flags, one string) as the
+    :class:`~paramserver.server.config.ServerConfig` fields they set, the form
+    :class:`~paramserver.integrations.ray.RayJobConfig` takes (each shard reads its own
+    ``PARAMSERVER_*`` variables under them).
+
+    Raises:
+        InvalidArgument: a value ``serve`` refuses (INVALID_ARGUMENT).
+        SystemExit: a flag ``serve`` does not have (argparse's usage error, exit 2).
+    """
+    from paramserver.cli.main import build_parser
+    from paramserver.cli.serve import serve_config
+    from paramserver.server.config import ServerConfig
+
+    args = build_parser(["serve"]).parse_args(["serve", *shlex.split(serve_args)])
+    given, default = serve_config(args, {}), ServerConfig()
+    return {
+        f.name: getattr(given, f.name)
+        for f in dataclasses.fields(ServerConfig)
+        if getattr(given, f.name) != getattr(default, f.name)
+    }
 
 
 def _job_config(args: argparse.Namespace, config_class: Any) -> Any:
@@ -52,7 +75,7 @@ def _job_config(args: argparse.Namespace, config_class: Any) -> Any:
         num_workers=args.workers,
         base_port=args.base_port,
         state_dir=args.state_dir,
-        serve_args=tuple(shlex.split(args.serve_args)),
+        server=server_settings(args.serve_args),
         strategy=args.strategy,
         shard_max_restarts=args.shard_max_restarts,
         worker_max_retries=args.worker_max_retries,
@@ -72,8 +95,9 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
     except ImportError:
         print("paramserver ray-launch: needs Ray: pip install 'paramserver[ray]'", file=sys.stderr)
         return 2
+    from paramserver.cli.demos.digits import DigitsJob
     from paramserver.errors import InvalidArgument
-    from paramserver.integrations.ray.placement import DigitsJob, RayJobConfig, launch
+    from paramserver.integrations.ray.placement import RayJobConfig, launch
 
     try:
         cfg = _job_config(args, RayJobConfig)

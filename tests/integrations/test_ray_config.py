@@ -35,8 +35,10 @@ def test_paramserver_help_lists_ray_launch_without_importing_ray() -> None:
         ({"worker_failure": "ignore"}, "worker_failure"),
         ({"shard_max_restarts": -1}, "shard_max_restarts"),
         ({"job_timeout_s": 0}, "job_timeout_s"),
-        ({"serve_args": ("--consistency", "bsp", "--port", "1")}, "--port"),
-        ({"serve_args": ("--checkpoint-dir=/x",)}, "--checkpoint-dir"),
+        ({"server": {"consistency": "bsp", "port": 1}}, "server: port is set by the launcher"),
+        ({"server": {"checkpoint_dir": "/x"}}, "checkpoint_dir is set by the launcher"),
+        ({"server": {"consistency": "tsp"}}, "consistency"),
+        ({"server": {"no_such_field": 1}}, "'no_such_field' is not a ServerConfig field"),
     ],
 )
 def test_job_config_refuses_bad_values(changes: dict[str, object], complaint: str) -> None:
@@ -64,6 +66,36 @@ def test_ray_launch_names_the_flag_of_a_bad_value() -> None:
     )
     assert out.returncode == 2, out.stderr
     assert "--shards and --workers must be >= 1, got 0 and 4" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_serve_args_become_the_server_config_fields_they_set() -> None:
+    """ray-launch hands the shards ServerConfig fields (the integration's config API), read
+    from its --serve-args with serve's own parser: only what the flags set."""
+    from paramserver.cli.ray_launch import server_settings
+
+    text = "--consistency ssp --staleness 2 --lease-ms 5000 --no-wal-fsync"
+    assert server_settings(text) == {
+        "consistency": "ssp",
+        "staleness": 2,
+        "lease_ms": 5000,
+        "wal_fsync": False,
+    }
+    assert server_settings("") == {}
+
+
+def test_ray_launch_names_the_serve_flag_the_launcher_sets() -> None:
+    pytest.importorskip(
+        "ray", reason="paramserver.integrations.ray needs Ray: pip install 'paramserver[ray]'"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "paramserver", "ray-launch", "--serve-args", "--port 7"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "--serve-args: port is set by the launcher for each shard" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
 

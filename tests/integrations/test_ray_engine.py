@@ -30,7 +30,8 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray tests need Ray: pip install 'paramserver[ray]'")
 
-from paramserver.integrations.ray import DigitsJob, RayJobConfig, RayShardGroup  # noqa: E402
+from paramserver.cli.demos.digits import DigitsJob  # noqa: E402
+from paramserver.integrations.ray import RayJobConfig, RayShardGroup  # noqa: E402
 from paramserver.worker_client import UpdateRule  # noqa: E402
 from tests.harness.ray_cluster import HEAD_IP, NODE_IP, LocalRayCluster, live  # noqa: E402
 
@@ -90,7 +91,7 @@ def config(tmp_path: Path, **overrides: Any) -> RayJobConfig:
         "num_workers": 4,
         "base_port": free_port_pair(),
         "state_dir": str(tmp_path / "state"),
-        "serve_args": ("--consistency", "ssp", "--staleness", "2", "--lease-ms", "5000"),
+        "server": {"consistency": "ssp", "staleness": 2, "lease_ms": 5000},
         "shard_max_restarts": 2,
         "retry_deadline_s": 120.0,
         "start_timeout_s": 120.0,
@@ -111,10 +112,12 @@ def test_digits_on_two_nodes_rides_through_a_killed_shard(
     t0 = time.monotonic()
     cfg = config(
         tmp_path,
-        serve_args=(
-            *("--consistency", "ssp", "--staleness", "2", "--lease-ms", "5000"),
-            *("--checkpoint-every-steps", "20"),
-        ),
+        server={
+            "consistency": "ssp",
+            "staleness": 2,
+            "lease_ms": 5000,
+            "checkpoint_every_steps": 20,
+        },
     )
     job_spec = DigitsJob(epochs=10, slow_factor=8.0)
     with RayShardGroup(cfg) as shards:
@@ -218,7 +221,7 @@ def test_user_function_gets_its_index_and_the_shard_map(
 ) -> None:
     """A plain ``train(client, worker_index, num_workers)`` on 3 workers: each is told its
     own index and the count, and the shards see 3 x 10 pushes, none lost."""
-    with RayShardGroup(config(tmp_path, num_workers=3, serve_args=("--consistency", "asp"))) as s:
+    with RayShardGroup(config(tmp_path, num_workers=3, server={"consistency": "asp"})) as s:
         result = s.submit(count_to_ten).result(timeout_s=120)
         assert result.ok, [w.error for w in result.workers]
         assert [w.result["index"] for w in result.workers] == [0, 1, 2]
@@ -253,7 +256,7 @@ def test_retried_worker_takes_its_name_over(cluster: LocalRayCluster, tmp_path: 
         tmp_path,
         num_workers=2,
         worker_max_retries=1,
-        serve_args=("--consistency", "asp", "--lease-ms", "60000"),
+        server={"consistency": "asp", "lease_ms": 60000},
         worker_env={"PS_TEST_MARKER_DIR": str(marker_dir)},
     )
     with RayShardGroup(cfg) as shards:

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -193,7 +194,8 @@ def digits_model(framework: str, hidden: int, seed: int = 0) -> DigitsModel:
 @dataclass(frozen=True)
 class DigitsJob:
     """The digits job's hyperparameters, the same on every worker (``paramserver worker``,
-    ``demo``, and the Ray launcher's worker tasks).
+    ``demo``, and the Ray launcher's worker tasks: a
+    :class:`~paramserver.integrations.ray.ClusterJob`).
 
     Attributes:
         epochs: Passes over the worker's slice of the training data.
@@ -212,6 +214,41 @@ class DigitsJob:
     hidden: int = 32
     seed: int = 0
     slow_factor: float = 1.0
+
+    def run_worker(
+        self, address: str, index: int, num_workers: int, *, name: str, retry: RetryPolicy
+    ) -> dict[str, Any]:
+        """Train as worker ``index`` of ``num_workers`` against the cluster that serves
+        ``address``; returns the worker's ``done`` summary. It registers as
+        ``worker-<index>`` with ``replace=True`` (a retried task fences its predecessor);
+        ``name`` is the launcher's prefix, unused here."""
+        from paramserver.serving.bootstrap import run_loop
+
+        cfg = TrainConfig(
+            server=address,
+            worker_index=index,
+            num_workers=num_workers,
+            evaluate=False,
+            replace=True,
+            retry=retry,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(DigitsJob)},
+        )
+        result: dict[str, Any] = run_loop(train_worker(cfg))
+        return result
+
+    def final_metrics(self, address: str) -> dict[str, Any]:
+        """``test_accuracy`` of the cluster's current parameters (an observer read)."""
+        from paramserver.serving.bootstrap import run_loop
+
+        async def read() -> dict[str, Any]:
+            async with connect(address, "digits-evaluator", heartbeat=False) as ps:
+                params = await ps.pull(observer=True)
+            data = load_digits_split(self.seed)
+            model = digits_model("numpy", self.hidden, self.seed)
+            return {"test_accuracy": model.accuracy(params, data.x_test, data.y_test)}
+
+        metrics: dict[str, Any] = run_loop(read())
+        return metrics
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,9 +3,12 @@
 Needs the ``ray`` extra (``pip install 'paramserver[ray]'``). Usage, from a process connected
 to the cluster (``ray.init(address=...)``)::
 
-    from paramserver.integrations.ray import DigitsJob, RayJobConfig, launch
+    from paramserver.cli.demos.digits import DigitsJob
+    from paramserver.integrations.ray import RayJobConfig, launch
 
-    result = launch(RayJobConfig(num_shards=2, num_workers=4), DigitsJob(epochs=10))
+    server = {"consistency": "ssp", "staleness": 2}  # ServerConfig fields of every shard
+    config = RayJobConfig(num_shards=2, num_workers=4, server=server)
+    result = launch(config, DigitsJob(epochs=10))
     print(result.ok, result.metrics["test_accuracy"])
 
 or with a function of one's own, run by every worker task::
@@ -25,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below, imported on first use (``ray`` is imported then)
     from paramserver.integrations.ray.placement import (
-        MANAGED_SERVE_FLAGS,
-        DigitsJob,
+        MANAGED_SERVER_FIELDS,
+        ClusterJob,
         JobResult,
         RayJobConfig,
         RayShardGroup,
@@ -39,8 +42,8 @@ if TYPE_CHECKING:  # the names below, imported on first use (``ray`` is imported
     )
 
 __all__ = [
-    "MANAGED_SERVE_FLAGS",
-    "DigitsJob",
+    "MANAGED_SERVER_FIELDS",
+    "ClusterJob",
     "JobResult",
     "RayJobConfig",
     "RayShardGroup",

@@ -3,31 +3,35 @@
 Layout of a job (``paramserver ray-launch``, or :func:`launch` / :class:`RayShardGroup`):
 
 * **Shards.** One placement group of ``num_shards`` bundles (strategy ``SPREAD`` by default:
-  across nodes where it can). Once the group is placed, the launcher reads each bundle's node
-  and fixes shard i's address to ``<node IP>:<base_port + i>``; every shard is started with the
-  whole list (``--shard-index i --shard-addresses ...``), so the shard map is known before any
-  worker connects. Shard i is a Ray actor pinned to bundle i that hosts the ``paramserver
-  serve`` daemon in its own process (the same flags, parsed by the same parser), bound to its
-  node's IP, with its own ``--checkpoint-dir`` and write-ahead log (``--wal``) under
-  ``<state dir>/shard-<i>`` on that node. The state directory is ``state_dir`` when given (the
-  same one again resumes a job), else one per job: ``<system temp dir>/paramserver-ray/<job
-  id>`` (:func:`job_state_dir`), so two jobs never share state by default.
+  across nodes where it can). Once the group is placed, the launcher reads each bundle's node and
+  fixes shard i's address to ``<node IP>:<base_port + i>``; every shard is started with the whole
+  list (``shard_index``, ``shard_addresses``), so the shard map is known before any worker
+  connects. Shard i is a Ray actor pinned to bundle i that hosts the ``paramserver serve`` daemon
+  in its own process, configured like any shard
+  (:meth:`~paramserver.server.config.ServerConfig.from_sources`: the job's ``server`` settings
+  over ``PARAMSERVER_*`` variables over defaults), bound to its node's IP, with its own checkpoint
+  directory and write-ahead log under ``<state dir>/shard-<i>`` on that node. The state directory
+  is ``state_dir`` when given (the same one again resumes a job), else one per job: ``<system temp
+  dir>/paramserver-ray/<job id>`` (:func:`job_state_dir`), so two jobs never share state by
+  default.
 * **Restarts.** The actors have ``max_restarts`` > 0 (``shard_max_restarts``). Ray re-creates a
   dead shard actor in the same bundle, hence on the same node; its constructor binds the same
-  address again and restores the newest checkpoint plus the log after it, so the shard comes
-  back with every acknowledged update. Workers ride through: their client retries UNAVAILABLE
-  (same request ids, applied once) until ``retry_deadline_s``.
+  address again and restores the newest checkpoint plus the log after it, so the shard comes back
+  with every acknowledged update. Workers ride through: their client retries UNAVAILABLE (same
+  request ids, applied once) until ``retry_deadline_s``.
 * **Workers.** ``num_workers`` Ray tasks (``SPREAD``), worker i told its index, the worker count
-  and the shard addresses. Each runs the digits job (:class:`DigitsJob`, what ``paramserver
-  worker`` runs) or a user function ``train(client, worker_index, num_workers)``: an ``async
-  def`` gets the asyncio :class:`~paramserver.worker_client.ClusterWorkerClient`, a plain
-  function the blocking :class:`~paramserver.worker_client.SyncWorkerClient`. A worker task
-  retried by Ray (``worker_max_retries``) registers with ``replace=True``: it fences its dead
-  predecessor's registration instead of waiting out its lease.
-* **Result.** :class:`JobResult`: each worker's exit (its return value or its error), each
-  shard's counters and restarts, and for the digits job the test accuracy of the final
-  parameters. Teardown stops every shard gracefully (final checkpoint), kills the actors for
-  good, cancels unfinished worker tasks and removes the placement group.
+  and the shard addresses. Each runs the job: a :class:`ClusterJob` (an object with ``run_worker``
+  and ``final_metrics``, e.g. the digits demo's :class:`~paramserver.cli.demos.digits.DigitsJob`,
+  what ``paramserver worker`` runs) or a user function ``train(client, worker_index,
+  num_workers)``: an ``async def`` gets the asyncio
+  :class:`~paramserver.worker_client.ClusterWorkerClient`, a plain function the blocking
+  :class:`~paramserver.worker_client.SyncWorkerClient`. A worker task retried by Ray
+  (``worker_max_retries``) registers with ``replace=True``: it fences its dead predecessor's
+  registration instead of waiting out its lease.
+* **Result.** :class:`JobResult`: each worker's exit (its return value or its error), each shard's
+  counters and restarts, and for a :class:`ClusterJob` its final metrics (the digits job: the test
+  accuracy of the final parameters). Teardown stops every shard gracefully (final checkpoint),
+  kills the actors for good, cancels unfinished worker tasks and removes the placement group.
 
 Ray is an optional dependency: ``pip install 'paramserver[ray]'``. The stable address holds
 while the shard's node lives; if the node itself is lost Ray places the bundle on another node,
@@ -50,7 +54,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import ray
 from ray.util.placement_group import (
@@ -61,10 +65,11 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from paramserver.cli.demos.digits import DigitsJob as DigitsJob  # re-exported
 from paramserver.closing import Closing
 from paramserver.errors import InvalidArgument, Unavailable, WaitTimeout
+from paramserver.server.config import ServerConfig
 from paramserver.waiting import Wait
+from paramserver.worker_client.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -84,17 +89,10 @@ def _ray_ready(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
             waiting.tick()
 
 
-#: ``paramserver serve`` flags the launcher sets itself for each shard.
-MANAGED_SERVE_FLAGS = frozenset(
-    {
-        "--host",
-        "--port",
-        "--port-file",
-        "--shard-index",
-        "--shard-addresses",
-        "--checkpoint-dir",
-        "--wal-dir",
-    }
+#: :class:`~paramserver.server.config.ServerConfig` fields the launcher sets itself for each
+#: shard (its address, its place in the cluster, its state directories; ``wal`` is always on).
+MANAGED_SERVER_FIELDS = frozenset(
+    {"host", "port", "shard_index", "shard_addresses", "checkpoint_dir", "wal", "wal_dir"}
 )
 STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
 WORKER_FAILURE = ("fail", "continue")
@@ -169,9 +167,10 @@ class RayJobConfig:
             and ``shard-<i>/wal``; a directory holding an earlier job's state resumes that
             job. None (the default): one per job, ``<system temp dir>/paramserver-ray/<job
             id>`` (:func:`job_state_dir`).
-        serve_args: Extra ``paramserver serve`` flags for every shard (consistency,
-            staleness, checkpoint cadence, TLS, tokens...); the flags in
-            :data:`MANAGED_SERVE_FLAGS` are the launcher's.
+        server: Settings of every shard, as :class:`~paramserver.server.config.ServerConfig`
+            fields (``{"consistency": "ssp", "staleness": 2, "checkpoint_every_s": 30}``;
+            TLS, tokens...); they win over the shards' ``PARAMSERVER_*`` variables. The fields
+            in :data:`MANAGED_SERVER_FIELDS` are the launcher's.
         strategy: Placement-group strategy of the shards (``SPREAD``: across nodes where
             possible; ``STRICT_SPREAD``: one node each or fail).
         shard_max_restarts: Times Ray re-creates a dead shard (0: a dead shard fails the job).
@@ -194,7 +193,7 @@ class RayJobConfig:
     num_workers: int = 4
     base_port: int = 50051
     state_dir: str | None = None
-    serve_args: tuple[str, ...] = ()
+    server: Mapping[str, Any] = field(default_factory=dict)
     strategy: str = "SPREAD"
     shard_max_restarts: int = 3
     worker_max_retries: int = 0
@@ -232,12 +231,35 @@ class RayJobConfig:
         for what in ("start_timeout_s", "job_timeout_s", "retry_deadline_s"):
             if not getattr(self, what) > 0:
                 raise InvalidArgument(f"{what} must be > 0, got {getattr(self, what)}")
-        for arg in self.serve_args:
-            if arg.split("=", 1)[0] in MANAGED_SERVE_FLAGS:
+        known = {f.name for f in dataclasses.fields(ServerConfig)}
+        for name in self.server:
+            if name not in known:
+                raise InvalidArgument(f"server: {name!r} is not a ServerConfig field")
+            if name in MANAGED_SERVER_FIELDS:
                 raise InvalidArgument(
-                    f"serve_args: {arg.split('=', 1)[0]} is set by the launcher for each "
-                    f"shard (managed: {', '.join(sorted(MANAGED_SERVE_FLAGS))})"
+                    f"server: {name} is set by the launcher for each shard "
+                    f"(managed: {', '.join(sorted(MANAGED_SERVER_FIELDS))})"
                 )
+        ServerConfig(**self.server)  # a bad value fails here, not on every shard
+
+
+@runtime_checkable
+class ClusterJob(Protocol):
+    """A job whose worker tasks run ``run_worker`` (the digits demo's
+    :class:`~paramserver.cli.demos.digits.DigitsJob` is one). It travels to the workers by
+    pickle, so a module-level class."""
+
+    def run_worker(
+        self, address: str, index: int, num_workers: int, *, name: str, retry: RetryPolicy
+    ) -> Any:
+        """Run worker ``index`` of ``num_workers`` against the cluster that serves
+        ``address`` (any shard); ``name`` is the job's name prefix, ``retry`` the backoff
+        while a shard restarts. Returns the worker's result."""
+        ...
+
+    def final_metrics(self, address: str) -> dict[str, Any]:
+        """The job's metrics, read from the cluster once every worker has ended."""
+        ...
 
 
 #: A user's training function: ``train(client, worker_index, num_workers) -> result``.
@@ -329,14 +351,14 @@ class ShardActor:
 
     Raises:
         Unavailable: the actor landed on another node than its address names (UNAVAILABLE).
-        InvalidArgument: a bad ``serve`` flag (INVALID_ARGUMENT).
+        InvalidArgument: a bad setting, or unreadable certificates or token file
+            (INVALID_ARGUMENT).
     """
 
     def __init__(
-        self, index: int, addresses: Sequence[str], serve_args: Sequence[str], state_dir: str
+        self, index: int, addresses: Sequence[str], server: Mapping[str, Any], state_dir: str
     ) -> None:
-        from paramserver.cli.main import build_parser
-        from paramserver.cli.serve import serve_config
+        from paramserver.security.tls import ServerSecurity
         from paramserver.server.shard_daemon import ParameterServerDaemon
 
         self.index = index
@@ -353,16 +375,17 @@ class ShardActor:
         starts_file = shard_dir / STARTS_FILE
         self.starts = (int(starts_file.read_text()) if starts_file.exists() else 0) + 1
         starts_file.write_text(str(self.starts))
-        argv = [
-            "serve",
-            *serve_args,
-            *("--host", host, "--port", port),
-            *("--shard-index", str(index), "--shard-addresses", ",".join(addresses)),
-            *("--checkpoint-dir", str(shard_dir / "checkpoints")),
-            *("--wal", "--wal-dir", str(shard_dir / "wal")),
-        ]
-        args = build_parser().parse_args(argv)
-        config = serve_config(args, os.environ)
+        managed = {
+            "host": host,
+            "port": int(port),
+            "shard_index": index,
+            "shard_addresses": ",".join(addresses),
+            "checkpoint_dir": str(shard_dir / "checkpoints"),
+            "wal": True,
+            "wal_dir": str(shard_dir / "wal"),
+        }
+        config = ServerConfig.from_sources({**server, **managed}, os.environ)
+        ServerSecurity.of_config(config)  # unreadable certificates: refused here
         self._loop = _new_loop(config.use_uvloop)
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"paramserver-shard-{index}", daemon=True
@@ -431,30 +454,20 @@ def _worker_main(
     addresses: Sequence[str],
     index: int,
     num_workers: int,
-    job: DigitsJob | TrainFunction,
+    job: ClusterJob | TrainFunction,
     name: str,
     retry_deadline_s: float,
 ) -> dict[str, Any]:
     """Body of worker task ``index``: connect to the cluster, run the job, leave."""
-    from paramserver.cli.demos.digits import TrainConfig, train_worker
     from paramserver.serving.bootstrap import run_loop
-    from paramserver.worker_client import RetryPolicy, connect, connect_sync
+    from paramserver.worker_client import connect, connect_sync
 
     node_ip = ray.util.get_node_ip_address()
     retry = RetryPolicy(deadline_s=retry_deadline_s)
     worker_name = f"{name}-worker-{index}"
     result: Any
-    if isinstance(job, DigitsJob):
-        cfg = TrainConfig(
-            server=addresses[0],  # any shard: the client fetches the shard map from it
-            worker_index=index,
-            num_workers=num_workers,
-            evaluate=False,
-            replace=True,
-            retry=retry,
-            **dataclasses.asdict(job),
-        )
-        result = run_loop(train_worker(cfg))
+    if isinstance(job, ClusterJob):  # any shard: the client fetches the shard map from it
+        result = job.run_worker(addresses[0], index, num_workers, name=name, retry=retry)
     elif inspect.iscoroutinefunction(job):
 
         async def run_async() -> Any:
@@ -468,21 +481,9 @@ def _worker_main(
     return {"node_ip": node_ip, "result": result}
 
 
-def _evaluate_digits_main(addresses: Sequence[str], job: DigitsJob) -> dict[str, Any]:
-    """Test accuracy of the cluster's current parameters (an observer pull: no membership)."""
-    from paramserver.cli.demos.digits import digits_model, load_digits_split
-    from paramserver.serving.bootstrap import run_loop
-    from paramserver.worker_client import connect
-
-    async def read() -> dict[str, Any]:
-        async with connect(addresses[0], "ray-evaluator", heartbeat=False) as ps:
-            params = await ps.pull(observer=True)
-        data = load_digits_split(job.seed)
-        model = digits_model("numpy", job.hidden, job.seed)
-        return {"test_accuracy": model.accuracy(params, data.x_test, data.y_test)}
-
-    out: dict[str, Any] = run_loop(read())
-    return out
+def _final_metrics_main(addresses: Sequence[str], job: ClusterJob) -> dict[str, Any]:
+    """The job's final metrics, read from the cluster (a task of its own)."""
+    return job.final_metrics(addresses[0])
 
 
 # ---------------------------------------------------------------------------- the group
@@ -490,7 +491,8 @@ class RayShardGroup(Closing):
     """The shards of one job on a Ray cluster (``ray.init`` must have run).
 
     Use as ``with RayShardGroup(cfg) as shards: job = shards.submit(DigitsJob());
-    result = job.result()``; leaving the block tears everything down.
+    result = job.result()`` (any :class:`ClusterJob` or training function); leaving the block
+    tears everything down.
 
     Attributes:
         addresses: Shard addresses in shard order (fixed for the group's life).
@@ -541,7 +543,7 @@ class RayShardGroup(Closing):
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             self._pg, placement_group_bundle_index=i
                         ),
-                    ).remote(i, self.addresses, list(cfg.serve_args), self.state_dir)
+                    ).remote(i, self.addresses, dict(cfg.server), self.state_dir)
                 )
             refs = [a.info.remote() for a in self.actors]
             done = _ray_ready(refs, cfg.start_timeout_s, f"{cfg.num_shards} shards to serve")
@@ -568,7 +570,7 @@ class RayShardGroup(Closing):
         """Kill shard ``index``'s actor process now (Ray restarts it: ``max_restarts``)."""
         ray.kill(self.actors[index], no_restart=False)
 
-    def submit(self, job: DigitsJob | TrainFunction) -> WorkerJob:
+    def submit(self, job: ClusterJob | TrainFunction) -> WorkerJob:
         """Start ``num_workers`` worker tasks running ``job``."""
         cfg = self.config
         task = ray.remote(_worker_main).options(
@@ -608,7 +610,7 @@ class WorkerJob:
     """The worker tasks of one submitted job."""
 
     def __init__(
-        self, shards: RayShardGroup, job: DigitsJob | TrainFunction, refs: list[Any]
+        self, shards: RayShardGroup, job: ClusterJob | TrainFunction, refs: list[Any]
     ) -> None:
         self.shards = shards
         self.job = job
@@ -659,8 +661,8 @@ class WorkerJob:
             )
         elapsed = time.monotonic() - self.t0
         metrics: dict[str, Any] = {}
-        if isinstance(self.job, DigitsJob):
-            evaluate = ray.remote(_evaluate_digits_main).options(num_cpus=0)
+        if isinstance(self.job, ClusterJob):
+            evaluate = ray.remote(_final_metrics_main).options(num_cpus=0)
             try:
                 metrics = ray.get(evaluate.remote(self.shards.addresses, self.job), timeout=120)
             except Exception as exc:  # the shards are unreachable: say so in the result
@@ -682,12 +684,14 @@ def _bundle_node_ips(pg: PlacementGroup, count: int) -> list[str]:
     return [ip_of[node_of[i]] for i in range(count)]
 
 
-def launch(config: RayJobConfig, job: DigitsJob | TrainFunction | None = None) -> JobResult:
+def launch(config: RayJobConfig, job: ClusterJob | TrainFunction) -> JobResult:
     """Run one job on the Ray cluster this process is connected to and tear it down.
 
     Args:
         config: Shards, workers, restart policies, deadlines.
-        job: :class:`DigitsJob` (the default) or ``train(client, worker_index, num_workers)``.
+        job: A :class:`ClusterJob` (the digits demo's
+            :class:`~paramserver.cli.demos.digits.DigitsJob`) or a function
+            ``train(client, worker_index, num_workers)``.
 
     Returns:
         The :class:`JobResult` (workers' exits, shards' counters, final metrics).
@@ -696,4 +700,4 @@ def launch(config: RayJobConfig, job: DigitsJob | TrainFunction | None = None) -
         WaitTimeout: the shards did not start within ``start_timeout_s`` (DEADLINE_EXCEEDED).
     """
     with RayShardGroup(config) as shards:
-        return shards.submit(job if job is not None else DigitsJob()).result()
+        return shards.submit(job).result()
