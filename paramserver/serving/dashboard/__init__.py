@@ -24,6 +24,8 @@ Prometheus series show, plus the shards' ``Status``.
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.metadata
 import json
 import logging
 import time
@@ -35,7 +37,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-import paramserver
 from paramserver.closing import cancelled
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,15 @@ PEER_TIMEOUT_S = 2.0
 
 #: ``(labels, value)`` pairs of one sample name.
 Series = list[tuple[dict[str, str], float]]
+
+
+@functools.cache
+def _version() -> str:
+    """The installed distribution's version (``unknown`` when run from a source tree)."""
+    try:
+        return importlib.metadata.version("paramserver")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def asset(name: str) -> bytes:
@@ -243,7 +253,7 @@ class Dashboard:
         cumulative counters; only the samples after ``since_unix_s`` when given)."""
         out: dict[str, Any] = {
             "kind": self.kind,
-            "version": paramserver.__version__,
+            "version": _version(),
             "now_unix_s": round(self.now(), 3),
             "period_s": self.period_s,
             "server": self.info,
