@@ -798,4 +798,3 @@ async def cast_gradients(
             )
         out[key] = value.astype(want)
     return out
-
