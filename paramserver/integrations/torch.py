@@ -639,7 +639,7 @@ class ServerOptimizer(torch.optim.Optimizer):
     them into the parameters in place. So a single-process script changes in its optimizer
     line only (and its data sampler, :class:`ShardSampler`)::
 
-        opt = ServerOptimizer(model.named_parameters(), ps.UpdateRule("sgd", lr=0.1))
+        opt = ServerOptimizer(model.named_parameters(), "sgd", lr=0.1)
         for x, y in loader:
             opt.zero_grad()
             loss_fn(model(x), y).backward()
@@ -653,7 +653,8 @@ class ServerOptimizer(torch.optim.Optimizer):
     Args:
         params: ``model.named_parameters()`` (keys are the names) or ``model.parameters()``
             (keys ``"param.0"``, ``"param.1"``, ... by position).
-        rule: The server-side update rule (default plain SGD, lr 0.01).
+        rule: The server-side update rule (default plain SGD, lr 0.01), or its kind by name
+            with its arguments as keywords: ``ServerOptimizer(params, "adam", lr=1e-3)``.
         client: An open :class:`~paramserver.worker_client.SyncWorkerClient`; default: one
             opened from the launcher's environment
             (:func:`~paramserver.worker_client.env.connect_sync_from_env`), closed by
@@ -669,6 +670,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         missing_grad: A trainable parameter without a gradient: ``"error"``, ``"zeros"`` or
             ``"skip"`` (see :func:`gradients`).
         start_timeout_s: Deadline of the start barrier (seconds).
+        **rule_args: The rule's arguments when ``rule`` is a kind's name.
 
     Raises:
         InvalidArgument: no parameters, a repeated name, an unsupported dtype or a bad rule
@@ -678,7 +680,7 @@ class ServerOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        rule: UpdateRule | None = None,
+        rule: UpdateRule | str | None = None,
         *,
         client: SyncWorkerClient | None = None,
         prefix: str = "",
@@ -686,7 +688,15 @@ class ServerOptimizer(torch.optim.Optimizer):
         overlap: bool = False,
         missing_grad: MissingGrad = "error",
         start_timeout_s: float = 300.0,
+        **rule_args: Any,
     ) -> None:
+        if isinstance(rule, str):
+            rule = UpdateRule(rule, **rule_args)
+        elif rule_args:
+            raise InvalidArgument(
+                f"ServerOptimizer: {sorted(rule_args)} go with a rule kind given by name "
+                "(ServerOptimizer(params, 'sgd', lr=0.1)), not with an UpdateRule"
+            )
         if missing_grad not in ("error", "zeros", "skip"):
             raise InvalidArgument(
                 f"missing_grad must be error, zeros or skip, got {missing_grad!r}"
@@ -859,7 +869,8 @@ class ShardSampler(torch.utils.data.Sampler[int]):
     identity without ``shuffle``), padded by repeating its start (or cut, with
     ``drop_last``) to a multiple of the worker count; worker ``i`` takes every
     ``num_workers``-th index from ``i``. Every worker thus gets the same number of batches,
-    which BSP needs. Call :meth:`set_epoch` before each epoch.
+    which BSP needs. :meth:`set_epoch` picks the epoch, as for ``DistributedSampler``; without
+    it each pass over the sampler is the next epoch (0, 1, 2, ...).
 
     Resuming: with ``progress`` (a :class:`ServerOptimizer`, a client, or a number of
     completed steps) the sampler learns at its first epoch how many iterations this worker's
@@ -928,6 +939,8 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         self._progress = progress
         #: Batches still to skip (None: not learnt yet).
         self._skip: int | None = None if progress is not None else 0
+        self._passes = 0  # passes over the sampler so far
+        self._epoch_set = False  # set_epoch was called since the last pass
 
     def _client(self) -> SyncWorkerClient | None:
         source = self._progress
@@ -946,8 +959,13 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         return -(-self._per_worker() // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s permutation (and, with ``reshard``, its live workers)."""
+        """Use epoch ``epoch``'s permutation (and, with ``reshard``, its live workers).
+        Without a call between two passes over the sampler, the next pass is the next epoch."""
         self.epoch = epoch
+        self._epoch_set = True
+        self._refresh()
+
+    def _refresh(self) -> None:
         client = self._client()
         if self.reshard and client is not None:
             status = client.status()
@@ -992,6 +1010,11 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         return 0
 
     def __iter__(self) -> Iterator[int]:
+        if self._passes and not self._epoch_set:
+            self.epoch += 1
+            self._refresh()
+        self._passes += 1
+        self._epoch_set = False
         return iter(self._indices()[self._start() :])
 
     def __len__(self) -> int:

@@ -169,6 +169,22 @@ def test_a_resumed_sampler_skips_exactly_the_batches_trained() -> None:
         assert rest == plan[done:]
 
 
+def test_each_pass_without_set_epoch_is_the_next_epoch() -> None:
+    data = list(range(17))
+    explicit = ShardSampler(data, num_workers=2, worker_index=0, batch_size=2)
+    implicit = ShardSampler(data, num_workers=2, worker_index=0, batch_size=2)
+    resumed = ShardSampler(data, num_workers=2, worker_index=0, batch_size=2, progress=6)
+    plan, rest = [], []
+    for epoch in range(3):
+        explicit.set_epoch(epoch)
+        this_epoch = list(explicit)
+        assert len(this_epoch) == 9
+        plan += this_epoch
+        assert list(implicit) == this_epoch
+        rest += list(resumed)
+    assert rest == plan[9 + 2 :]  # 5 batches of 9 per epoch: epoch 0 and 1 batch skipped
+
+
 def test_sampler_refuses_an_index_out_of_range() -> None:
     with pytest.raises(InvalidArgument, match="worker_index"):
         ShardSampler([1, 2], num_workers=2, worker_index=2)
