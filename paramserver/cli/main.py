@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from paramserver.errors import ParamServerError
 
 #: Every subcommand, in the order ``paramserver --help`` lists them: the module that registers
-#: and runs it (imported only when the command is given) and its line in ``paramserver --help``.
+#: and runs it (imported only when the command is given) and its line in ``paramserver --help``
+#: (this one, whatever help the module's ``add_parser`` passes).
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("paramserver.cli.serve", "run a parameter-server shard"),
     "status": (
@@ -117,6 +118,8 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
             sub.add_parser(name, help=help_line)
         elif name not in sub.choices:
             importlib.import_module(module).add_subcommands(sub)
+    for listed in sub._choices_actions:  # the table's help line, whoever registered it
+        listed.help = COMMANDS[listed.dest][1]
     for name, command_parser in sub.choices.items():
         if name in LONG_RUNNING and COMMANDS[name][0] in modules:  # also after the subcommand
             command_parser.add_argument(

@@ -9,6 +9,7 @@ command starts is measured, not asserted."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import subprocess
 import sys
@@ -105,7 +106,14 @@ def test_a_commands_help_imports_its_module_and_nothing_heavy(command: str) -> N
     assert _loaded(result["modules"], HEAVY) == []
 
 
-def test_every_command_module_registers_its_commands_with_the_tables_help() -> None:
+@pytest.mark.parametrize("module", sorted({m for m, _ in COMMANDS.values()}))
+def test_a_command_module_registers_the_commands_the_table_gives_it(module: str) -> None:
+    sub = argparse.ArgumentParser().add_subparsers()
+    importlib.import_module(module).add_subcommands(sub)
+    assert set(sub.choices) == {name for name, (m, _) in COMMANDS.items() if m == module}
+
+
+def test_the_full_parser_lists_every_command_with_the_tables_help() -> None:
     action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     listed = {c.dest: c.help for c in action._choices_actions}
     assert listed == {name: help_line for name, (_, help_line) in COMMANDS.items()}
