@@ -10,7 +10,7 @@ EXTRAS ?=
 comma := ,
 PIP_EXTRAS := demo,dev$(if $(strip $(EXTRAS)),$(comma)$(strip $(EXTRAS)))
 
-.PHONY: install protos demo demo-movielens test test-fast lint typecheck format bench clean compose-ci browser helm-check test-ray
+.PHONY: install protos demo demo-movielens test test-fast lint typecheck format bench clean compose-ci browser etcd helm-check test-ray
 
 $(STAMP): pyproject.toml setup.py scripts/gen_protos.py $(wildcard protos/paramserver/api/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ browser:  ## headless Chromium (apt package chromium) for the dashboard's browse
 	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	@/usr/bin/chromium --version
+
+# Debian's etcd for the shard-failover tests (tests/faults/test_replica_failover.py, skipped
+# without an etcd binary); installs only when it is missing.
+etcd:  ## etcd (apt package etcd-server) for the replica failover tests; idempotent
+	@command -v etcd >/dev/null || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; }
+	@etcd --version | head -1
 
 demo-movielens: $(STAMP)  ## biased MF on real MovieLens ratings, user/movie embedding tables on the PS
 	$(BIN)/python -m pip install --quiet -e '.[recsys]'

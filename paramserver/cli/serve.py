@@ -103,6 +103,9 @@ def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "replicas": args.replicas,
         "replica_index": args.replica_index,
         "replica_addresses": args.replica_addresses,
+        "election_endpoints": args.election_endpoints,
+        "election_prefix": args.election_prefix,
+        "election_ttl_s": args.election_ttl_s,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "metrics_token_file": args.metrics_token_file,
@@ -337,6 +340,15 @@ def add_subcommands(sub: Any) -> None:
     rep.add_argument(
         "--replica-addresses",
         help="host:port,host:port,... of every replica of this shard in index order",
+    )
+    rep.add_argument(
+        "--election-endpoints",
+        help="etcd host:port[,...] electing the primary under an epoch (failover); without "
+        "it replica 0 is primary and no backup takes over",
+    )
+    rep.add_argument("--election-prefix", help="this job's etcd key prefix (paramserver)")
+    rep.add_argument(
+        "--election-ttl-s", type=int, help="lease of the primary role in etcd, seconds (2)"
     )
     add_server_security_flags(p)
     r = p.add_argument_group("reduction server (--mode reduce)")

@@ -2,16 +2,30 @@
 
 grpc itself would take ``127.0.0.1:99999`` as port 99999 mod 65536, so every address a user gives
 is checked here first, and the error names how it was given.
+
+A replicated shard is addressed by its replicas, ``"h0:p0|h1:p1"``: :func:`channel_target`
+turns that into one gRPC channel over all of them whose calls go to whichever replica reports
+the parameter-server service SERVING in its health (the primary; gRPC client-side health
+checking with round-robin over the healthy ones), so a client follows a failover without
+knowing of it.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 from collections.abc import Iterable
+from typing import Any
 
 from paramserver.errors import InvalidArgument
 
-__all__ = ["parse_address", "parse_addresses"]
+__all__ = ["PS_SERVICE", "channel_target", "parse_address", "parse_addresses"]
+
+#: The parameter-server service: its health is SERVING at a shard's primary only.
+PS_SERVICE = "paramserver.api.v1.ParameterServer"
+#: Separates a replicated shard's replicas in one address.
+REPLICA_SEPARATOR = "|"
 
 _HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
 _IPV6 = re.compile(r"\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?\]")
@@ -60,4 +74,48 @@ def parse_addresses(text: str | Iterable[str]) -> tuple[str, ...]:
     out = tuple(a.strip() for a in items if a.strip())
     if not out:
         raise InvalidArgument("shard addresses must name at least one host:port")
-    return tuple(parse_address(addr, "shard address", allow_port_zero=True) for addr in out)
+    return tuple(
+        REPLICA_SEPARATOR.join(
+            parse_address(one, "shard address", allow_port_zero=True)
+            for one in addr.split(REPLICA_SEPARATOR)
+        )
+        for addr in out
+    )
+
+
+def channel_target(address: str) -> tuple[str, list[tuple[str, Any]]]:
+    """The gRPC target and channel options of ``address``.
+
+    A plain ``host:port`` is its own target. A replicated shard's ``"h0:p0|h1:p1"`` becomes
+    one ``ipv4:``/``ipv6:`` target over every replica (host names resolved now) with
+    round-robin over the replicas whose health reports :data:`PS_SERVICE` SERVING: the
+    primary.
+
+    Raises:
+        InvalidArgument: a host name that does not resolve (INVALID_ARGUMENT).
+    """
+    if REPLICA_SEPARATOR not in address:
+        return address, []
+    hosts = [_resolve(a.strip()) for a in address.split(REPLICA_SEPARATOR)]
+    v6 = [h.startswith("[") for h in hosts]
+    if any(v6) and not all(v6):
+        raise InvalidArgument(f"replicas {address!r}: mix IPv4 and IPv6 in one shard")
+    target = ("ipv6:" if all(v6) else "ipv4:") + ",".join(hosts)
+    config = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": PS_SERVICE},
+    }
+    return target, [("grpc.service_config", json.dumps(config))]
+
+
+def _resolve(address: str) -> str:
+    host, _, port = address.rpartition(":")
+    if host.startswith("[") or re.fullmatch(r"[0-9.]+", host):
+        return address
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise InvalidArgument(f"replica {address!r}: {host!r} does not resolve ({exc})") from None
+    family, _, _, _, sockaddr = infos[0]
+    ip = str(sockaddr[0])
+    return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"

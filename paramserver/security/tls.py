@@ -51,6 +51,7 @@ from typing import Any
 import grpc
 
 from paramserver.errors import InvalidArgument, Unavailable
+from paramserver.protocol.addresses import channel_target
 from paramserver.protocol.keepalive import CLIENT_KEEPALIVE_OPTIONS, with_keepalive
 from paramserver.security.tokens import (
     Role,
@@ -515,9 +516,13 @@ def open_channel(
     token as call credentials), plain text with the token added by an interceptor (loopback
     and testing only), or plain text as before when nothing is configured.
 
+    ``address`` may name a replicated shard's replicas, ``"h0:p0|h1:p1"``: calls then go to its
+    primary (:func:`paramserver.protocol.addresses.channel_target`).
+
     Must be called inside the event loop that uses the channel.
     """
-    opts = with_keepalive(options, CLIENT_KEEPALIVE_OPTIONS)
+    address, routing = channel_target(address)  # a replicated shard: its primary
+    opts = with_keepalive([*routing, *options], CLIENT_KEEPALIVE_OPTIONS)
     if security is None or not security.enabled:
         return grpc.aio.insecure_channel(address, options=opts)
     if security.tls:

@@ -118,6 +118,14 @@ class ServerConfig(MetricsEndpointConfig):
         replica_index: This replica's index in ``replica_addresses``.
         replica_addresses: Comma-separated ``host:port`` of every replica of this shard, in
             replica-index order (each serves clients and the replication stream there).
+        election_endpoints: Comma-separated ``host:port`` of etcd (v3 API, through its
+            HTTP/JSON gateway) electing the primary under an epoch (see
+            :mod:`paramserver.server.election`); None: replica 0 is primary at epoch 1, with
+            no failover.
+        election_prefix: This job's key prefix in etcd (one per cluster).
+        election_ttl_s: Lease of the primary role in etcd, whole seconds (etcd may round it
+            up to its minimum): a primary that cannot renew it for this long stops serving,
+            and a backup in sync takes over.
         malloc_retain_bytes: glibc malloc keeps freed blocks below this many bytes in the
             process for reuse instead of returning them to the kernel (no fresh zeroed pages
             for every round's buffers; see :mod:`paramserver.server.allocator`); 0 keeps glibc's
@@ -179,6 +187,9 @@ class ServerConfig(MetricsEndpointConfig):
     replicas: int = 1
     replica_index: int = 0
     replica_addresses: str | None = None
+    election_endpoints: str | None = None
+    election_prefix: str = "paramserver"
+    election_ttl_s: int = 2
 
     def __post_init__(self) -> None:
         try:
@@ -258,6 +269,8 @@ class ServerConfig(MetricsEndpointConfig):
                 f"replicas must be >= 1 and replica_index in [0, replicas); got replicas "
                 f"{self.replicas}, replica_index {self.replica_index}"
             )
+        if self.election_ttl_s < 1:
+            raise InvalidArgument(f"election_ttl_s must be >= 1, got {self.election_ttl_s}")
         if self.replicas == 1:
             return
         if self.mode != "ps" or not self.wal or not self.checkpoint_dir:

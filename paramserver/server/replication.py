@@ -122,6 +122,8 @@ class _Link:
     seed_sequence: int = -1
     acked: int = 0
     in_sync: bool = False
+    #: Consecutive failed streams (the first is logged as a warning, the rest at debug).
+    failures: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
@@ -272,7 +274,9 @@ class Primary:
                 return
             except Exception as exc:  # the backup is gone or refused: out of sync, seed again
                 self.streams_lost += 1
-                logger.warning(
+                link.failures += 1
+                logger.log(
+                    logging.WARNING if link.failures == 1 else logging.DEBUG,
                     "shard %d: stream to backup %d (%s) broke: %s",
                     self.shard_index,
                     link.index,
@@ -359,6 +363,7 @@ class Primary:
                     )
                 link.acked = max(link.acked, int(ack.durable_sequence))
                 if not link.in_sync and link.acked >= link.seed_sequence >= 0:
+                    link.failures = 0
                     await self._set_sync(link, True)
                 self._notify()
         except grpc.aio.AioRpcError as err:
@@ -401,6 +406,9 @@ class Backup:
         self.primary_index = -1
         #: Whether this replica accepts streams (False while it is primary itself).
         self.accepting = True
+        #: Awaited when a primary of a newer epoch connects while this replica is primary
+        #: (it was deposed without noticing yet): it must step down first.
+        self.on_newer_epoch: Callable[[int], Awaitable[None]] | None = None
         self.seeds_applied = 0
         self.records_applied = 0
         self._stream_no = 0
@@ -439,6 +447,8 @@ class Backup:
             raise InvalidArgument(
                 f"replication stream to shard {self.shard_index} must start with its hello"
             )
+        if not self.accepting and first.epoch > self.epoch and self.on_newer_epoch is not None:
+            await self.on_newer_epoch(first.epoch)
         self._check(first.epoch, self._stream_no)
         self.epoch = max(self.epoch, first.epoch)
         self._stream_no += 1
@@ -576,6 +586,7 @@ class Replica:
         self.security = security
         self.set_health = set_health
         self.backup = Backup(engine, checkpoints, shard_index=shard_index, index=index)
+        self.backup.on_newer_epoch = self._newer_primary
         self.primary: Primary | None = None
         #: Promotions of this replica (its epochs, in order).
         self.epochs: list[int] = []
@@ -659,6 +670,9 @@ class Replica:
         # The lease reaper only (ServerEngine.stop also closes the apply threads).
         await super(type(self.engine), self.engine).stop()
         self.backup.accepting = True
+
+    async def _newer_primary(self, epoch: int) -> None:
+        await self.demote(f"a primary of epoch {epoch} connected")
 
     def _deposed(self, why: str) -> None:
         task = asyncio.get_running_loop().create_task(self.demote(why))

@@ -33,6 +33,7 @@ from paramserver.security.tls import (
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.checkpoint_cut import shard_map_of
 from paramserver.server.config import ServerConfig
+from paramserver.server.election import Election
 from paramserver.server.engine import ServerEngine
 from paramserver.server.observability.prometheus import TransportStats, metrics_for
 from paramserver.server.observability.shard_dashboard import ShardDashboard
@@ -88,6 +89,8 @@ class ParameterServerDaemon(ServingDaemon):
         #: This shard replica's role when ``replicas`` > 1 (see
         #: :mod:`paramserver.server.replication`).
         self.replica: Replica | None = None
+        #: The etcd election of this replica (``election_endpoints``).
+        self.election: Election | None = None
 
     @property
     def address(self) -> str:
@@ -136,7 +139,9 @@ class ParameterServerDaemon(ServingDaemon):
         if self.metrics is not None:
             self.metrics.dashboard.info["address"] = self.address
         await self._start_local_link()
-        self.shard_map = shard_map_of(self.config, self.address)
+        # A replicated shard is reached at whichever replica is primary: all of them.
+        group = "|".join(self.config.replica_address_list) or self.address
+        self.shard_map = shard_map_of(self.config, group)
         if replica is None:
             engine.start()
         if self.checkpoints is not None and self.config.checkpoint_every_s > 0:
@@ -179,11 +184,16 @@ class ParameterServerDaemon(ServingDaemon):
         return replica
 
     async def _start_replica(self, replica: Replica) -> None:
-        """Serve as a backup (clients see NOT_SERVING); replica 0 is primary at epoch 1 (no
-        failover yet: no authority elects another)."""
+        """Serve as a backup (clients see NOT_SERVING) until etcd names this replica primary
+        (:mod:`paramserver.server.election`); without etcd replica 0 is primary at epoch 1
+        and there is no failover."""
         await self._primary_health(False)
-        if self.config.replica_index == 0:
-            await replica.promote(1)
+        if self.config.election_endpoints is None:
+            if self.config.replica_index == 0:
+                await replica.promote(1)
+            return
+        self.election = Election(self.config, replica)
+        await self.election.start()
 
     async def _primary_health(self, serving: bool) -> None:
         """Health of the parameter-server service: SERVING only at the primary, so a client
@@ -424,6 +434,9 @@ class ParameterServerDaemon(ServingDaemon):
         grace = self.config.grace_s if grace_s is None else grace_s
         await cancelled(self._timer)
         self._timer = None
+        if self.election is not None:
+            await self.election.stop()
+            self.election = None
         if self.engine is not None:
             self.engine.begin_shutdown()
         if self.servicer is not None:  # idle Session streams end now, not after the grace

@@ -74,8 +74,11 @@ def start_servers(
     timeout_s: float = 30.0,
     stdout: int | IO[Any] | None = None,
     log_dir: Path | None = None,
+    replicas: int = 1,
+    state_dir: Path | None = None,
 ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
-    """Start ``shards`` server processes and wait until each serves.
+    """Start ``shards`` server processes (``shards`` x ``replicas`` with replicas) and wait
+    until each serves.
 
     Args:
         serve_cmd: The command up to and including ``serve`` plus shared flags (no host/port).
@@ -88,33 +91,50 @@ def start_servers(
         stdout: Where their output goes (default: inherited); ignored with ``log_dir``.
         log_dir: Write server i's stdout and stderr to ``log_dir/server-<i>.log`` (its last
             lines are quoted when it fails to start).
+        replicas: Replicas of each shard (``--replicas``); process ``i * replicas + k`` is
+            replica k of shard i, with ``--checkpoint-dir state_dir/shard-<i>/replica-<k>``
+            and ``--wal``.
+        state_dir: Where the replicas' state directories go (needed with replicas).
 
     Returns:
-        The processes and their addresses, in shard order.
+        The processes (shard-major) and each shard's address (``"h:p|h:p"`` for the
+        replicas of a replicated shard), in shard order.
 
     Raises:
         Unavailable: a server exited or did not serve in time (UNAVAILABLE; every server
             started is stopped first).
     """
-    ports = free_ports(shards) if shards > 1 else [0]
-    addresses = [f"127.0.0.1:{p}" for p in ports]
+    if replicas > 1 and state_dir is None:
+        raise InvalidArgument("start_servers: replicas need a state_dir")
+    count = shards * replicas
+    ports = free_ports(count) if count > 1 else [0]
+    each = [f"127.0.0.1:{p}" for p in ports]
+    groups = [each[i * replicas : (i + 1) * replicas] for i in range(shards)]
+    addresses = ["|".join(g) for g in groups]
     procs: list[subprocess.Popen[bytes]] = []
     files = []
     try:
-        for i in range(shards):
-            port_file = work_dir / f"port-{i}-{time.monotonic_ns()}"
+        for n in range(count):
+            i, k = divmod(n, replicas)
+            port_file = work_dir / f"port-{n}-{time.monotonic_ns()}"
             files.append(port_file)
-            cmd = [*serve_cmd, "--host", "127.0.0.1", "--port", str(ports[i])]
+            cmd = [*serve_cmd, "--host", "127.0.0.1", "--port", str(ports[n])]
             cmd += ["--port-file", str(port_file)]
             if shards > 1:
                 cmd += ["--shard-index", str(i), "--shard-addresses", ",".join(addresses)]
                 if slice_bytes:
                     cmd += ["--slice-bytes", str(slice_bytes)]
+            if replicas > 1:
+                assert state_dir is not None
+                cmd += ["--replicas", str(replicas), "--replica-index", str(k)]
+                cmd += ["--replica-addresses", ",".join(groups[i])]
+                cmd += ["--checkpoint-dir", str(state_dir / f"shard-{i}" / f"replica-{k}")]
+                cmd += ["--wal"]
             if extra is not None:
-                cmd += list(extra[i])
+                cmd += list(extra[n])
             penv = dict(env if env is not None else os.environ)
             if log_dir is not None:
-                with open(log_dir / f"server-{i}.log", "wb") as log:
+                with open(log_dir / f"server-{n}.log", "ab") as log:
                     procs.append(
                         subprocess.Popen(cmd, env=penv, stdout=log, stderr=subprocess.STDOUT)
                     )
@@ -123,10 +143,10 @@ def start_servers(
         deadline = time.monotonic() + timeout_s
         with Wait("the servers to start", deadline=deadline, logger=logger) as waiting:
             for i, (proc, port_file) in enumerate(zip(procs, files, strict=True)):
-                where = f" on {addresses[i]}" if shards > 1 else ""
+                where = f" on {each[i]}" if count > 1 else ""
                 waiting.update(
                     what=f"server {i}{where} to start serving",
-                    detail=f"process {proc.pid} started, {i} of {shards} serving",
+                    detail=f"process {proc.pid} started, {i} of {count} serving",
                 )
                 while not _port_written(port_file):
                     if proc.poll() is not None:
@@ -140,7 +160,7 @@ def start_servers(
                         )
                     waiting.tick()
                     time.sleep(0.05)
-                if shards == 1:
+                if count == 1:
                     addresses[0] = f"127.0.0.1:{int(port_file.read_text())}"
     except BaseException:
         stop_servers(procs)
@@ -217,6 +237,13 @@ class LocalCluster(Closing):
         log_level: The servers' ``--log-level``.
         env: Environment of the server processes (default: this process's).
         python: Interpreter that runs the servers (default: this one, ``sys.executable``).
+        replicas: Replicas of each shard (1: none). With more, each replica keeps its
+            checkpoints and write-ahead log in ``state_dir/shard-<i>/replica-<k>``; a primary
+            acknowledges a mutation once every backup in sync holds it, and with
+            ``election_endpoints`` (etcd, see :class:`~paramserver.cli.demos.local_etcd.LocalEtcd`)
+            a backup takes over when the primary is lost. A shard's address then names
+            all its replicas (``"h:p|h:p"``); clients reach the primary.
+        state_dir: Where the replicas' state goes (default: inside the log directory).
         **serve_flags: Any other ``paramserver serve`` flag, named in Python style:
             ``aggregation="sum"``, ``lease_ms=2000``, ``death_policy="fail_fast"``,
             ``checkpoint_dir=path``, ``wal=True`` (``paramserver serve --help`` lists them).
@@ -243,6 +270,8 @@ class LocalCluster(Closing):
         log_level: str = "WARNING",
         env: Mapping[str, str] | None = None,
         python: str | None = None,
+        replicas: int = 1,
+        state_dir: str | Path | None = None,
         **serve_flags: Any,
     ) -> None:
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
@@ -251,7 +280,11 @@ class LocalCluster(Closing):
             raise InvalidArgument(
                 f"local_cluster: consistency must be bsp, ssp or asp, got {consistency!r}"
             )
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise InvalidArgument(f"local_cluster: replicas must be an int >= 1, got {replicas!r}")
         self.shards = shards
+        self.replicas = replicas
+        self._state_dir = Path(state_dir) if state_dir is not None else None
         self.consistency = consistency
         self.slice_bytes = slice_bytes
         self.start_timeout_s = start_timeout_s
@@ -288,6 +321,69 @@ class LocalCluster(Closing):
             raise Unavailable("local_cluster: not started (use it in a with block)")
         return Path(self._tmp)
 
+    @property
+    def state_dir(self) -> Path:
+        """Where the replicas' state directories are (``shard-<i>/replica-<k>``)."""
+        return self._state_dir if self._state_dir is not None else self.log_dir / "state"
+
+    def replica_dir(self, shard: int, replica: int) -> Path:
+        """Replica ``replica`` of shard ``shard``: its checkpoint and log directory."""
+        return self.state_dir / f"shard-{shard}" / f"replica-{replica}"
+
+    def process(self, shard: int, replica: int = 0) -> subprocess.Popen[bytes]:
+        """The process of replica ``replica`` of shard ``shard``."""
+        return self.processes[shard * self.replicas + replica]
+
+    def replica_address(self, shard: int, replica: int = 0) -> str:
+        """``host:port`` of one replica."""
+        return self.addresses[shard].split("|")[replica]
+
+    def primary(self, shard: int) -> int | None:
+        """The replica of ``shard`` whose health says it serves clients (the primary), or
+        None while none does."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from paramserver.protocol.addresses import PS_SERVICE
+
+        for k in range(self.replicas):
+            with grpc.insecure_channel(self.replica_address(shard, k)) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                try:
+                    got = stub.Check(health_pb2.HealthCheckRequest(service=PS_SERVICE), timeout=1)
+                except grpc.RpcError:
+                    continue
+                if got.status == health_pb2.HealthCheckResponse.SERVING:
+                    return k
+        return None
+
+    def restart(self, shard: int, replica: int = 0) -> subprocess.Popen[bytes]:
+        """Start replica ``replica`` of ``shard`` again (after it was killed) with the same
+        command, on the same port, and wait until it serves.
+
+        Raises:
+            Unavailable: it did not serve within ``start_timeout_s`` (UNAVAILABLE).
+        """
+        n = shard * self.replicas + replica
+        old = self.processes[n]
+        if old.poll() is None:
+            raise InvalidArgument(f"local_cluster: replica {replica} of shard {shard} still runs")
+        cmd = [str(a) for a in old.args]  # type: ignore[union-attr]
+        port_file = Path(cmd[cmd.index("--port-file") + 1])
+        port_file.unlink(missing_ok=True)
+        with open(self.log_dir / f"server-{n}.log", "ab") as log:
+            proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.processes[n] = proc
+        deadline = time.monotonic() + self.start_timeout_s
+        while not _port_written(port_file):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise Unavailable(
+                    f"replica {replica} of shard {shard} did not serve again"
+                    + _log_tail(self.log_dir, n)
+                )
+            time.sleep(0.05)
+        return proc
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> LocalCluster:
         """Start the servers and wait until each serves (blocking).
@@ -311,6 +407,8 @@ class LocalCluster(Closing):
                 slice_bytes=self.slice_bytes,
                 timeout_s=self.start_timeout_s,
                 log_dir=self.log_dir,
+                replicas=self.replicas,
+                state_dir=self.state_dir if self.replicas > 1 else None,
             )
         except BaseException:
             self._remove_tmp()
@@ -370,8 +468,8 @@ class LocalCluster(Closing):
 
     def __repr__(self) -> str:
         return (
-            f"LocalCluster(shards={self.shards}, consistency={self.consistency!r}, "
-            f"addresses={self.addresses})"
+            f"LocalCluster(shards={self.shards}, replicas={self.replicas}, "
+            f"consistency={self.consistency!r}, addresses={self.addresses})"
         )
 
 

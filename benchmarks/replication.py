@@ -1,0 +1,187 @@
+"""Shard replicas: the cost of replication and the time a failover takes, in one run.
+
+**Cost.** One ASP shard holding one float32 tensor of N elements (rule ``add``, ``--wal`` in
+every configuration, since a replicated shard needs it), W concurrent workers in this process
+each calling ``push_pull`` (push a gradient, pull the value) for a fixed time; replicas 1
+(the baseline) vs 2 (the primary acknowledges once the backup holds the push durably). Both
+replicas run on this host, so the backup competes with the primary for the same cores and
+disk. After each run the shard's applied count is checked against the pushes acknowledged.
+
+**Failover.** ``local_cluster(shards=1, replicas=2)`` with a private etcd (lease 1 s); one
+worker pushes continuously; the primary is SIGKILLed and its state directory deleted; the time
+from the kill to the first push acknowledged by the new primary is measured (the worker's
+client finds it by itself), then the killed replica is restarted (seeded again) for the next
+round. Needs an ``etcd`` binary (Debian: ``apt-get install etcd-server``); skipped without.
+
+    python benchmarks/replication.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from benchlib import emit, machine_info, print_table, quick_from_env
+
+from paramserver.cli.demos.local_cluster import local_cluster
+from paramserver.cli.demos.local_etcd import LocalEtcd, etcd_binary
+from paramserver.worker_client import UpdateRule
+
+
+async def _push_pull_for(cluster: Any, n: int, workers: int, seconds: float) -> tuple[int, float]:
+    grad = np.ones(n, np.float32)
+    clients = [cluster.connect(f"bench-{i}") for i in range(workers)]
+    for c in clients:
+        await c.open()
+    try:
+        await clients[0].init({"w": np.zeros(n, np.float32)}, UpdateRule("add"))
+        counts = [0] * workers
+        t0 = time.monotonic()
+
+        async def run(i: int) -> None:
+            while time.monotonic() - t0 < seconds:
+                await clients[i].push_pull({"w": grad}, ["w"])
+                counts[i] += 1
+
+        await asyncio.gather(*(run(i) for i in range(workers)))
+        elapsed = time.monotonic() - t0
+        status = await clients[0].status()
+        assert status.applied_updates == sum(counts), (status.applied_updates, counts)
+        return sum(counts), elapsed
+    finally:
+        for c in clients:
+            await c.close()
+
+
+def cost(quick: bool) -> list[list[Any]]:
+    n = 1_000_000
+    seconds = 3.0 if quick else 8.0
+    workers = 2
+    rows: list[list[Any]] = []
+    base = None
+    for replicas in (1, 2):
+        with tempfile.TemporaryDirectory(prefix="paramserver-repl-bench-") as tmp:
+            flags: dict[str, Any] = {"wal": True}
+            if replicas == 1:
+                flags["checkpoint_dir"] = tmp
+            with local_cluster(
+                consistency="asp", replicas=replicas, state_dir=tmp, **flags
+            ) as cluster:
+                time.sleep(1.0)  # the backup's seed (an empty shard) before timing
+                pushes, elapsed = asyncio.run(_push_pull_for(cluster, n, workers, seconds))
+        rate = pushes / elapsed
+        base = base or rate
+        emit(
+            {
+                "benchmark": "replication_cost",
+                "n_elements": n,
+                "workers": workers,
+                "replicas": replicas,
+                "push_pulls_per_s": round(rate, 1),
+                "relative_to_1_replica": round(rate / base, 3),
+            }
+        )
+        rows.append([replicas, f"{rate:.1f}", f"{rate * n * 8 / 1e6:.0f}", f"{rate / base:.2f}"])
+    return rows
+
+
+async def _one_failover(cluster: Any) -> float:
+    victim = cluster.primary(0)
+    assert victim is not None
+    async with cluster.connect(f"failover-{uuid.uuid4().hex[:6]}") as ps:
+        await ps.init({"f": np.zeros(16, np.float32)}, UpdateRule("add"))
+        for _ in range(20):
+            await ps.push({"f": np.ones(16, np.float32)})
+        # The backup must be in sync before the kill, or there is nobody to take over.
+        while True:
+            st = await _replica_status(cluster, 1 - victim)
+            if st is not None and st.applied_updates == (await ps.status()).applied_updates:
+                break
+            await asyncio.sleep(0.05)
+        proc = cluster.process(0, victim)
+        proc.send_signal(signal.SIGKILL)
+        t_kill = time.monotonic()
+        proc.wait()
+        shutil.rmtree(cluster.replica_dir(0, victim))
+        await ps.push({"f": np.ones(16, np.float32)})
+        took = time.monotonic() - t_kill
+    cluster.restart(0, victim)
+    return took
+
+
+async def _replica_status(cluster: Any, replica: int) -> Any:
+    from paramserver.api.v1 import parameter_server_pb2 as pb
+    from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+    from paramserver.security.tls import open_channel
+
+    channel = open_channel(cluster.replica_address(0, replica))
+    try:
+        return await pb_grpc.ParameterServerStub(channel).Status(pb.StatusRequest(), timeout=5)
+    except Exception:
+        return None
+    finally:
+        await channel.close()
+
+
+def failover(quick: bool) -> list[float]:
+    rounds = 3 if quick else 5
+    times: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="paramserver-failover-bench-") as tmp:
+        with (
+            LocalEtcd() as etcd,
+            local_cluster(
+                consistency="asp",
+                replicas=2,
+                state_dir=tmp,
+                election_endpoints=etcd.endpoint,
+                election_prefix=uuid.uuid4().hex,
+                election_ttl_s=1,
+            ) as cluster,
+        ):
+            while cluster.primary(0) is None:
+                time.sleep(0.05)
+            for _ in range(rounds):
+                took = asyncio.run(_one_failover(cluster))
+                times.append(took)
+                emit({"benchmark": "failover", "kill_to_first_ack_s": round(took, 3)})
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    quick = args.quick or quick_from_env()
+    emit({"benchmark": "replication", "machine": machine_info()})
+    print_table(
+        "Replication cost (ASP push_pull of 1e6 float32, 2 workers, --wal)",
+        ["replicas", "push_pulls/s", "MB/s (both ways)", "vs 1 replica"],
+        cost(quick),
+    )
+    if etcd_binary() is None:
+        emit({"benchmark": "failover", "skipped": "no etcd binary"})
+        return
+    times = failover(quick)
+    print_table(
+        "Failover: SIGKILL of the primary (and its state dir) to the first acknowledged push",
+        ["rounds", "min s", "median s", "max s"],
+        [
+            [
+                len(times),
+                f"{min(times):.2f}",
+                f"{sorted(times)[len(times) // 2]:.2f}",
+                f"{max(times):.2f}",
+            ]
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()

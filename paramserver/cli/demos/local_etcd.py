@@ -1,0 +1,122 @@
+"""Start a private etcd on 127.0.0.1 for a local cluster's failover: :class:`LocalEtcd`.
+
+etcd decides which replica of a shard is primary (:mod:`paramserver.server.election`). Debian
+packages it as ``etcd-server`` (``apt-get install etcd-server``). ``LocalEtcd`` runs one member
+on free loopback ports with a temporary data directory, with a short election timeout so a
+lease may be 1 s, and removes everything on exit::
+
+    with LocalEtcd() as etcd, local_cluster(
+        shards=2, replicas=2, election_endpoints=etcd.endpoint, election_ttl_s=1
+    ) as cluster:
+        ...
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from paramserver.closing import Closing
+from paramserver.errors import Unavailable
+
+__all__ = ["LocalEtcd", "etcd_binary"]
+
+
+def etcd_binary() -> str | None:
+    """The ``etcd`` executable on PATH (or Debian's /usr/bin/etcd), or None."""
+    return shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
+
+
+class LocalEtcd(Closing):
+    """One etcd member on free 127.0.0.1 ports, for one ``with`` block.
+
+    Args:
+        start_timeout_s: How long etcd may take to answer (seconds).
+
+    Attributes:
+        endpoint: ``127.0.0.1:<client port>`` once started.
+        process: The etcd process.
+
+    Raises:
+        Unavailable: no etcd binary, or it did not answer in time (UNAVAILABLE).
+    """
+
+    def __init__(self, *, start_timeout_s: float = 30.0) -> None:
+        self.start_timeout_s = start_timeout_s
+        self.endpoint = ""
+        self.process: subprocess.Popen[bytes] | None = None
+        self._tmp: str | None = None
+
+    def start(self) -> LocalEtcd:
+        from paramserver.cli.demos.local_cluster import free_ports
+
+        binary = etcd_binary()
+        if binary is None:
+            raise Unavailable("no etcd binary (Debian: apt-get install etcd-server)")
+        self._tmp = tempfile.mkdtemp(prefix="paramserver-etcd-")
+        client, peer = free_ports(2)
+        self.endpoint = f"127.0.0.1:{client}"
+        cmd = [
+            binary,
+            "--name",
+            "local",
+            "--data-dir",
+            str(Path(self._tmp) / "data"),
+            "--listen-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--advertise-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"local=http://127.0.0.1:{peer}",
+            # Leases of 1 s (etcd's minimum TTL is 1.5 x the election timeout).
+            "--heartbeat-interval",
+            "50",
+            "--election-timeout",
+            "500",
+        ]
+        log = open(Path(self._tmp) / "etcd.log", "wb")
+        try:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            try:
+                req = urllib.request.Request(
+                    f"http://{self.endpoint}/v3/kv/range",
+                    data=json.dumps({"key": "AA=="}).encode(),
+                    headers={"Content-Type": "application/json"},
+                )
+                with urllib.request.urlopen(req, timeout=1):
+                    return self
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise Unavailable(f"etcd did not answer on {self.endpoint}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        proc, self.process = self.process, None
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    open = start
+    close = stop
