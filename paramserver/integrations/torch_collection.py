@@ -204,6 +204,8 @@ class RemoteEmbeddingBagCollection(torch.nn.Module):
         self._async = inspect.iscoroutinefunction(getattr(client, "pull_rows_many", None))
         self._prefetched: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
         self._pending: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
+        #: A training pipeline's batch in compute: (its features, their plan, their rows).
+        self._staged: tuple[Any, _Plan, dict[str, np.ndarray]] | None = None
 
     @property
     def feature_names(self) -> list[str]:
@@ -267,6 +269,22 @@ class RemoteEmbeddingBagCollection(torch.nn.Module):
         pending, self._pending = self._pending, []
         return [await self.client.push_rows_many(ids, grads) for ids, grads in pending]
 
+    # ------------------------------------------------------------------ training pipeline
+    def _stage(self, features: Any, plan: _Plan, rows: dict[str, np.ndarray]) -> None:
+        """Hand the next forward a batch's plan and rows, pulled ahead by
+        :class:`~paramserver.integrations.torch_pipeline.TrainPipeline`."""
+        self._staged = (features, plan, rows)
+        self._prefetched = {t: (plan.uniq[t], rows[t]) for t in plan.uniq}
+
+    def _unstage(self) -> None:
+        self._staged = None
+        self._prefetched = None
+
+    def _take_pending(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
+        """The row gradients of the backward passes since the last call (async client)."""
+        pending, self._pending = self._pending, []
+        return pending
+
     # ------------------------------------------------------------------ forward
     def _pull(self, plan: _Plan) -> dict[str, np.ndarray]:
         if not self._async:
@@ -285,8 +303,12 @@ class RemoteEmbeddingBagCollection(torch.nn.Module):
         return out
 
     def forward(self, features: Any) -> dict[str, torch.Tensor]:
-        plan = self._plan(features)
-        rows = self._pull(plan)
+        staged = self._staged
+        if staged is not None and staged[0] is features:  # planned when it was pulled
+            plan, rows = staged[1], staged[2]
+        else:
+            plan = self._plan(features)
+            rows = self._pull(plan)
         sizes = [(t.name, plan.uniq[t.name].shape[0], t.dim) for t in self.tables]
         flat = np.concatenate(
             [np.asarray(rows[name], dtype=np.float32).reshape(-1) for name, _, _ in sizes]
