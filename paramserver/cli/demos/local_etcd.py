@@ -13,6 +13,7 @@ lease may be 1 s, and removes everything on exit::
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import subprocess
@@ -118,5 +119,22 @@ class LocalEtcd(Closing):
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
+    def in_sync(self, prefix: str, shard: int) -> list[int]:
+        """The replicas of ``shard`` that etcd lists as holding every acknowledged record
+        (those that may take over), under the cluster's ``election_prefix``."""
+        from paramserver.server.election import Etcd
+
+        got = Etcd((self.endpoint,))._post_sync(
+            "/v3/kv/range", {"key": _b64(f"{prefix.rstrip('/')}/shard-{shard}/sync")}
+        )
+        kvs = got.get("kvs") or []
+        if not kvs:
+            return []
+        return sorted(json.loads(base64.b64decode(kvs[0].get("value", ""))))
+
     open = start
     close = stop
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
