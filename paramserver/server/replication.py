@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -67,6 +69,9 @@ SERVICE_NAME = "paramserver.api.v1.Replication"
 SEED_CHUNK_BYTES = 1 << 20
 #: Pause before a broken stream to a backup is opened again (seconds).
 RECONNECT_S = 0.2
+#: A backup in sync that acknowledges nothing for this long (hung, stopped, cut off without a
+#: reset) is taken out of sync, so mutations go on without it (seconds).
+ACK_TIMEOUT_S = 5.0
 
 
 # ------------------------------------------------------------------------------ seeds
@@ -124,6 +129,8 @@ class _Link:
     in_sync: bool = False
     #: Consecutive failed streams (the first is logged as a warning, the rest at debug).
     failures: int = 0
+    #: (last sequence, monotonic time) of each batch sent and not yet acknowledged.
+    sent: deque[tuple[int, float]] = field(default_factory=deque)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
@@ -315,7 +322,10 @@ class Primary:
                 link.seed_sequence = sequence
                 link.acked = 0
             manifest, data = await asyncio.to_thread(encode_seed, snap)
-            reader = asyncio.get_running_loop().create_task(self._read_acks(link, call))
+            link.sent.clear()
+            reader = asyncio.get_running_loop().create_task(self._acks(link, call))
+            # A write blocked on a backup that stopped reading ends when the acks give up.
+            reader.add_done_callback(lambda _: call.cancel())
             try:
                 await self._send_seed(call, sequence, manifest, data)
                 self.seeds_sent += 1
@@ -330,12 +340,13 @@ class Primary:
                         waiting.cancel()
                         continue
                     batches, link.pending = link.pending, []
-                    for _, payloads in batches:
+                    for last, payloads in batches:
                         await call.write(
                             rpb.ReplicateRequest(
                                 epoch=self.epoch, records=rpb.ReplicaRecords(records=payloads)
                             )
                         )
+                        link.sent.append((last, time.monotonic()))
             finally:
                 await cancelled(reader)
                 call.cancel()
@@ -354,6 +365,25 @@ class Primary:
                 first = False
             await call.write(rpb.ReplicateRequest(epoch=self.epoch, seed=seed))
 
+    async def _acks(self, link: _Link, call: Any) -> None:
+        """Read the backup's acknowledgments; raise TimeoutError when a backup in sync has
+        acknowledged nothing sent :data:`ACK_TIMEOUT_S` ago (it is then taken out of sync)."""
+        read = asyncio.get_running_loop().create_task(self._read_acks(link, call))
+        try:
+            while not read.done():
+                await asyncio.wait({read}, timeout=ACK_TIMEOUT_S / 4)
+                if read.done():
+                    break
+                if link.in_sync and link.sent:
+                    waited = time.monotonic() - link.sent[0][1]
+                    if waited > ACK_TIMEOUT_S:
+                        raise TimeoutError(
+                            f"backup {link.index} acknowledged nothing for {waited:.1f} s"
+                        )
+            read.result()
+        finally:
+            await cancelled(read)
+
     async def _read_acks(self, link: _Link, call: Any) -> None:
         try:
             async for ack in call:
@@ -362,6 +392,8 @@ class Primary:
                         f"backup {link.index} has seen epoch {ack.epoch} > {self.epoch}"
                     )
                 link.acked = max(link.acked, int(ack.durable_sequence))
+                while link.sent and link.sent[0][0] <= link.acked:
+                    link.sent.popleft()
                 if not link.in_sync and link.acked >= link.seed_sequence >= 0:
                     link.failures = 0
                     await self._set_sync(link, True)
