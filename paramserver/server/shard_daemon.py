@@ -41,7 +41,7 @@ from paramserver.server.observability.status_table import status_to_dict
 from paramserver.server.replication import SERVICE_NAME as REPLICATION_SERVICE
 from paramserver.server.replication import Replica, ReplicationServicer
 from paramserver.server.replication import add_to_server as add_replication
-from paramserver.server.reshard import prepare_checkpoint_dir
+from paramserver.server.restore import prepare_checkpoint_dir
 from paramserver.server.shard_service import ShardService
 from paramserver.server.table_export import load_export
 from paramserver.server.transports import link_service as local_link
@@ -106,7 +106,7 @@ class ParameterServerDaemon(ServingDaemon):
             )
         engine = ServerEngine(self.config)
         self.engine = engine
-        prepare_checkpoint_dir(self.config)  # restore-time resharding; refuse foreign shards
+        prepare_checkpoint_dir(self.config)  # --restore-from; refuse foreign shards
         self._recover(engine)
         interceptors, self.metrics = metrics_for(engine, self._transport_stats)
         if self.metrics is not None:
