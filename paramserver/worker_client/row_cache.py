@@ -11,16 +11,19 @@ was given, summed per id:
   past the bound are dropped at each :meth:`RowCache.clock`.
 * **Write staleness.** Gradients of clock p are summed locally per (table, id) and pushed (one
   several-table request per shard) at the latest by the :meth:`RowCache.clock` that ends clock
-  ``p + s``; the cached copies of the pushed ids are dropped then, so the next read pulls a row
-  that holds them.
+  ``p + s``. The cached copies of the pushed ids stay (a hot row is not pulled again because
+  this worker updated it), keeping the clock they were pulled at: of an ``sgd`` table the
+  pushed sum is applied to the copy as the server applies it (``w -= lr * g``, after HET's
+  local updates of cached embeddings), so the worker reads its own flushed updates; of another
+  rule the copy is left as it was and lacks them until it is pulled again.
 
 **Guarantee.** For s >= 1, a row read at clock c was pulled from the server at a clock
 ``f >= c - s``: it misses at most the updates other workers applied after that pull (at most
 s clocks and the current one of theirs) and this worker's own gradients of clocks ``>= f``
-(none of them older than s clocks: those were pushed, and their rows dropped, at the clock
-ending ``p + s``). Deferred gradients are summed before they are pushed, so the table's rule
-sees one push of their sum per flush instead of one push per batch (the same update for
-``sgd`` up to float rounding; a different trajectory for adaptive rules). **s = 0 is exact:**
+not yet flushed (an ``sgd`` table) or all of them (another rule). Deferred gradients are
+summed before they are pushed, so the table's rule sees one push of their sum per flush
+instead of one push per batch (the same update for ``sgd`` up to float rounding; a different
+trajectory for adaptive rules). **s = 0 is exact:**
 the cache keeps nothing and defers nothing; every read is a pull and every push is sent at
 once, so training is bit for bit that of the client it wraps.
 
@@ -48,6 +51,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paramserver.errors import InvalidArgument
+from paramserver.protocol import rows_wire
 from paramserver.worker_client.embedding import RowPushAck, check_ids, check_ids_many, check_rows
 from paramserver.worker_client.keyed import KeyedIds
 
@@ -114,6 +118,18 @@ class _TableCache:
         order = np.argsort(ids, kind="stable")
         self.ids, self.rows, self.fetched = ids[order], rows[order], fetched[order]
 
+    def apply_sgd(self, ids: npt.NDArray[np.int64], grads: np.ndarray, lr: float) -> None:
+        """``w -= lr * g`` on the cached copies of ``ids`` (sorted, distinct) that are held,
+        in float32, rounded once to the rows' dtype (as the server's sgd rule)."""
+        assert self.rows is not None
+        n = self.ids.shape[0]
+        pos = np.minimum(np.searchsorted(self.ids, ids), n - 1)
+        held = self.ids[pos] == ids
+        at = pos[held]
+        w = self.rows[at].astype(np.float32)
+        w -= np.float32(lr) * np.asarray(grads, np.float32)[held]
+        self.rows[at] = w.astype(self.rows.dtype)
+
     def drop(self, mask: npt.NDArray[np.bool_]) -> None:
         keep = ~mask
         self.ids = self.ids[keep]
@@ -153,6 +169,9 @@ class RowCache:
         self.staleness = staleness
         self.stats = CacheStats()
         self._tables: dict[str, _TableCache] = {}
+        #: table -> lr of an sgd table (flushed sums applied to the cached copies), None for
+        #: another rule; learned from the server's Status at the first flush of a table.
+        self._sgd_lr: dict[str, float | None] = {}
 
     @property
     def clock_value(self) -> int:
@@ -252,9 +271,20 @@ class RowCache:
                 cache.oldest_pending = clock
         return None
 
+    async def _learn_rules(self, tables: list[str]) -> None:
+        """Which of ``tables`` are sgd tables, and their lr (one Status call when any is new)."""
+        if all(t in self._sgd_lr for t in tables):
+            return
+        status = await self.client.status()
+        for info in status.tables:
+            rule = rows_wire.spec_from_proto(info.spec).rule
+            self._sgd_lr[info.spec.name] = float(rule.lr) if rule.kind == "sgd" else None
+        for t in tables:
+            self._sgd_lr.setdefault(t, None)
+
     async def flush(self) -> dict[str, RowPushAck]:
-        """Push every deferred gradient now (one several-table request per shard) and drop
-        the cached rows of the pushed ids."""
+        """Push every deferred gradient now (one several-table request per shard); the cached
+        rows of the pushed ids stay, an sgd table's with the pushed sum applied."""
         ids: dict[str, npt.NDArray[np.int64]] = {}
         grads: dict[str, np.ndarray] = {}
         for t, cache in self._tables.items():
@@ -262,14 +292,17 @@ class RowCache:
                 ids[t], grads[t] = _coalesce(cache.pending)
         if not ids:
             return {}
+        await self._learn_rules(list(ids))
         acks: dict[str, RowPushAck] = await self.client.push_rows_many(ids, grads)
         self.stats.flushes += 1
         for t, u in ids.items():
             cache = self._tables[t]
             cache.pending = []
             cache.oldest_pending = None
-            cache.drop(np.isin(cache.ids, u, assume_unique=True))
             self.stats.rows_pushed += int(u.shape[0])
+            lr = self._sgd_lr.get(t)
+            if lr is not None and cache.rows is not None and cache.ids.shape[0]:
+                cache.apply_sgd(u, grads[t], lr)
         return acks
 
     # ------------------------------------------------------------------ clock

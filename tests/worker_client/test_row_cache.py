@@ -97,3 +97,36 @@ async def test_other_workers_updates_show_within_s_clocks() -> None:
 def test_negative_staleness_is_refused() -> None:
     with pytest.raises(InvalidArgument):
         RowCache(object(), staleness=-1)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+async def test_a_flushed_row_stays_cached(kind: str) -> None:
+    """s = 2: a gradient of id 5 at clock 0 makes the clock ending 2 flush everything,
+    id 3's gradient of clock 1 too. id 3 (pulled at clock 1) stays cached through clock 3:
+    an sgd table's copy holds the flushed update (init - lr * g, the server's row), another
+    rule's copy is the row as pulled. Before: the flush dropped it and clock 3 pulled it."""
+    lr = 0.5
+    init = initial_rows(7, np.array([3]), 4, INIT)[0]
+    g = np.full((1, 4), 0.25, np.float32)
+    async with running_server(consistency="asp") as d:
+        async with connect(d.address, "w") as ps, connect(d.address, "obs") as obs:
+            await ps.init_table(_spec(TableRule(kind, lr=lr)))
+            cache = RowCache(ps, staleness=2)
+            await cache.push_rows("emb", [5], g)  # clock 0: the oldest deferred gradient
+            await cache.clock()
+            np.testing.assert_array_equal((await cache.pull_rows("emb", [3]))[0], init)
+            await cache.push_rows("emb", [3], g)  # clock 1
+            await cache.clock()
+            np.testing.assert_array_equal((await cache.pull_rows("emb", [3]))[0], init)
+            await cache.clock()  # ends clock 2: flushes clocks 0 and 1
+            assert cache.stats.flushes == 1
+            row = (await cache.pull_rows("emb", [3]))[0]  # clock 3: 3 - 1 <= 2, cached
+            server = (await obs.pull_rows("emb", [3], observer=True))[0]
+    assert cache.stats.rows_pulled == 1 and cache.stats.rows_hit == 2
+    if kind == "sgd":
+        want = (init.astype(np.float32) - np.float32(lr) * g[0]).astype(np.float32)
+        np.testing.assert_array_equal(row, want)
+        np.testing.assert_array_equal(server, want)
+    else:
+        np.testing.assert_array_equal(row, init)
+        assert not np.array_equal(server, init)
