@@ -17,7 +17,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, what: str = "the serve
         "server_addr",
         nargs="?",
         metavar="ADDR",
-        help=f"HOST:PORT of {what} (or --server ADDR)",
+        help=f"HOST:PORT of {what} (or --server ADDR; a replicated shard: its replicas H:P|H:P)",
     )
     parser.add_argument("--server", metavar="ADDR", help="the same as ADDR")
 
@@ -30,7 +30,7 @@ def server_address(args: argparse.Namespace) -> str:
             was given (INVALID_ARGUMENT: the command exits 2).
     """
     from paramserver.errors import InvalidArgument
-    from paramserver.protocol.addresses import parse_address
+    from paramserver.protocol.addresses import parse_server
 
     positional, flag = args.server_addr, args.server
     if positional and flag and positional.strip() != flag.strip():
@@ -40,4 +40,4 @@ def server_address(args: argparse.Namespace) -> str:
         )
     if not positional and not flag:
         raise InvalidArgument("give the server as ADDR or --server ADDR (HOST:PORT)")
-    return parse_address(flag or positional, "--server" if flag else "ADDR")
+    return parse_server(flag or positional, "--server" if flag else "ADDR")

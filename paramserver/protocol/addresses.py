@@ -20,7 +20,7 @@ from typing import Any
 
 from paramserver.errors import InvalidArgument
 
-__all__ = ["PS_SERVICE", "channel_target", "parse_address", "parse_addresses"]
+__all__ = ["PS_SERVICE", "channel_target", "parse_address", "parse_addresses", "parse_server"]
 
 #: The parameter-server service: its health is SERVING at a shard's primary only.
 PS_SERVICE = "paramserver.api.v1.ParameterServer"
@@ -80,6 +80,18 @@ def parse_addresses(text: str | Iterable[str]) -> tuple[str, ...]:
             for one in addr.split(REPLICA_SEPARATOR)
         )
         for addr in out
+    )
+
+
+def parse_server(text: str, what: str = "address") -> str:
+    """A server as a client is given it: ``HOST:PORT``, or a replicated shard's replicas
+    ``h0:p0|h1:p1`` (each checked by :func:`parse_address`).
+
+    Raises:
+        InvalidArgument: an entry that is not ``HOST:PORT``, ``what`` named (INVALID_ARGUMENT).
+    """
+    return REPLICA_SEPARATOR.join(
+        parse_address(one, what) for one in text.strip().split(REPLICA_SEPARATOR)
     )
 
 

@@ -7,7 +7,12 @@ import json
 import pytest
 
 from paramserver.errors import InvalidArgument
-from paramserver.protocol.addresses import PS_SERVICE, channel_target, parse_addresses
+from paramserver.protocol.addresses import (
+    PS_SERVICE,
+    channel_target,
+    parse_addresses,
+    parse_server,
+)
 
 
 def test_replica_groups_are_checked_and_kept() -> None:
@@ -33,3 +38,10 @@ def test_replicas_share_one_health_checked_round_robin_channel() -> None:
     assert channel_target("localhost:5|localhost:6")[0].startswith(("ipv4:", "ipv6:"))
     with pytest.raises(InvalidArgument, match="mix IPv4 and IPv6"):
         channel_target("[::1]:5|127.0.0.1:6")
+
+
+def test_a_client_may_be_given_a_replicated_shard() -> None:
+    assert parse_server(" 127.0.0.1:1|127.0.0.1:2 ", "ADDR") == "127.0.0.1:1|127.0.0.1:2"
+    assert parse_server("h:5") == "h:5"
+    with pytest.raises(InvalidArgument, match="ADDR"):
+        parse_server("127.0.0.1:1|127.0.0.1:0", "ADDR")
