@@ -75,6 +75,7 @@ _PS = "/paramserver.api.v1.ParameterServer/"
 _RS = "/paramserver.api.v1.ReductionService/"
 _PEER = "/paramserver.api.v1.PushSumPeer/"
 _RANK = "/paramserver.api.v1.RankServer/"
+_REPL = "/paramserver.api.v1.Replication/"
 
 #: The role each RPC needs, by full method name (``/package.Service/Method``). One table for
 #: every service: an RPC missing from it is refused for everyone (see the module docstring).
@@ -97,6 +98,9 @@ RPC_ROLES: Mapping[str, Role] = MappingProxyType(
         _PS + "Status": Role.WORKER,
         _PS + "GetShardMap": Role.WORKER,
         _PS + "Checkpoint": Role.ADMIN,  # on-demand checkpoint: disk writes, WAL truncation
+        # A shard's primary to its backups: it replaces a backup's whole state (the replicas
+        # call each other with the first admin token of their shared token file).
+        _REPL + "Replicate": Role.ADMIN,
         # ReductionService and the gossip workers' push-sum endpoints: worker traffic only.
         _RS + "Register": Role.WORKER,
         _RS + "Heartbeat": Role.WORKER,
@@ -216,6 +220,10 @@ class TokenTable:
             if token in seen:
                 raise InvalidArgument("a token is listed twice")
             seen.add(token)
+
+    def first_admin(self) -> str | None:
+        """The first admin token (what a server presents to its peers), or None."""
+        return next((token for token, role in self.entries if role is Role.ADMIN), None)
 
     def __repr__(self) -> str:  # never print the secrets
         roles = [r.name.lower() for _, r in self.entries]

@@ -169,7 +169,10 @@ class ParameterServerDaemon(ServingDaemon):
         if cfg.replicas == 1:
             return None
         assert self.checkpoints is not None  # replicas need checkpoint_dir (config checks)
-        client = peer_security(self.security, None) if self.security is not None else None
+        client = None
+        if self.security is not None:  # replicas share TLS and the token file: an admin token
+            tokens = self.security.tokens
+            client = peer_security(self.security, tokens.first_admin() if tokens else None)
         replica = Replica(
             engine,
             self.checkpoints,

@@ -57,6 +57,7 @@ def test_every_rpc_of_every_service_is_classified() -> None:
     admin = {name for name, role in RPC_ROLES.items() if role is Role.ADMIN}
     assert admin == {
         "/paramserver.api.v1.ParameterServer/Checkpoint",
+        "/paramserver.api.v1.Replication/Replicate",
         "/paramserver.api.v1.RankServer/ImportMetadata",
         "/paramserver.api.v1.RankServer/ForgetRemote",
     }

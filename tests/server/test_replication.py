@@ -141,3 +141,21 @@ async def test_backup_refuses_an_older_epoch(tmp_path: Path) -> None:
     finally:
         await primary.stop(0.2)
         await backup.stop(0.2)
+
+
+async def test_replicas_stream_with_the_shared_admin_token(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("worker worker-token-0123456789abcdef\nadmin admin-token-0123456789abcdef\n")
+    ports = free_ports(2)
+    configs = [_config(tmp_path, i, ports).replace(auth_tokens=str(tokens)) for i in range(2)]
+    primary = ParameterServerDaemon(configs[0])
+    backup = ParameterServerDaemon(configs[1])
+    await backup.start()
+    await primary.start()
+    try:
+        assert primary.replica is not None and primary.replica.primary is not None
+        link = primary.replica.primary.links[1]
+        await eventually(lambda: link.in_sync, timeout_s=10, what="the backup in sync")
+    finally:
+        await primary.stop(0.2)
+        await backup.stop(0.2)
