@@ -31,7 +31,7 @@ import numpy as np
 from benchlib import emit, machine_info, print_table, quick_from_env
 
 from paramserver.cli.demos.local_cluster import local_cluster
-from paramserver.cli.demos.local_etcd import LocalEtcd, etcd_binary
+from paramserver.cli.demos.local_etcd import etcd_binary
 from paramserver.worker_client import UpdateRule
 
 
@@ -65,7 +65,9 @@ def _rate(replicas: int, n: int, workers: int, seconds: float) -> float:
         flags: dict[str, Any] = {"wal": True}
         if replicas == 1:
             flags["checkpoint_dir"] = tmp
-        with local_cluster(consistency="asp", replicas=replicas, state_dir=tmp, **flags) as c:
+        with local_cluster(
+            consistency="asp", replicas=replicas, state_dir=tmp, election="none", **flags
+        ) as c:
             time.sleep(1.0)  # the backup's seed (an empty shard) before timing
             pushes, elapsed = asyncio.run(_push_pull_for(c, n, workers, seconds))
     return pushes / elapsed
@@ -108,7 +110,7 @@ def cost(quick: bool) -> list[list[Any]]:
     return rows
 
 
-async def _one_failover(cluster: Any, etcd: LocalEtcd, prefix: str) -> float:
+async def _one_failover(cluster: Any) -> float:
     victim = cluster.primary(0)
     assert victim is not None
     async with cluster.connect(f"failover-{uuid.uuid4().hex[:6]}") as ps:
@@ -117,7 +119,7 @@ async def _one_failover(cluster: Any, etcd: LocalEtcd, prefix: str) -> float:
             await ps.push({"f": np.ones(16, np.float32)})
         # The backup must be in sync before the kill, or there is nobody to take over.
         for _ in range(600):
-            if etcd.in_sync(prefix, 0) == [0, 1]:
+            if cluster.in_sync(0) == [0, 1]:
                 break
             await asyncio.sleep(0.05)
         else:
@@ -136,25 +138,16 @@ async def _one_failover(cluster: Any, etcd: LocalEtcd, prefix: str) -> float:
 def failover(quick: bool) -> list[float]:
     rounds = 3 if quick else 5
     times: list[float] = []
-    prefix = uuid.uuid4().hex
-    with tempfile.TemporaryDirectory(prefix="paramserver-failover-bench-") as tmp:
-        with (
-            LocalEtcd() as etcd,
-            local_cluster(
-                consistency="asp",
-                replicas=2,
-                state_dir=tmp,
-                election_endpoints=etcd.endpoint,
-                election_prefix=prefix,
-                election_ttl_s=1,
-            ) as cluster,
-        ):
-            while cluster.primary(0) is None:
-                time.sleep(0.05)
-            for _ in range(rounds):
-                took = asyncio.run(_one_failover(cluster, etcd, prefix))
-                times.append(took)
-                emit({"benchmark": "failover", "kill_to_first_ack_s": round(took, 3)})
+    with (
+        tempfile.TemporaryDirectory(prefix="paramserver-failover-bench-") as tmp,
+        local_cluster(consistency="asp", replicas=2, state_dir=tmp, election="etcd") as cluster,
+    ):
+        while cluster.primary(0) is None:
+            time.sleep(0.05)
+        for _ in range(rounds):
+            took = asyncio.run(_one_failover(cluster))
+            times.append(took)
+            emit({"benchmark": "failover", "kill_to_first_ack_s": round(took, 3)})
     return times
 
 

@@ -239,10 +239,14 @@ class LocalCluster(Closing):
         python: Interpreter that runs the servers (default: this one, ``sys.executable``).
         replicas: Replicas of each shard (1: none). With more, each replica keeps its
             checkpoints and write-ahead log in ``state_dir/shard-<i>/replica-<k>``; a primary
-            acknowledges a mutation once every backup in sync holds it, and with
-            ``election_endpoints`` (etcd, see :class:`~paramserver.cli.demos.local_etcd.LocalEtcd`)
-            a backup takes over when the primary is lost. A shard's address then names
+            acknowledges a mutation once every backup in sync holds it, and a backup takes
+            over when the primary is lost (see ``election``). A shard's address then names
             all its replicas (``"h:p|h:p"``); clients reach the primary.
+        election: With replicas, who decides the primary: ``"auto"`` (default) starts a
+            private etcd (:class:`~paramserver.cli.demos.local_etcd.LocalEtcd`, leases of
+            1 s) when an ``etcd`` binary is installed, else replica 0 is primary with no
+            failover (logged); ``"etcd"`` requires it; ``"none"``: replica 0, no failover.
+            Ignored when ``election_endpoints`` is given.
         state_dir: Where the replicas' state goes (default: inside the log directory).
         **serve_flags: Any other ``paramserver serve`` flag, named in Python style:
             ``aggregation="sum"``, ``lease_ms=2000``, ``death_policy="fail_fast"``,
@@ -272,6 +276,7 @@ class LocalCluster(Closing):
         python: str | None = None,
         replicas: int = 1,
         state_dir: str | Path | None = None,
+        election: str = "auto",
         **serve_flags: Any,
     ) -> None:
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
@@ -282,8 +287,17 @@ class LocalCluster(Closing):
             )
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise InvalidArgument(f"local_cluster: replicas must be an int >= 1, got {replicas!r}")
+        if election not in ("auto", "etcd", "none"):
+            raise InvalidArgument(
+                f"local_cluster: election must be auto, etcd or none: {election!r}"
+            )
         self.shards = shards
         self.replicas = replicas
+        self.election = election if "election_endpoints" not in serve_flags else "given"
+        #: The private etcd electing primaries (started with the cluster; None without).
+        self.etcd: Any = None
+        #: The cluster's key prefix in etcd.
+        self.election_prefix = str(serve_flags.get("election_prefix") or "")
         self._state_dir = Path(state_dir) if state_dir is not None else None
         self.consistency = consistency
         self.slice_bytes = slice_bytes
@@ -399,8 +413,9 @@ class LocalCluster(Closing):
         else:
             self._log_dir.mkdir(parents=True, exist_ok=True)
         try:
+            serve_cmd = [*self.serve_cmd, *self._election_flags()]
             self.processes, self.addresses = start_servers(
-                self.serve_cmd,
+                serve_cmd,
                 self.shards,
                 self.log_dir,
                 env=self.env,
@@ -411,10 +426,52 @@ class LocalCluster(Closing):
                 state_dir=self.state_dir if self.replicas > 1 else None,
             )
         except BaseException:
+            self._stop_etcd()
             self._remove_tmp()
             raise
         atexit.register(self.stop)
         return self
+
+    def _election_flags(self) -> list[str]:
+        """Start the private etcd the ``election`` setting asks for; the serve flags naming it."""
+        if self.replicas == 1 or self.election in ("none", "given"):
+            return []
+        from paramserver.cli.demos.local_etcd import LocalEtcd, etcd_binary
+
+        if etcd_binary() is None:
+            if self.election == "etcd":
+                raise Unavailable(
+                    "local_cluster: no etcd binary (Debian: apt-get install etcd-server)"
+                )
+            logger.warning(
+                "local_cluster: no etcd binary, so replica 0 of each shard is primary with no "
+                "failover (Debian: apt-get install etcd-server)"
+            )
+            return []
+        import uuid
+
+        self.etcd = LocalEtcd().start()
+        self.election_prefix = f"local-{uuid.uuid4().hex}"
+        return [
+            "--election-endpoints",
+            self.etcd.endpoint,
+            "--election-prefix",
+            self.election_prefix,
+            "--election-ttl-s",
+            "1",
+        ]
+
+    def in_sync(self, shard: int) -> list[int]:
+        """The replicas of ``shard`` the private etcd lists as holding every acknowledged
+        record (those that may take over); [] without a private etcd."""
+        if self.etcd is None:
+            return []
+        return list(self.etcd.in_sync(self.election_prefix, shard))
+
+    def _stop_etcd(self) -> None:
+        etcd, self.etcd = self.etcd, None
+        if etcd is not None:
+            etcd.stop()
 
     def stop(self) -> None:
         """SIGTERM every server, wait up to ``stop_timeout_s``, kill the rest; reap all."""
@@ -422,6 +479,7 @@ class LocalCluster(Closing):
         try:
             if procs:
                 stop_servers(procs, timeout_s=self.stop_timeout_s)
+            self._stop_etcd()
         finally:
             self.addresses = []
             atexit.unregister(self.stop)
