@@ -14,8 +14,10 @@ lease may be 1 s, and removes everything on exit::
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -54,13 +56,11 @@ class LocalEtcd(Closing):
         self._tmp: str | None = None
 
     def start(self) -> LocalEtcd:
-        from paramserver.cli.demos.local_cluster import free_ports
-
         binary = etcd_binary()
         if binary is None:
             raise Unavailable("no etcd binary (Debian: apt-get install etcd-server)")
         self._tmp = tempfile.mkdtemp(prefix="paramserver-etcd-")
-        client, peer = free_ports(2)
+        client, peer = _free_ports(2)
         self.endpoint = f"127.0.0.1:{client}"
         cmd = [
             binary,
@@ -134,6 +134,17 @@ class LocalEtcd(Closing):
 
     open = start
     close = stop
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 now (held until all are read)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 def _b64(text: str) -> str:
