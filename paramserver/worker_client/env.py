@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Unpack
 
 from paramserver.errors import InvalidArgument
-from paramserver.protocol.addresses import parse_address
+from paramserver.protocol.addresses import parse_server
 from paramserver.worker_client.options import ClientOptions
 
 if TYPE_CHECKING:
@@ -107,13 +107,13 @@ class WorkerEnv:
         """
         env = os.environ if env is None else env
         shards = tuple(
-            parse_address(a.strip(), SHARD_ADDRESSES_ENV)
+            parse_server(a.strip(), SHARD_ADDRESSES_ENV)
             for a in env.get(SHARD_ADDRESSES_ENV, "").split(",")
             if a.strip()
         )
         raw = env.get(ADDRESS_ENV, "").strip()
         if raw:
-            address = parse_address(raw, ADDRESS_ENV)
+            address = parse_server(raw, ADDRESS_ENV)
         elif shards:
             address = shards[0]
         else:
