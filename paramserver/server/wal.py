@@ -206,31 +206,7 @@ class WriteAheadLog:
             In both cases the log is as it was before the call (a partial record is cut off)
             and the caller must not apply the mutation.
         """
-        if self.failed is not None:
-            raise StorageError(self.failed.message)
-        if self._fd is None:
-            raise WalError("write-ahead log is not open")
-        record.sequence = self.next_sequence
-        record.unix_s = time.time()
-        payload = record.SerializeToString()
-        frame = _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
-        view = memoryview(frame)
-        start = self._size
-        try:
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
-        except OSError as exc:
-            self._cut_back(start, exc)
-            raise storage_error(exc, f"write-ahead log {self._segment}: write") from exc
-        self._size = start + len(frame)
-        self.next_sequence += 1
-        self.appended_bytes += len(frame)
-        seq = int(record.sequence)
-        self._written = seq
-        if self.on_append is not None:
-            self.on_append([payload])
-        return seq
+        return self.append_many([record])
 
     def append_many(self, records: list[wal_pb.WalRecord]) -> int:
         """Append several records as one write: all of them, or (on a write error) none.
