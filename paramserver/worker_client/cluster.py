@@ -617,11 +617,12 @@ class ShardedWorkerClient:
         *,
         timeout_s: float | None = None,
         observer: bool = False,
+        cache_counts: Mapping[str, tuple[int, int]] | None = None,
     ) -> dict[str, np.ndarray]:
         """Rows of several tables, one request per shard, all shards concurrently (see
-        :meth:`WorkerClient.pull_rows_many`)."""
+        :meth:`WorkerClient.pull_rows_many`; ``cache_counts`` go to one shard)."""
         return await ShardedTables(self.shards, self._fan_out).pull_rows_many(
-            ids, timeout_s=timeout_s, observer=observer
+            ids, timeout_s=timeout_s, observer=observer, cache_counts=cache_counts
         )
 
     async def push_rows_many(
@@ -874,9 +875,12 @@ class ClusterWorkerClient(AsyncClosing):
         *,
         timeout_s: float | None = None,
         observer: bool = False,
+        cache_counts: Mapping[str, tuple[int, int]] | None = None,
     ) -> dict[str, np.ndarray]:
         """:meth:`WorkerClient.pull_rows_many` (one request per shard, concurrently)."""
-        return await self._api.pull_rows_many(ids, timeout_s=timeout_s, observer=observer)
+        return await self._api.pull_rows_many(
+            ids, timeout_s=timeout_s, observer=observer, cache_counts=cache_counts
+        )
 
     async def push_rows_many(
         self,
@@ -927,11 +931,14 @@ def _merge_tables(out: pb.StatusResponse, statuses: Sequence[pb.StatusResponse])
                 weights[name] = info.staleness_mean * info.pushes
                 continue
             for f in ("rows", "pushes", "rows_pushed", "pulls", "rows_pulled", "filtered",
-                      "expired", "queued_pushes", "size_bytes"):  # fmt: skip
+                      "expired", "queued_pushes", "size_bytes", "state_size_bytes",
+                      "rows_pulled_per_s", "rows_pushed_per_s", "cache_rows_requested",
+                      "cache_rows_hit"):  # fmt: skip
                 setattr(have, f, getattr(have, f) + getattr(info, f))
             have.staleness_max = max(have.staleness_max, info.staleness_max)
             weights[name] += info.staleness_mean * info.pushes
     del out.tables[:]
     for name, info in merged.items():
         info.staleness_mean = weights[name] / info.pushes if info.pushes else 0.0
+        info.bytes_per_row = info.size_bytes / info.rows if info.rows else 0.0
         out.tables.append(info)

@@ -314,6 +314,7 @@ class TableClientMixin:
         *,
         timeout_s: float | None = None,
         observer: bool = False,
+        cache_counts: Mapping[str, tuple[int, int]] | None = None,
     ) -> dict[str, np.ndarray]:
         """Rows of several tables in one request (``PullRowsMany``): every table's
         consistency wait, then every table read at one moment of the shard.
@@ -323,6 +324,8 @@ class TableClientMixin:
                 table names.
             timeout_s: Deadline of the consistency waits (default: the client's).
             observer: Read without a consistency wait (no registration needed).
+            cache_counts: ``{table: (rows requested, rows hit)}`` of a worker-side row cache
+                since its last report, for the server's Status (tables of this request only).
 
         Returns:
             ``{table: (len(ids), dim) rows}`` of each table's storage dtype, in the ids' order.
@@ -334,12 +337,21 @@ class TableClientMixin:
         me: Any = self  # a WorkerClient: the one deadline rule of every pull, its retry funnel
         wait_ms, deadline_s = me._pull_deadlines(timeout_s)
         tables = list(arrays)
+        counts = dict(cache_counts or {})
 
         async def attempt() -> dict[str, np.ndarray]:
             header = tpb.RowsManyHeader(
                 worker_id="" if observer else self.worker_id,
                 timeout_ms=wait_ms,
-                segments=[tpb.RowsSegment(table=t, num_ids=arrays[t].shape[0]) for t in tables],
+                segments=[
+                    tpb.RowsSegment(
+                        table=t,
+                        num_ids=arrays[t].shape[0],
+                        cache_rows_requested=counts.get(t, (0, 0))[0],
+                        cache_rows_hit=counts.get(t, (0, 0))[1],
+                    )
+                    for t in tables
+                ],
             )
 
             def requests() -> Iterator[tpb.PullRowsManyRequest]:
@@ -547,11 +559,14 @@ class ShardedTables:
         concurrently; rows reassembled per table in the caller's order."""
         arrays = check_ids_many(ids)
         parts = {t: self.split(t, a) for t, a in arrays.items()}
-        calls = {}
+        calls: dict[int, Awaitable[Any]] = {}
+        counts = kw.pop("cache_counts", None)  # reported to one shard only (no double count)
         for i, shard in enumerate(self.shards):
             if any(parts[t][i].shape[0] for t in arrays):
                 calls[i] = shard.pull_rows_many(
-                    {t: a[parts[t][i]] for t, a in arrays.items()}, **kw
+                    {t: a[parts[t][i]] for t, a in arrays.items()},
+                    cache_counts=None if calls else counts,
+                    **kw,
                 )
         if not calls:  # no ids at all: ask one shard for every table's dim and dtype
             got0: dict[str, np.ndarray] = await self.shards[0].pull_rows_many(arrays, **kw)

@@ -37,8 +37,9 @@ Usage::
         cache.stats.hit_rate
 
 Only this worker's reads are cached; a table's server-side consistency (asp, ssp, bsp) applies
-to the pulls the cache does make. With a bsp table use s = 0 (a deferred push would miss its
-step).
+to the pulls the cache does make. Each pull carries the cache's rows requested and hit since its
+last report of that table, which the server's ``Status`` shows per table (``cache_rows_*``).
+With a bsp table use s = 0 (a deferred push would miss its step).
 """
 
 from __future__ import annotations
@@ -172,6 +173,9 @@ class RowCache:
         #: table -> lr of an sgd table (flushed sums applied to the cached copies), None for
         #: another rule; learned from the server's Status at the first flush of a table.
         self._sgd_lr: dict[str, float | None] = {}
+        #: table -> [rows requested, rows hit] not yet reported to the server (the counts
+        #: travel with the cache's next pull of the table: Status' cache hit rate).
+        self._unreported: dict[str, list[int]] = {}
 
     @property
     def clock_value(self) -> int:
@@ -192,7 +196,9 @@ class RowCache:
         s = self.staleness
         if s == 0:  # exact: every distinct row pulled now, nothing kept
             split = {t: np.unique(a, return_inverse=True) for t, a in arrays.items()}
-            got = await self.client.pull_rows_many({t: u for t, (u, _) in split.items()}, **kw)
+            for t, (u, _) in split.items():
+                self._count(t, int(u.shape[0]), 0)
+            got = await self._pull({t: u for t, (u, _) in split.items()}, kw)
             for u, _ in split.values():
                 self.stats.rows_requested += int(u.shape[0])
                 self.stats.rows_pulled += int(u.shape[0])
@@ -208,11 +214,12 @@ class RowCache:
             plans[t] = (uniq, inverse, pos, miss)
             self.stats.rows_requested += int(uniq.shape[0])
             self.stats.rows_hit += int(uniq.shape[0] - miss.sum())
+            self._count(t, int(uniq.shape[0]), int(uniq.shape[0] - miss.sum()))
             if miss.any() or uniq.shape[0] == 0:
                 missing[t] = uniq[miss]
         pulled: dict[str, np.ndarray] = {}
         if missing:
-            pulled = await self.client.pull_rows_many(missing, **kw)
+            pulled = await self._pull(missing, kw)
         out: dict[str, np.ndarray] = {}
         for t, (uniq, inverse, pos, miss) in plans.items():
             cache = self._tables[t]
@@ -236,6 +243,21 @@ class RowCache:
                 cache.store(uniq[miss], fresh, clock)
             out[t] = rows[inverse.reshape(-1)]
         return out
+
+    def _count(self, table: str, requested: int, hit: int) -> None:
+        counts = self._unreported.setdefault(table, [0, 0])
+        counts[0] += requested
+        counts[1] += hit
+
+    async def _pull(self, ids: dict[str, Any], kw: dict[str, Any]) -> dict[str, np.ndarray]:
+        """The client's ``pull_rows_many`` carrying the unreported counts of its tables."""
+        report = {t: (c[0], c[1]) for t, c in self._unreported.items() if t in ids and c[0]}
+        got: dict[str, np.ndarray] = await self.client.pull_rows_many(
+            ids, cache_counts=report, **kw
+        )
+        for t in report:
+            del self._unreported[t]
+        return got
 
     # ------------------------------------------------------------------ writes
     async def push_rows(self, table: str, ids: Any, grads: Any, **kw: Any) -> RowPushAck | None:

@@ -5,8 +5,10 @@ step, counters), the workers ranked slowest first (under BSP by total barrier la
 fastest worker waited on each — see :mod:`paramserver.server.observability.hooks`; otherwise by
 clock), with
 clock, lease left, heartbeat age and barrier wait, then the keys with dtype, shape, bytes and
-update rule. ``--json`` prints every field of ``StatusResponse``, zero and false ones too, with
-64-bit integers as JSON numbers (protobuf's JSON mapping writes them as strings).
+update rule, then the embedding tables (rows stored, bytes per row, rows pulled and pushed per
+second, filtered and expired ids, the hit rate workers' row caches reported). ``--json``
+prints every field of ``StatusResponse``, zero and false ones too, with 64-bit integers as
+JSON numbers (protobuf's JSON mapping writes them as strings).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-__all__ = ["render_status", "status_to_dict", "straggler_order"]
+__all__ = ["cache_hit_rate", "render_status", "status_to_dict", "straggler_order", "table_lines"]
 
 _INT64_TYPES = frozenset(
     {
@@ -196,4 +198,52 @@ def render_status(status: Any, address: str = "") -> str:
         for k in status.keys
     ]
     lines += _table(["key", "dtype", "shape", "bytes", "rule", "updates"], key_rows, right={3, 5})
+    if status.tables:
+        lines.append("")
+        lines += table_lines(status.tables)
     return "\n".join(lines) + "\n"
+
+
+def cache_hit_rate(info: Any) -> str:
+    """``87.5%`` of the rows workers' row caches served, or ``-`` when none reported."""
+    if not info.cache_rows_requested:
+        return "-"
+    return f"{100.0 * info.cache_rows_hit / info.cache_rows_requested:.1f}%"
+
+
+def table_lines(tables: Any) -> list[str]:
+    """The TABLES section: per embedding table what users watch (rows stored, memory per row,
+    rows pulled and pushed per second, filtered and expired ids, the cache hit rate workers
+    reported)."""
+    headers = [
+        "table",
+        "dim",
+        "dtype",
+        "rows",
+        "bytes/row",
+        "pulled/s",
+        "pushed/s",
+        "rows pulled",
+        "rows pushed",
+        "filtered",
+        "expired",
+        "cache hit",
+    ]
+    rows = [
+        [
+            t.spec.name,
+            str(t.spec.dim),
+            _enum_name(t.spec, "dtype", "DTYPE_"),
+            str(t.rows),
+            f"{t.bytes_per_row:.1f}" if t.rows else "-",
+            f"{t.rows_pulled_per_s:.0f}",
+            f"{t.rows_pushed_per_s:.0f}",
+            str(t.rows_pulled),
+            str(t.rows_pushed),
+            str(t.filtered),
+            str(t.expired),
+            cache_hit_rate(t),
+        ]
+        for t in tables
+    ]
+    return [f"TABLES ({len(rows)})", *_table(headers, rows, right=set(range(1, 12)) - {2})]

@@ -37,7 +37,7 @@ from paramserver.server.checkpoint_cut import shard_map_of
 from paramserver.server.engine import InflightTicket
 from paramserver.server.shard_service import ShardHost, ShardService
 from paramserver.server.transports.session_service import SessionService
-from paramserver.server.transports.table_service import TableRpcs, table_infos
+from paramserver.server.transports.table_service import TableRpcs
 from paramserver.serving.error_status import abort_with, grpc_errors
 
 logger = logging.getLogger(__name__)
@@ -368,7 +368,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             asyncio_tasks=len(asyncio.all_tasks()),
             rss_bytes=_rss_bytes(),
             allow_non_finite=self.engine.config.allow_non_finite,
-            tables=table_infos(core.tables),
+            tables=self.table_rpcs.infos(),
             inflight_pushes=self.engine.backpressure.total,
             inflight_push_bytes=self.engine.backpressure.bytes,
             refused_backpressure=self.engine.backpressure.refused,

@@ -14,6 +14,7 @@ on disk. The servicer's error decorator turns refusals into status codes.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,7 +39,7 @@ from paramserver.server.engine import LogFn, ServerEngine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TableRpcs", "table_infos"]
+__all__ = ["RATE_WINDOW_S", "TableRates", "TableRpcs", "table_infos"]
 
 #: Expiry sweeps of a table run at most this often (seconds), after a push.
 EXPIRY_SWEEP_INTERVAL_S = 1.0
@@ -50,6 +51,10 @@ class TableRpcs:
     def __init__(self, engine: ServerEngine) -> None:
         self.engine = engine
         self._last_sweep: dict[str, tuple[float, int]] = {}
+        #: Row rates per table (rows pulled and pushed per second, for Status).
+        self.rates = TableRates()
+        #: table -> [rows requested, rows hit] reported by workers' row caches.
+        self.cache_counts: dict[str, list[int]] = {}
         #: This shard's index and the cluster's shard count (which ids it owns).
         self.shard_index = int(engine.config.shard_index)
         self.num_shards = int(engine.config.num_shards)
@@ -159,6 +164,7 @@ class TableRpcs:
         table = self._check_header(header, push=False, n=int(ids.shape[0]))
         checked = self._check_ids(table, ids)
         await self._wait_rows(header.worker_id, table.spec.name, int(header.timeout_ms))
+        self.rates.note(self.engine.now(), table)
         rows = table.pull(checked)
         spec = table.spec
         info = tpb.PullRowsInfo(
@@ -211,6 +217,7 @@ class TableRpcs:
                 log(wal_records.push_rows(prepared, header.worker_id, now))
             return self.tables.commit(prepared, now_s=now)  # type: ignore[no-any-return]
 
+        self.rates.note(engine.now(), table)
         outcome = await engine.mutate(decide, duplicate=lambda o: bool(o.duplicate))
         await self._maybe_expire(table)
         r = outcome.result
@@ -300,7 +307,15 @@ class TableRpcs:
                 break
             await self._wait_rows(header.worker_id, waiting[0].spec.name, int(header.timeout_ms))
         self.engine.check_serving()
+        now = self.engine.now()
+        for t in tables:
+            self.rates.note(now, t)
         rows = [t.pull(c) for t, c in zip(tables, checked, strict=True)]
+        for t, seg in zip(tables, header.segments, strict=True):
+            if seg.cache_rows_requested:
+                counts = self.cache_counts.setdefault(t.spec.name, [0, 0])
+                counts[0] += int(seg.cache_rows_requested)
+                counts[1] += int(min(seg.cache_rows_hit, seg.cache_rows_requested))
         min_clock = self.engine.core.cluster.min_clock()
         infos = [
             tpb.PullRowsInfo(
@@ -359,6 +374,9 @@ class TableRpcs:
                 log(records)  # all or none (a refused write: nothing applied)
             return [self.tables.commit(p, now_s=now) for p in prepared]
 
+        now = engine.now()
+        for table in tables:
+            self.rates.note(now, table)
         outcomes = await engine.mutate(decide, duplicate=lambda got: any(o.duplicate for o in got))
         for table in tables:
             await self._maybe_expire(table)
@@ -406,12 +424,65 @@ class TableRpcs:
             return
         logger.debug("table %r: %d rows expired", spec.name, dropped)
 
+    def infos(self) -> list[Any]:
+        """``TableInfo`` of every table of the shard, with its row rates and the row-cache
+        counts workers reported."""
+        now = self.engine.now()
+        out = table_infos(self.tables)
+        for info in out:
+            name = info.spec.name
+            table = self.tables.tables[name]
+            pulled, pushed = self.rates.per_s(now, table)
+            info.rows_pulled_per_s = pulled
+            info.rows_pushed_per_s = pushed
+            requested, hit = self.cache_counts.get(name, (0, 0))
+            info.cache_rows_requested = requested
+            info.cache_rows_hit = hit
+        return out
+
+
+#: Seconds of history the row rates of Status cover.
+RATE_WINDOW_S = 10.0
+
+
+class TableRates:
+    """Rows pulled and pushed per second per table over the last :data:`RATE_WINDOW_S`:
+    the tables' counters sampled at most once a second, just before rows move (time passed
+    in)."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: dict[str, deque[tuple[float, int, int]]] = {}
+
+    def note(self, now_s: float, table: EmbeddingTable) -> None:
+        """Sample ``table``'s counters if its newest sample is a second old or more."""
+        got = self._samples.setdefault(table.spec.name, deque())
+        if got and now_s - got[-1][0] < 1.0:
+            return
+        got.append((now_s, int(table.rows_pulled), int(table.rows_pushed)))
+        while len(got) > 1 and now_s - got[1][0] >= self.window_s:
+            got.popleft()
+
+    def per_s(self, now_s: float, table: EmbeddingTable) -> tuple[float, float]:
+        """(rows pulled / s, rows pushed / s) from the oldest sample within the window to the
+        counters now (0, 0 when nothing moved within it)."""
+        got = self._samples.get(table.spec.name)
+        if not got:
+            return 0.0, 0.0
+        inside = [x for x in got if now_s - x[0] <= self.window_s]
+        if not inside:
+            return 0.0, 0.0
+        t0, pulled0, pushed0 = inside[0]
+        dt = max(now_s - t0, 1.0)
+        return (int(table.rows_pulled) - pulled0) / dt, (int(table.rows_pushed) - pushed0) / dt
+
 
 def table_infos(tables: Any) -> list[Any]:
     """``TableInfo`` of every table of a :class:`~paramserver.core.table_set.TableSet`."""
     out = []
     for name, table in tables.tables.items():
         stats = tables.stats[name]
+        stored = int(table.stored_bytes())
         out.append(
             tpb.TableInfo(
                 spec=rows_wire.spec_to_proto(table.spec),
@@ -427,8 +498,9 @@ def table_infos(tables: Any) -> list[Any]:
                 staleness_mean=(
                     stats.staleness_sum / stats.applied_pushes if stats.applied_pushes else 0.0
                 ),
-                size_bytes=table.stored_bytes(),
+                size_bytes=stored,
                 state_size_bytes=table.state_bytes(),
+                bytes_per_row=stored / table.n if table.n else 0.0,
             )
         )
     return out

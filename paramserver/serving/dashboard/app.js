@@ -280,6 +280,28 @@ function renderPs(data) {
       cell(`${fmtBytes(r.pull_bytes_per_s)}/s`, "pull_bytes_per_s", r.pull_bytes_per_s));
   }));
 
+  // Embedding tables: what users watch per table (as `paramserver status` shows it).
+  const tables = st.tables || [];
+  document.getElementById("tables-section").hidden = tables.length === 0;
+  table("tables", [["table"], ["dim", "num"], ["dtype"], ["rows", "num"], ["bytes/row", "num"],
+    ["pulled/s", "num"], ["pushed/s", "num"], ["filtered", "num"], ["expired", "num"],
+    ["cache hit", "num"]],
+  tables.map((t) => {
+    const asked = t.cache_rows_requested || 0;
+    const hit = asked ? (100 * (t.cache_rows_hit || 0)) / asked : null;
+    return el("tr", { class: "table-row", "data-table": t.spec.name },
+      cell(t.spec.name, "name", t.spec.name, ""),
+      cell(String(t.spec.dim), "dim", t.spec.dim),
+      cell(enumName(t.spec.dtype, "DTYPE_"), "dtype", undefined, ""),
+      cell(String(t.rows), "rows", t.rows),
+      cell(t.rows ? t.bytes_per_row.toFixed(1) : "-", "bytes_per_row", t.bytes_per_row),
+      cell(t.rows_pulled_per_s.toFixed(0), "rows_pulled_per_s", t.rows_pulled_per_s),
+      cell(t.rows_pushed_per_s.toFixed(0), "rows_pushed_per_s", t.rows_pushed_per_s),
+      cell(String(t.filtered), "filtered", t.filtered),
+      cell(String(t.expired), "expired", t.expired),
+      cell(hit === null ? "-" : `${hit.toFixed(1)}%`, "cache_hit_rate", hit === null ? "" : hit));
+  }));
+
   const h = data.history || [];
   const now = data.now_unix_s;
   const win = windowOf(h, now);
