@@ -172,8 +172,12 @@ class ClusterState:
     ) -> tuple[WorkerRecord, list[MembershipChange]]:
         """Register a worker by name; it starts at the current minimum clock.
 
-        A worker lost under the ``wait`` policy is taken over: the new incarnation inherits its
-        clock. A retry with the same ``client_nonce`` returns the existing live registration.
+        A successor of its name's registration (a live one it fences with ``replace``, or one
+        lost under the ``wait`` policy that it takes over) inherits that registration's clock
+        instead: it continues its predecessor's iterations, so under BSP it redoes the step
+        its predecessor died in, in that step, and the steps pair the same batches as if
+        nobody had died. A retry with the same ``client_nonce`` returns the existing live
+        registration.
 
         Args:
             log: Called with the new worker id once the registration is decided and before
@@ -207,6 +211,7 @@ class ClusterState:
             log(worker_id)
         changes: list[MembershipChange] = []
         start_clock: int | None = None
+        base = self.min_clock()  # the predecessor still holds: never above its clock
         for rec in same_name:
             if rec.live:
                 rec.live = False
@@ -215,7 +220,6 @@ class ClusterState:
             elif rec.lost:
                 rec.lost = False
                 start_clock = rec.clock if start_clock is None else start_clock
-        base = self.min_clock()
         self.incarnations += 1
         rec = WorkerRecord(
             worker_id=worker_id,

@@ -172,7 +172,7 @@ def test_name_is_free_again_after_leave() -> None:
     [
         (3, 1, 3),  # resumes at its own clock, never back to the minimum of the others
         (3, 3, 3),
-        (1, 4, 4),  # the others are ahead: the live minimum after the fence
+        (1, 4, 1),  # the others are ahead: it still continues its predecessor's iterations
         (0, 0, 0),
     ],
 )
@@ -483,14 +483,20 @@ def test_wait_holds_the_step_until_the_worker_returns(c_pushed: bool) -> None:
     assert core.check_pull(a).waiting_for == core.check_pull(b).waiting_for == ("C",)
     np.testing.assert_array_equal(core.store.get("w").value, np.full(4, -2.0, np.float32))
     back = core.register("C", 2.5)
-    # A and B finished step 1, so C comes back past it and the step closes with whatever C
-    # had queued: (2 + 4 + 30) / 3 = 12 -> w = -14; without C's gradient (2 + 4) / 2 -> -5.
-    assert back.clock == 2
-    expected = -14.0 if c_pushed else -5.0
-    np.testing.assert_array_equal(core.store.get("w").value, np.full(4, expected, np.float32))
-    assert core.check_pull(a).admitted
+    # C's successor continues C's iterations: it takes C's clock (1, the open step), whatever
+    # C had queued for step 1 leaves it (the successor redoes the step), and the step waits
+    # for the successor's push: (2 + 4 + 6) / 3 = 4 -> w = -6, counted once.
+    assert back.clock == 1
+    np.testing.assert_array_equal(core.store.get("w").value, np.full(4, -2.0, np.float32))
+    assert core.check_pull(a).waiting_for == ("C",)
     with pytest.raises(WorkerNotFound):
         core.heartbeat(c, 2.5)
+    applied = core.applied_updates
+    core.push(back.worker_id, 1, 1, {"w": np.full(4, 6.0, np.float32)}, 2.5)
+    core_clock(core, back.worker_id)
+    np.testing.assert_array_equal(core.store.get("w").value, np.full(4, -6.0, np.float32))
+    assert core.check_pull(a).admitted
+    assert core.applied_updates == applied + 3
 
 
 def test_wait_takeover_that_redoes_the_step_counts_the_worker_once() -> None:
@@ -613,11 +619,11 @@ class ConsistencyMachine(RuleBasedStateMachine):
             with pytest.raises(AlreadyExists):
                 self.c.register(name, self.now, replace=replace)
             return
+        holding = self.holding()  # the predecessors among them: a successor takes its clock
+        base = min(w.clock for w in holding) if holding else self.floor
         for w in same:  # fenced (live) or taken over (lost under `wait`)
             event("fenced" if w.live else "lost worker taken over")
             w.live = w.lost = False
-        others = self.holding()
-        base = min(w.clock for w in others) if others else self.floor
         start = max([base] + [w.clock for w in same])
         rec = self.c.register(name, self.now, replace=replace)
         assert rec.clock == start
