@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import shlex
 import sys
 from typing import Any
@@ -69,6 +70,36 @@ def server_settings(serve_args: str) -> dict[str, Any]:
     }
 
 
+def script_job(args: argparse.Namespace) -> Any:
+    """``--script SCRIPT ARGS...`` (and ``--env``) as a
+    :class:`~paramserver.integrations.ray.ScriptJob`: the script's absolute path (the same
+    file on every node), its arguments as given, this directory as its working directory.
+
+    Raises:
+        InvalidArgument: no script, a ``.py`` script that does not exist here, ``--train``
+            as well, or an ``--env`` that is not ``NAME=VALUE`` (INVALID_ARGUMENT).
+    """
+    from paramserver.errors import InvalidArgument
+    from paramserver.integrations.ray.placement import ScriptJob
+
+    if not args.script:
+        raise InvalidArgument("--script needs the script: --script train.py ARGS...")
+    if args.train:
+        raise InvalidArgument("give the job once: --script or --train")
+    script, *script_args = args.script
+    if os.path.exists(script):
+        script = os.path.abspath(script)
+    elif script.endswith(".py"):
+        raise InvalidArgument(f"no such script: {script}")
+    env = {}
+    for item in args.env:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise InvalidArgument(f"--env {item!r}: give NAME=VALUE")
+        env[name] = value
+    return ScriptJob(script, tuple(script_args), env=env, cwd=os.getcwd())
+
+
 def _job_config(args: argparse.Namespace, config_class: Any) -> Any:
     return config_class(
         num_shards=args.shards,
@@ -99,6 +130,10 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
     from paramserver.errors import InvalidArgument
     from paramserver.integrations.ray.placement import RayJobConfig, launch
 
+    job: Any
+    if args.script is not None:
+        job = script_job(args)
+
     try:
         cfg = _job_config(args, RayJobConfig)
     except InvalidArgument as exc:  # named as the flags, not as the config's fields
@@ -106,8 +141,9 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
         for field_name, flag in _FLAG_OF.items():
             message = message.replace(field_name, flag)
         raise InvalidArgument(message) from None
-    job: Any
-    if args.train:
+    if args.script is not None:
+        pass
+    elif args.train:
         job = _load_function(args.train)
     else:
         job = DigitsJob(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DigitsJob)})
@@ -137,12 +173,15 @@ def add_subcommands(sub: Any) -> None:
     """Register ``ray-launch``."""
     p = sub.add_parser(
         "ray-launch",
+        allow_abbrev=False,  # the script's own flags pass through, never taken for ours
         help="run a job on a Ray cluster: shards as actors, workers as tasks (paramserver[ray])",
         description="Run a paramserver job on a running Ray cluster: S shards as restartable "
         "Ray actors in a placement group (each bound to its node's IP on BASE_PORT + i, with "
         "its own checkpoints and write-ahead log), N workers as Ray tasks running the digits "
-        "job or --train MODULE:FUNCTION. Prints the job result as one JSON object; exit 0 "
-        "iff every worker returned (and the digits job reached --min-accuracy).",
+        "job, --train MODULE:FUNCTION, or your training script unchanged (--script SCRIPT "
+        "ARGS..., last on the line: each task runs it with the environment `paramserver run` "
+        "gives it). Prints the job result as one JSON object; exit 0 iff every worker "
+        "returned (and the digits job reached --min-accuracy).",
     )
     p.add_argument("--address", default="auto", help="Ray cluster address (default auto)")
     p.add_argument("--shards", type=int, default=2, help="server shards (default 2)")
@@ -201,7 +240,24 @@ def add_subcommands(sub: Any) -> None:
         metavar="MODULE:FUNCTION",
         help="run train(client, worker_index, num_workers) instead of the digits job",
     )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable of the --script workers (repeatable; e.g. "
+        "PARAMSERVER_TOKEN_FILE=/path)",
+    )
     p.add_argument("--worker-logs", action="store_true", help="stream worker output here")
     add_model_flags(p, epochs=10)
     p.add_argument("--slow-factor", type=float, default=1.0, help="workers x slower")
+    p.add_argument(
+        "--script",
+        nargs=argparse.REMAINDER,
+        metavar="SCRIPT [ARGS ...]",
+        help="run this training script (and the arguments after it: the rest of the line) as "
+        "every worker, with PARAMSERVER_ADDRESS, PARAMSERVER_SHARD_ADDRESSES, WORKER_INDEX, "
+        "NUM_WORKERS, WORKER_NAME and PARAMSERVER_REPLACE=1 set, as `paramserver run` does; "
+        "the script must be at the same path on every node",
+    )
     p.set_defaults(func=_cmd_ray_launch)

@@ -246,6 +246,7 @@ def add_subcommands(sub: Any) -> None:
     """Register ``run``."""
     p = sub.add_parser(
         "run",
+        allow_abbrev=False,  # the script's own flags pass through, never taken for ours
         help="run your training script as N workers on a local (or given) cluster",
         description="Start a local cluster of --shards servers (or use --server / "
         "--shard-addresses of a running one) and --workers processes of SCRIPT ARGS, each "

@@ -66,3 +66,13 @@ def test_a_killed_worker_is_restarted_and_trains_no_step_twice(tmp_path: Path) -
     finals = [re.search(r"final x (\S+) applied (\d+)", ln) for ln in lines]
     got = [(float(m.group(1)), int(m.group(2))) for m in finals if m]
     assert got == [(planned, planned)] * workers, out
+
+
+def test_the_scripts_flags_pass_through_even_when_they_abbreviate_ours() -> None:
+    """``--s`` would abbreviate --shards, --staleness, --server...: after the script, every
+    argument is the script's own, never taken for (or refused as) one of ``run``'s."""
+    from paramserver.cli.main import build_parser
+
+    argv = ["run", "--workers", "3", "train.py", "--s", "1", "--workers", "4", "--ser"]
+    args = build_parser(["run"]).parse_args(argv)
+    assert (args.workers, args.script, args.args) == (3, "train.py", argv[4:])

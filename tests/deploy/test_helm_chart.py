@@ -239,24 +239,34 @@ def test_shards_workers_and_rank_servers_agree(values: Path) -> None:
         (job,) = jobs
         spec = job["spec"]
         (w,) = spec["template"]["spec"]["containers"]
-        wf = flags(w["args"])
         assert spec["completionMode"] == "Indexed"
         n = v["workers"]["replicas"]
-        assert spec["completions"] == spec["parallelism"] == int(wf["num-workers"]) == n
+        assert spec["completions"] == spec["parallelism"] == n
         assert spec["backoffLimitPerIndex"] == v["workers"]["backoffLimitPerIndex"]
         assert spec["template"]["spec"]["restartPolicy"] == "Never"
-        assert wf["worker-index"] == "$(WORKER_INDEX)"
         assert (
             env_field(w, "WORKER_INDEX")
             == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
         )
-        assert wf["server"] in expected
-        assert "replace" in wf  # a retried index fences its dead predecessor's registration
-        assert float(wf["retry-deadline-s"]) == v["workers"]["retryDeadlineS"]
-        for i in range(n):
-            argv = [a.replace("$(WORKER_INDEX)", str(i)) for a in w["args"]]
-            args = build_parser().parse_args(argv)
-            assert args.command == "worker" and args.worker_index == i and args.replace
+        if v["workers"]["command"]:  # the user's script: its command, args and image
+            assert w["command"] == v["workers"]["command"]
+            assert w.get("args", []) == v["workers"]["args"]
+            image = v["workers"]["image"]
+            assert w["image"] == f"{image['repository']}:{image['tag']}"
+            assert w["imagePullPolicy"] == image["pullPolicy"]
+        else:  # the digits job of `paramserver worker`
+            wf = flags(w["args"])
+            assert "command" not in w
+            assert w["image"] == f"{v['image']['repository']}:{v['image']['tag']}"
+            assert int(wf["num-workers"]) == n
+            assert wf["worker-index"] == "$(WORKER_INDEX)"
+            assert wf["server"] in expected
+            assert "replace" in wf  # a retried index fences its dead predecessor's registration
+            assert float(wf["retry-deadline-s"]) == v["workers"]["retryDeadlineS"]
+            for i in range(n):
+                argv = [a.replace("$(WORKER_INDEX)", str(i)) for a in w["args"]]
+                args = build_parser().parse_args(argv)
+                assert args.command == "worker" and args.worker_index == i and args.replace
         if v["workers"]["waitForShards"]:
             (init,) = spec["template"]["spec"]["initContainers"]
             script = init["command"][-1]
@@ -532,3 +542,63 @@ def test_the_shards_outlive_the_worker_job() -> None:
     job_labels = job["spec"]["template"]["metadata"]["labels"]
     assert not sts["spec"]["selector"]["matchLabels"].items() <= job_labels.items()
     assert "keep serving" in (CHART / "values.yaml").read_text()
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=lambda p: p.stem)
+def test_a_script_worker_gets_what_paramserver_run_gives_it(values: Path, tmp_path: Path) -> None:
+    """With workers.command, each pod's environment (as the kubelet builds it) read by the
+    real readers (``WorkerEnv.from_env``, ``ClientSecurity.from_env``) names that pod's index,
+    the job's size, a stable name, every shard in order, ``replace``, and the TLS and token
+    files of the Secrets the values name; without it the container has none of them."""
+    from paramserver.security.tls import ClientSecurity
+    from paramserver.worker_client import WorkerEnv
+    from tests.harness.pki import make_pki, make_tokens
+
+    v = values_of(values)
+    objs = render(values)
+    if not v["workers"]["enabled"]:
+        return
+    (job,) = by_kind(objs, "Job")
+    pod = job["spec"]["template"]["spec"]
+    (w,) = pod["containers"]
+    names = {e["name"] for e in w["env"]}
+    if not v["workers"]["command"]:
+        assert not {n for n in names if n.startswith("PARAMSERVER_")} and "NUM_WORKERS" not in names
+        return
+    sts = shard_set(objs)
+    shard_svc, port = sts["spec"]["serviceName"], v["shards"]["port"]
+    shards = [
+        f"{sts['metadata']['name']}-{i}.{shard_svc}.{NAMESPACE}.svc.{v['clusterDomain']}:{port}"
+        for i in range(v["shards"]["replicas"])
+    ]
+    mounts = {m["name"]: m["mountPath"] for m in w["volumeMounts"]}
+    secrets = {
+        vol["name"]: vol["secret"]["secretName"] for vol in pod["volumes"] if "secret" in vol
+    }
+    pki, tokens = make_pki(tmp_path / "pki"), make_tokens(tmp_path / "tokens")
+    local = {  # (Secret, key) -> a real file standing in for it
+        (v["tls"]["secretName"], "ca.crt"): pki.ca,
+        (v["tls"]["secretName"], "tls.crt"): pki.client_cert,
+        (v["tls"]["secretName"], "tls.key"): pki.client_key,
+        (v["auth"]["secretName"], "worker-token"): tokens.worker_file,
+    }
+
+    def stand_in(path: str) -> str:
+        for name, mount in mounts.items():
+            if path.startswith(mount + "/") and name in secrets:
+                return local[(secrets[name], path[len(mount) + 1 :])]
+        raise AssertionError(f"{path} is on no Secret volume")
+
+    for i in range(v["workers"]["replicas"]):
+        pod_env = env_of({"env": [{"name": "WORKER_INDEX", "value": str(i)}, *w["env"]]}, "p")
+        worker = WorkerEnv.from_env(pod_env)
+        assert (worker.worker_index, worker.num_workers) == (i, v["workers"]["replicas"])
+        assert worker.worker_name == f"worker-{i}" and worker.replace
+        assert worker.address == shards[0] and list(worker.shard_addresses) == shards
+        for extra in v["workers"]["env"]:
+            assert pod_env[extra["name"]] == extra["value"]
+        files = {k: stand_in(val) for k, val in pod_env.items() if val.startswith("/etc/")}
+        security = ClientSecurity.from_env({**pod_env, **files})
+        assert (security.tls_ca is not None) == v["tls"]["enabled"]
+        assert (security.tls_cert is not None) == (v["tls"]["enabled"] and v["tls"]["mutual"])
+        assert security.token == (tokens.worker if v["auth"]["enabled"] else None)

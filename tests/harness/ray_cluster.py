@@ -1,11 +1,12 @@
-"""A real 2-node Ray cluster on this machine, started and stopped by PID.
+"""A real 2-node (or 1-node) Ray cluster on this machine, started and stopped by PID.
 
-The head runs on 127.0.0.2, the second node on 127.0.0.3 (Ray rewrites 127.0.0.1 to the host's
-routable address; other loopback addresses are kept), each a ``ray start --block`` in its own
-session. No dashboard, no usage stats, a small object store. Stopping never runs ``ray stop``
-(which ends every Ray process on the machine, other users' too): it records every process the
-two ``ray start`` commands started (their process groups and every descendant, Ray's worker
-processes included), SIGTERMs the groups, then SIGKILLs whatever of those is left, by PID.
+The head runs on 127.0.0.2, the second node (``nodes=2``, the default) on 127.0.0.3 (Ray
+rewrites 127.0.0.1 to the host's routable address; other loopback addresses are kept), each a
+``ray start --block`` in its own session. No dashboard, no usage stats, a small object store.
+Stopping never runs ``ray stop`` (which ends every Ray process on the machine, other users'
+too): it records every process the ``ray start`` commands started (their process groups and
+every descendant, Ray's worker processes included), SIGTERMs the groups, then SIGKILLs whatever
+of those is left, by PID.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ class LocalRayCluster:
     """``with LocalRayCluster(env) as cluster:`` -> ``cluster.address`` (``127.0.0.2:PORT``);
     a driver needs ``cluster.auth_env`` in its environment."""
 
-    def __init__(self, env: dict[str, str], num_cpus: int = 3, timeout_s: float = 180.0) -> None:
+    def __init__(
+        self, env: dict[str, str], num_cpus: int = 3, timeout_s: float = 180.0, nodes: int = 2
+    ) -> None:
         #: Ray's token authentication off for this loopback-only cluster: by default `ray
         #: start --head` turns it on with the token in ~/.ray/auth_token, a file every Ray
         #: user of this machine shares (and may rewrite while the cluster runs).
@@ -70,6 +73,7 @@ class LocalRayCluster:
         }
         self.num_cpus = num_cpus
         self.timeout_s = timeout_s
+        self.nodes = nodes
         # Short: Ray's Unix sockets live under it (108-byte path limit).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="psray-", dir="/tmp"))
         self.port = free_port(HEAD_IP)
@@ -105,12 +109,13 @@ class LocalRayCluster:
         return (self.temp_dir / f"{name}.log").read_text(errors="replace")[-3000:]
 
     def start(self, attempts: int = 2) -> LocalRayCluster:
-        """Start both nodes; under heavy load Ray's own start can fail (a raylet that gave
+        """Start the nodes; under heavy load Ray's own start can fail (a raylet that gave
         up waiting for its agents), so a failed start is stopped and tried once more."""
         for attempt in range(attempts):
             try:
                 self._start("head", ["--head", f"--port={self.port}", *self._node_args(HEAD_IP)])
-                self._start("node", [f"--address={self.address}", *self._node_args(NODE_IP)])
+                if self.nodes > 1:
+                    self._start("node", [f"--address={self.address}", *self._node_args(NODE_IP)])
                 return self
             except RuntimeError as exc:
                 left = self.stop()

@@ -18,6 +18,10 @@ or with a function of one's own, run by every worker task::
 
     launch(RayJobConfig(num_workers=8), train)
 
+or a training script, unchanged, as ``paramserver run`` would start it (the same environment)::
+
+    launch(RayJobConfig(num_workers=4), ScriptJob("/shared/train.py", ("--epochs", "3")))
+
 The command line is ``paramserver ray-launch``; docs/engines.md has the whole story.
 """
 
@@ -33,6 +37,8 @@ if TYPE_CHECKING:  # the names below, imported on first use (``ray`` is imported
         JobResult,
         RayJobConfig,
         RayShardGroup,
+        ScriptFailed,
+        ScriptJob,
         ShardActor,
         ShardInfo,
         TrainFunction,
@@ -47,6 +53,8 @@ __all__ = [
     "JobResult",
     "RayJobConfig",
     "RayShardGroup",
+    "ScriptFailed",
+    "ScriptJob",
     "ShardActor",
     "ShardInfo",
     "TrainFunction",
