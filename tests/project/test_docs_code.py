@@ -40,6 +40,15 @@ HANG_GUARD_S = 60.0
 #: The fragments, by page and the reason their marker gives: every other block runs.
 FRAGMENTS = {
     (
+        "docs/embedding-tables.md",
+        "the loop of a training script (the DLRM example, python -m "
+        "paramserver.cli.demos.dlrm, runs it whole)",
+    ),
+    (
+        "docs/embedding-tables.md",
+        "needs a served export at ranker-host (tests/server/test_read_only.py runs these calls)",
+    ),
+    (
         "docs/engines.md",
         "needs a running Ray cluster and your module on every node "
         "(tests/integrations/test_ray_engine.py runs these calls on one)",

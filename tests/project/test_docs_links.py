@@ -47,6 +47,8 @@ def _resolves(name: str) -> bool:
         try:
             for attr in parts[i:]:
                 obj = getattr(obj, attr)
+        except ModuleNotFoundError as exc:  # a lazy attribute of an extra (paramserver...ray)
+            return bool(exc.name and not exc.name.startswith("paramserver"))
         except AttributeError:
             return False
         return True
