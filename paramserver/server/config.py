@@ -91,9 +91,11 @@ class ServerConfig(MetricsEndpointConfig):
         slice_bytes: Tensors above this many bytes are split into slices of it over the
             shards (see :mod:`paramserver.core.sharding`).
         shard_map_epoch: Epoch of the shard map (bump it when the cluster is resharded).
-        restore_from: Comma-separated checkpoint directories of an earlier cluster (any shard
-            count): when ``checkpoint_dir`` holds no checkpoint yet, this shard's part of
-            their newest common cut is resharded into it on start.
+        restore_from: Comma-separated state directories of an earlier cluster's shards (any
+            shard count; see :mod:`paramserver.server.restore`): when ``checkpoint_dir`` holds
+            no checkpoint yet, this shard's part of their state (each old shard's newest
+            checkpoint plus its write-ahead log replayed after it) is written into it on
+            start.
         read_only: Serve pulls only: every mutation (register, leave, clock, init, push,
             table declaration, row push) is refused with ReadOnly (FAILED_PRECONDITION) at
             the engine's one mutation funnel. Needs ``from_export``; no ``wal``,
