@@ -133,6 +133,8 @@ def main() -> None:
             opt.step()
             steps += 1
         print(f"epoch {epoch} val_bits_per_char {bits_per_char(model, val):.4f}", flush=True)
+    if on_cluster:
+        opt.synchronize()  # every worker's final model: all workers' updates (SSP, ASP)
     print(f"final val_bits_per_char {bits_per_char(model, val):.4f} steps {steps}", flush=True)
     print(f"sample {sample(model, vocab, 'The ', 60)!r}", flush=True)
     if on_cluster:

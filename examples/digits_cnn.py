@@ -97,6 +97,8 @@ def main() -> None:
             opt.step()
             steps += 1
         print(f"epoch {epoch} test_accuracy {accuracy(model, test):.4f}", flush=True)
+    if on_cluster:
+        opt.synchronize()  # every worker's final model: all workers' updates (SSP, ASP)
     print(f"final test_accuracy {accuracy(model, test):.4f} steps {steps}", flush=True)
     if on_cluster:
         opt.close()

@@ -48,6 +48,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import inspect
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import Any, Literal
 
@@ -55,7 +56,7 @@ import ml_dtypes
 import numpy as np
 
 from paramserver.core.optimizers import UpdateRule
-from paramserver.errors import InvalidArgument
+from paramserver.errors import InvalidArgument, WaitTimeout
 from paramserver.worker_client.client import PushAck, WorkerClient
 from paramserver.worker_client.cluster import ClusterWorkerClient
 from paramserver.worker_client.sync import SyncWorkerClient
@@ -850,6 +851,31 @@ class ServerOptimizer(torch.optim.Optimizer):
                     f"differ from this optimizer's {ours[field]!r}"
                 )
         self.steps = int(theirs.get("steps", self.steps))
+
+    def synchronize(self, timeout_s: float = 600.0, poll_s: float = 0.05) -> None:
+        """Wait until every live worker has ended as many clocks as this one (the end of
+        training, when every worker ran the same number of steps), then load the parameters.
+
+        Under SSP and ASP a step loads parameters that may lack up to s clocks of the other
+        workers' updates, so workers finish with different models; after this call every
+        worker holds the same final one, every acknowledged update applied (pushes are
+        applied before the clock that follows them). Under BSP it is the model the last
+        step already loaded.
+
+        Raises:
+            WaitTimeout: (DEADLINE_EXCEEDED) a worker still had not ended its clocks after
+                ``timeout_s`` seconds (the message names the clocks).
+        """
+        want = int(self.client.clock_value)
+        deadline = time.monotonic() + timeout_s
+        while (have := int(self.client.status().view.min_clock)) < want:
+            if time.monotonic() > deadline:
+                raise WaitTimeout(
+                    f"synchronize: the slowest live worker is at clock {have}, this one at "
+                    f"{want}, after {timeout_s:.0f} s"
+                )
+            time.sleep(poll_s)
+        self._load(self.client.pull(self.keys))
 
     def close(self) -> None:
         """Remove the backward hooks; close the client if this optimizer opened it (the
