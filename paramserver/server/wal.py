@@ -238,19 +238,7 @@ class WriteAheadLog:
             payload = record.SerializeToString()
             payloads.append(payload)
             frames.append(_FRAME.pack(len(payload), zlib.crc32(payload)) + payload)
-        blob = b"".join(frames)
-        view = memoryview(blob)
-        start = self._size
-        try:
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
-        except OSError as exc:
-            self._cut_back(start, exc)
-            raise storage_error(exc, f"write-ahead log {self._segment}: write") from exc
-        self._size = start + len(blob)
-        self.next_sequence += len(records)
-        self.appended_bytes += len(blob)
+        self._write(b"".join(frames), len(records))
         seq = int(records[-1].sequence)
         self._written = seq
         if self.on_append is not None:
@@ -284,19 +272,9 @@ class WriteAheadLog:
                     f"replicated record {seq} does not follow this log's "
                     f"{self.next_sequence + i - 1}"
                 )
-        blob = b"".join(_FRAME.pack(len(p), zlib.crc32(p)) + p for _, p in records)
-        view = memoryview(blob)
-        start = self._size
-        try:
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
-        except OSError as exc:
-            self._cut_back(start, exc)
-            raise storage_error(exc, f"write-ahead log {self._segment}: write") from exc
-        self._size = start + len(blob)
-        self.next_sequence += len(records)
-        self.appended_bytes += len(blob)
+        self._write(
+            b"".join(_FRAME.pack(len(p), zlib.crc32(p)) + p for _, p in records), len(records)
+        )
         self._written = records[-1][0]
         return self._written
 
@@ -314,6 +292,23 @@ class WriteAheadLog:
         self.next_sequence = last_sequence + 1
         self._written = self._synced = last_sequence
         self._open_segment(self.directory / f"{_PREFIX}{self.next_sequence:016d}{_SUFFIX}")
+
+    def _write(self, blob: bytes, count: int) -> None:
+        """Write ``count`` framed records in one go and advance the marks, or (on an error)
+        cut them back off and raise StorageFull / StorageError with the log as it was."""
+        assert self._fd is not None
+        view = memoryview(blob)
+        start = self._size
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError as exc:
+            self._cut_back(start, exc)
+            raise storage_error(exc, f"write-ahead log {self._segment}: write") from exc
+        self._size = start + len(blob)
+        self.next_sequence += count
+        self.appended_bytes += len(blob)
 
     def _cut_back(self, size: int, cause: OSError) -> None:
         """Cut a partially written record off the open segment (a write failed midway)."""
