@@ -28,7 +28,7 @@ import uuid
 from typing import Any
 
 import numpy as np
-from benchlib import emit, machine_info, print_table, quick_from_env
+from benchlib import emit, machine_info, print_table, quick_from_env, timed_calls
 
 from paramserver.cli.demos.local_cluster import local_cluster
 from paramserver.cli.demos.local_etcd import etcd_binary
@@ -42,19 +42,7 @@ async def _push_pull_for(cluster: Any, n: int, workers: int, seconds: float) -> 
         await c.open()
     try:
         await clients[0].init({"w": np.zeros(n, np.float32)}, UpdateRule("add"))
-        counts = [0] * workers
-        t0 = time.monotonic()
-
-        async def run(i: int) -> None:
-            while time.monotonic() - t0 < seconds:
-                await clients[i].push_pull({"w": grad}, ["w"])
-                counts[i] += 1
-
-        await asyncio.gather(*(run(i) for i in range(workers)))
-        elapsed = time.monotonic() - t0
-        status = await clients[0].status()
-        assert status.applied_updates == sum(counts), (status.applied_updates, counts)
-        return sum(counts), elapsed
+        return await timed_calls(clients, lambda c: c.push_pull({"w": grad}, ["w"]), seconds)
     finally:
         for c in clients:
             await c.close()

@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
-import time
 from typing import Any
 
 import numpy as np
-from benchlib import emit, machine_info, paramserver, print_table, quick_from_env
+from benchlib import emit, machine_info, paramserver, print_table, quick_from_env, timed_calls
 
 from paramserver.worker_client import UpdateRule, connect
 
@@ -39,19 +38,7 @@ async def _push_for(address: str, n: int, workers: int, seconds: float) -> tuple
         await c.open()
     try:
         await clients[0].init({"w": np.zeros(n, np.float32)}, UpdateRule("add"))
-        counts = [0] * workers
-        t0 = time.monotonic()
-
-        async def run(i: int) -> None:
-            while time.monotonic() - t0 < seconds:
-                await clients[i].push({"w": grad})
-                counts[i] += 1
-
-        await asyncio.gather(*(run(i) for i in range(workers)))
-        elapsed = time.monotonic() - t0
-        status = await clients[0].status()
-        assert status.applied_updates == sum(counts), (status.applied_updates, counts)
-        return sum(counts), elapsed
+        return await timed_calls(clients, lambda c: c.push({"w": grad}), seconds)
     finally:
         for c in clients:
             await c.close()

@@ -379,6 +379,27 @@ class ServerProcess:
         return int(self.proc.returncode)
 
 
+async def timed_calls(
+    clients: Sequence[Any], call: Callable[[Any], Any], seconds: float
+) -> tuple[int, float]:
+    """Run ``await call(client)`` in a loop on every (opened) client at once for ``seconds``;
+    returns (calls completed, elapsed seconds), checked exactly once: the server's applied
+    updates (Status of the first client) must equal the calls (each call one push)."""
+    counts = [0] * len(clients)
+    t0 = time.monotonic()
+
+    async def run(i: int) -> None:
+        while time.monotonic() - t0 < seconds:
+            await call(clients[i])
+            counts[i] += 1
+
+    await asyncio.gather(*(run(i) for i in range(len(clients))))
+    elapsed = time.monotonic() - t0
+    status = await clients[0].status()
+    assert status.applied_updates == sum(counts), (status.applied_updates, counts)
+    return sum(counts), elapsed
+
+
 def start_paramserver(
     args: Sequence[str], *, prefix: Sequence[str] = (), timeout_s: float = 30.0
 ) -> ServerProcess:
