@@ -416,6 +416,17 @@ def _adam_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> No
     w -= step_size[:, None] * (m / (np.sqrt(v) + np.float32(r.eps)))
 
 
+def _accumulator_kernel(name: str) -> Callable[..., None]:
+    """The float32 apply of an adagrad kind: ``row_kernels.<name>`` over rows and ``acc``."""
+
+    def kernel(k: Kernel, a: Any, shift: int, where: Any, g: Any, r: TableRule) -> None:
+        getattr(k, name)(
+            a["rows"].addrs, a["acc"].addrs, shift, where, g, np.float32(r.lr), np.float32(r.eps)
+        )
+
+    return kernel
+
+
 def _adam_kernel(k: Kernel, a: Any, shift: int, where: Any, g: Any, r: TableRule) -> None:
     k.apply_adam(
         a["rows"].addrs,
@@ -449,30 +460,14 @@ ROW_RULES: Final[dict[str, RowRule]] = {
         RowRule(
             "adagrad",
             lambda r, d: {"acc": ((d,), F32, r.initial_accumulator)},
-            lambda k, a, shift, where, g, r: k.apply_adagrad(
-                a["rows"].addrs,
-                a["acc"].addrs,
-                shift,
-                where,
-                g,
-                np.float32(r.lr),
-                np.float32(r.eps),
-            ),
+            _accumulator_kernel("apply_adagrad"),
             _adagrad_step,
             "Duchi et al. 2011, element-wise",
         ),
         RowRule(
             "rowwise_adagrad",
             lambda r, d: {"acc": ((), F32, r.initial_accumulator)},
-            lambda k, a, shift, where, g, r: k.apply_rowwise_adagrad(
-                a["rows"].addrs,
-                a["acc"].addrs,
-                shift,
-                where,
-                g,
-                np.float32(r.lr),
-                np.float32(r.eps),
-            ),
+            _accumulator_kernel("apply_rowwise_adagrad"),
             _rowwise_adagrad_step,
             "row-wise adagrad: one accumulator per row (FBGEMM / TorchRec)",
         ),
