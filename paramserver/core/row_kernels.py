@@ -4,7 +4,7 @@ Every per-id step of :mod:`paramserver.core.tables` runs here as one loop over t
 the open-addressing id index (lookup, insert, find-or-add, rehash), the initial rows (the
 counter-based generator of ``docs/wire-contract.md``, bit for bit), gather, duplicate
 coalescing, the row-wise rules (sgd, adagrad, rowwise adagrad, lazy adam) and scatter. Stored
-rows live in fixed-size chunks (:class:`paramserver.core.tables.RowArena`), each reached through
+rows live in fixed-size chunks (:class:`paramserver.core.row_store.RowArena`), each reached through
 its address: ``row r`` of a field is at ``addrs[r >> shift] + (r & mask) * row_bytes``, so a
 table grows by one chunk at a time and nothing is ever copied or zero-filled on growth.
 

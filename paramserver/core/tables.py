@@ -6,48 +6,48 @@ batch touches a few thousand rows. See ``docs/embedding-tables.md`` for the user
 reference; this module is the shard's state for it, with time passed in.
 
 * **Lazy rows.** The initial row of id ``i`` is a pure function of ``(seed, i)``
-  (:func:`initial_rows`, a counter-based generator: SplitMix64 of the id and column, after
-  Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011, and Steele et al.,
-  "Fast splittable pseudorandom number generators", OOPSLA 2014), so every shard count, restart
-  and reshard gives the same row. A pull of an id with no stored row returns that initial row
-  without storing it (unobservable except in memory); the first admitted push stores it.
+  (:func:`paramserver.core.row_store.initial_rows`), so every shard count, restart and reshard
+  gives the same row. A pull of an id with no stored row returns that initial row without
+  storing it (unobservable except in memory); the first admitted push stores it.
 * **Rows ops, compiled.** :meth:`EmbeddingTable.pull` keeps the caller's order and allows
   duplicates; :meth:`EmbeddingTable.push` sums duplicate ids first (as torch coalesces sparse
   gradients), then applies the row-wise rule once per distinct id. Rows not in a push never
   change, bit for bit. Every per-id step (index, initial rows, gather, coalesce, rule, scatter)
   is one loop of a kernel in :mod:`paramserver.core.row_kernels` (numba, GIL released).
-* **Rules** (:class:`TableRule`): ``sgd``; ``adagrad`` (element-wise, ``torch.optim.Adagrad``,
-  Duchi et al., JMLR 2011); ``rowwise_adagrad`` (one accumulator per row, the mean of the
-  squared gradient over the row, as FBGEMM's ``EXACT_ROWWISE_ADAGRAD``); ``adam`` (lazy: only
-  rows in a push advance their moments and their own step count, as ``torch.optim.SparseAdam``
-  / TF LazyAdam; the step count is per row, so a row's update does not depend on how rows are
-  spread over shards). Optimizer state is float32 whatever the storage dtype.
+* **Rules** (:class:`TableRule`, one entry each of
+  :data:`paramserver.core.row_rules.ROW_RULES`): ``sgd``, ``adagrad``, ``rowwise_adagrad`` and
+  lazy ``adam``; the step count of adam is per row, so a row's update does not depend on how
+  rows are spread over shards. Optimizer state is float32 whatever the storage dtype.
 * **Memory policy** (after Monolith, Liu et al. 2022): optional expiry of stored rows not pushed
   for ``expiry_clocks`` clocks or ``expiry_s`` seconds (:meth:`EmbeddingTable.expire`), and a
   frequency filter: an id gets a stored row only at its ``min_pushes``-th push; earlier pushes
   are dropped and counted, and pulls return its initial row.
 
-Storage: each per-row field (the rows; the rule's state; the last push's clock and time, kept
-only by a table with expiry) is a :class:`RowArena`: fixed chunks of ``2**shift`` rows
-allocated one at a time and never zero-filled, so growth costs O(new rows) and never copies
-the table. The id -> row index (:class:`IdIndex`) is an open-addressing int64 hash table with
-linear probing (load kept <= 0.7, 16 bytes a slot), chosen over a sorted array with
-``np.searchsorted`` (inserting new ids moves every later element: O(n) per push of new ids)
-and over a Python dict (a per-id interpreter loop and ~100 bytes per entry).
+Storage (:mod:`paramserver.core.row_store`): each per-row field (the rows; the rule's state; the
+last push's clock and time, kept only by a table with expiry) is a chunked :class:`RowArena`,
+and the id -> row index is an open-addressing :class:`IdIndex`.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from paramserver.core.optimizers import HALF_DTYPES, overflow_mask, range_refusal
+from paramserver.core.row_rules import ROW_RULES
+from paramserver.core.row_store import (
+    IdIndex,
+    RowArena,
+    coalesce,
+    coalesce_first,
+    ids64,
+    initial_rows,
+    kernels,
+    seed_key,
+)
 from paramserver.errors import (
     DimensionMismatch,
     DTypeMismatch,
@@ -88,60 +88,6 @@ __all__ = [
     "table_hash",
 ]
 
-_EMPTY: Final = -1  # ids are >= 0, so -1 marks a free slot of the index
-
-
-@functools.cache
-def kernels() -> ModuleType:
-    """:mod:`paramserver.core.row_kernels`, imported on first use (numba's import takes a
-    fraction of a second that clients, which import this module for its specs, never pay)."""
-    from paramserver.core import row_kernels
-
-    return row_kernels
-
-
-def _seed_key(seed: int) -> np.uint64:
-    return np.uint64(splitmix64(np.array([seed % (1 << 64)], np.uint64))[0])
-
-
-def _ids64(ids: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
-    return np.ascontiguousarray(ids, dtype=np.int64)
-
-
-def initial_rows(
-    seed: int, ids: npt.NDArray[np.int64], dim: int, init: Initializer
-) -> npt.NDArray[np.float32]:
-    """The initial rows of ``ids``: a pure function of ``(seed, id, column)``.
-
-    Word ``k`` of id ``i`` is ``splitmix64(key_i + (k + 1) * golden)`` with
-    ``key_i = splitmix64(uint64(i) xor splitmix64(uint64(seed)))``: a counter-based generator
-    keyed by the id (no state, any order, any subset), so a row is the same on every shard,
-    after every restart and reshard. Uniform: ``(2u - 1) * scale``; normal: Box-Muller on words
-    ``2j`` and ``2j + 1`` (``sqrt(-2 ln(1 - u1)) * cos(2 pi u2) * scale``); ``u`` is a word's
-    top 53 bits over 2**53. The exact algorithm and test vectors: ``docs/wire-contract.md``.
-
-    Args:
-        seed: Table seed (any int; taken modulo 2**64).
-        ids: int64 array (n,).
-        dim: Row width.
-        init: The initializer.
-
-    Returns:
-        float32 array (n, dim).
-    """
-    n = int(ids.shape[0])
-    if init.kind == "zeros" or init.scale == 0.0 or n == 0 or dim == 0:
-        return np.zeros((n, dim), np.float32)
-    k = kernels()
-    if init.kind == "uniform":
-        out = np.empty((n, dim), np.float32)
-        k.uniform_rows(_seed_key(seed), _ids64(ids), float(init.scale), out)
-        return out
-    u = np.empty((n, 2 * dim), np.float64)
-    k.normal_words(_seed_key(seed), _ids64(ids), u)
-    radius = np.sqrt(-2.0 * np.log1p(-u[:, 0::2]))
-    return (radius * np.cos(2.0 * np.pi * u[:, 1::2]) * init.scale).astype(np.float32)
-
 
 @dataclass(frozen=True)
 class TableLimits:
@@ -160,173 +106,6 @@ class TableLimits:
     max_bytes: int = 256 << 20
     max_tables: int = 1024
     memory_bytes: int = 0
-
-
-class IdIndex:
-    """int64 id -> int64 value map: open addressing, linear probing, compiled kernels.
-
-    Keys are ids >= 0; values are row numbers. Slots are (key, value) pairs in one (cap, 2)
-    int64 array (16 bytes a slot; one cache line per probe); the capacity is a power of two
-    kept at least ``size / MAX_LOAD``, doubled (one rehash, O(size)) when a batch would pass
-    it. Deletion is by :meth:`rebuild` (expiry sweeps are rare and whole-table anyway).
-    """
-
-    #: Largest size / capacity before the index doubles.
-    MAX_LOAD: Final = 0.7
-
-    def __init__(self, capacity: int = 1024) -> None:
-        self._slots = self._empty(self._capacity_for(capacity))
-        self.size = 0
-
-    @staticmethod
-    def _empty(cap: int) -> npt.NDArray[np.int64]:
-        return np.full((cap, 2), _EMPTY, np.int64)
-
-    @classmethod
-    def _capacity_for(cls, n: int) -> int:
-        cap = 16
-        while n > cap * cls.MAX_LOAD:
-            cap *= 2
-        return cap
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the slot array."""
-        return int(self._slots.nbytes)
-
-    def reserve(self, extra: int) -> None:
-        """Make room for ``extra`` more ids (doubling as often as needed)."""
-        need = self.size + extra
-        if need <= self._slots.shape[0] * self.MAX_LOAD:
-            return
-        new = self._empty(self._capacity_for(need))
-        kernels().index_rehash(self._slots, new)
-        self._slots = new
-
-    def lookup(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """Values of ``ids`` (int64 (n,), each >= 0); -1 where an id is absent."""
-        out = np.empty(ids.shape[0], np.int64)
-        kernels().index_lookup(self._slots, _ids64(ids), out)
-        return out
-
-    def insert(self, ids: npt.NDArray[np.int64], vals: npt.NDArray[np.int64]) -> None:
-        """Insert distinct ``ids`` that are all absent, with their values (both int64 (m,))."""
-        m = ids.shape[0]
-        if m == 0:
-            return
-        self.reserve(m)
-        kernels().index_insert(self._slots, _ids64(ids), _ids64(vals))
-        self.size += m
-
-    def find_or_add(
-        self, ids: npt.NDArray[np.int64], next_val: int
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_], int]:
-        """Values of distinct ``ids``; absent ones are added with ``next_val``, ``next_val +
-        1``, ... in the order given. Returns (values, added mask, count added)."""
-        self.reserve(ids.shape[0])
-        out = np.empty(ids.shape[0], np.int64)
-        created = np.empty(ids.shape[0], np.bool_)
-        added = int(kernels().index_find_or_add(self._slots, _ids64(ids), next_val, out, created))
-        self.size += added
-        return out, created, added
-
-    def items(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """All (ids, values), in slot order."""
-        used = self._slots[:, 0] != _EMPTY
-        return self._slots[used, 0], self._slots[used, 1]
-
-    def rebuild(self, ids: npt.NDArray[np.int64], vals: npt.NDArray[np.int64]) -> None:
-        """Replace the contents by distinct ``ids`` -> ``vals``."""
-        self._slots = self._empty(self._capacity_for(max(int(ids.shape[0]), 1)))
-        self.size = 0
-        self.insert(ids, vals)
-
-
-class RowArena:
-    """One per-row field of a table (``shape`` elements of ``dtype`` a row), in chunks.
-
-    Row ``r`` lies in chunk ``r >> shift``; chunks of ``2**shift`` rows are allocated with
-    ``np.empty`` when the table grows into them (the OS maps their pages when first written:
-    nothing is zero-filled, no chunk is ever copied). :attr:`addrs` holds each chunk's address
-    for the kernels; the chunks themselves are kept alive by :attr:`chunks`.
-
-    Args:
-        shape: Elements of one row (``()`` for one scalar a row).
-        dtype: Element dtype.
-        shift: log2 of the rows per chunk.
-        fill: The value of a new row (written by :meth:`fill` for the rows a push creates).
-    """
-
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], shift: int, fill: float):
-        self.shape = shape
-        self.dtype = np.dtype(dtype)
-        self.shift = shift
-        self.width = int(np.prod(shape, dtype=np.int64))
-        self.row_bytes = self.width * self.dtype.itemsize
-        self.chunks: list[np.ndarray] = []
-        self.addrs = np.zeros(0, np.int64)
-        self._fill = np.full(shape, fill, self.dtype).reshape(-1).view(np.uint8).copy()
-
-    @property
-    def capacity(self) -> int:
-        return len(self.chunks) << self.shift
-
-    def reserve(self, n: int) -> None:
-        """Allocate chunks until rows ``[0, n)`` exist (MemoryError when the OS refuses)."""
-        while self.capacity < n:
-            self.chunks.append(np.empty((1 << self.shift, *self.shape), self.dtype))
-        if self.addrs.shape[0] != len(self.chunks):
-            self.addrs = np.array([c.ctypes.data for c in self.chunks], np.int64)
-
-    def gather(self, rows: npt.NDArray[np.int64]) -> np.ndarray:
-        """A new array (len(rows), *shape) of the rows ``rows``."""
-        out = np.empty((rows.shape[0], *self.shape), self.dtype)
-        raw = out.reshape(rows.shape[0], self.width).view(np.uint8)
-        kernels().gather_bytes(self.addrs, self.shift, _ids64(rows), raw)
-        return out
-
-    def scatter(self, rows: npt.NDArray[np.int64], values: np.ndarray) -> None:
-        """Write ``values`` ((len(rows), *shape), cast to the dtype) at ``rows``."""
-        src = np.ascontiguousarray(values, self.dtype).reshape(rows.shape[0], self.width)
-        kernels().scatter_bytes(self.addrs, self.shift, _ids64(rows), src.view(np.uint8))
-
-    def fill(self, start: int, stop: int) -> None:
-        """Write the new-row value into rows ``[start, stop)``."""
-        kernels().fill_bytes(self.addrs, self.shift, start, stop, self._fill)
-
-
-def _coalesce_first(
-    ids: npt.NDArray[np.int64], grads: npt.NDArray[Any]
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
-    """Distinct ids in order of first occurrence and their float32 sums (caller's order)."""
-    g = np.ascontiguousarray(grads, np.float32)
-    n = ids.shape[0]
-    uniq = np.empty(n, np.int64)
-    sums = np.empty(g.shape, np.float32)
-    if n == 0:
-        return uniq, sums
-    m = int(kernels().coalesce_first(_ids64(ids), g, uniq, sums))
-    return uniq[:m], sums[:m]
-
-
-def coalesce(
-    ids: npt.NDArray[np.int64], grads: npt.NDArray[Any]
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
-    """Sum the gradient rows of duplicate ids (as ``torch.Tensor.coalesce``).
-
-    One pass of a compiled kernel with a scratch hash table keyed by id; each id's rows are
-    added in the caller's order, in float32.
-
-    Args:
-        ids: int64 (n,).
-        grads: (n, dim) float array.
-
-    Returns:
-        (distinct ids ascending (m,), float32 (m, dim) sums).
-    """
-    uniq, sums = _coalesce_first(ids, grads)
-    order = np.argsort(uniq, kind="stable")
-    return uniq[order], sums[order]
 
 
 @dataclass(frozen=True)
@@ -353,141 +132,6 @@ CHUNK_TARGET_BYTES: Final = 8 << 20
 _BOOKKEEPING: Final = ("last_clock", "last_s")
 
 
-# ------------------------------------------------------------------------------ row rules
-#: (shape per row, dtype, value of a new row) of each per-row field.
-Fields = dict[str, tuple[tuple[int, ...], np.dtype[Any], float]]
-Kernel = Any  # a compiled apply of core.row_kernels (numba dispatcher)
-
-
-@dataclass(frozen=True)
-class RowRule:
-    """One table rule: everything about it in one registry entry (:data:`ROW_RULES`).
-
-    Its declaration (kind name, defaults, proto value) is :class:`TableRule`; this entry holds
-    what the table does with it.
-
-    Attributes:
-        name: The kind (``TableRule.kind``).
-        state: The optimizer state a stored row keeps beside it, for a rule and a dim.
-        kernel: The float32 apply: compiled kernels (``row_kernels``), the table's chunked
-            store, its chunk shift, the coalesced rows' slots and gradients (m, dim) float32.
-        step: The same arithmetic in numpy on gathered float32 rows ``w`` (m, dim) and their
-            state, updated in place (half-precision tables and the overflow check).
-        source: Where the rule comes from.
-    """
-
-    name: str
-    state: Callable[[TableRule, int], Fields]
-    kernel: Callable[
-        [Kernel, Any, int, npt.NDArray[np.int64], npt.NDArray[np.float32], TableRule], None
-    ]
-    step: Callable[
-        [npt.NDArray[np.float32], npt.NDArray[np.float32], dict[str, np.ndarray], TableRule], None
-    ]
-    source: str
-
-
-def _sgd_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
-    w -= np.float32(r.lr) * g
-
-
-def _adagrad_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
-    acc = state["acc"]
-    acc += g * g
-    w -= np.float32(r.lr) * g / (np.sqrt(acc) + np.float32(r.eps))
-
-
-def _rowwise_adagrad_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
-    acc_row = state["acc"]
-    acc_row += np.mean(g * g, axis=1, dtype=F32)
-    w -= np.float32(r.lr) * g / (np.sqrt(acc_row) + np.float32(r.eps))[:, None]
-
-
-def _adam_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
-    """Lazy adam: torch.optim.SparseAdam's arithmetic, the step counted per row."""
-    steps = state["steps"]
-    steps += 1
-    m = state["m"]
-    v = state["v"]
-    m += (g - m) * np.float32(1.0 - r.beta1)
-    v += (g * g - v) * np.float32(1.0 - r.beta2)
-    t = steps.astype(np.float64)
-    step_size = (r.lr * np.sqrt(1.0 - r.beta2**t) / (1.0 - r.beta1**t)).astype(F32)
-    w -= step_size[:, None] * (m / (np.sqrt(v) + np.float32(r.eps)))
-
-
-def _accumulator_kernel(name: str) -> Callable[..., None]:
-    """The float32 apply of an adagrad kind: ``row_kernels.<name>`` over rows and ``acc``."""
-
-    def kernel(k: Kernel, a: Any, shift: int, where: Any, g: Any, r: TableRule) -> None:
-        getattr(k, name)(
-            a["rows"].addrs, a["acc"].addrs, shift, where, g, np.float32(r.lr), np.float32(r.eps)
-        )
-
-    return kernel
-
-
-def _adam_kernel(k: Kernel, a: Any, shift: int, where: Any, g: Any, r: TableRule) -> None:
-    k.apply_adam(
-        a["rows"].addrs,
-        a["m"].addrs,
-        a["v"].addrs,
-        a["steps"].addrs,
-        shift,
-        where,
-        g,
-        float(r.lr),
-        float(r.beta1),
-        float(r.beta2),
-        np.float32(r.eps),
-    )
-
-
-#: Every table rule, by kind; its keys are exactly :data:`TABLE_RULE_KINDS` (checked at import),
-#: so a kind that passes validation always has an apply.
-ROW_RULES: Final[dict[str, RowRule]] = {
-    rule.name: rule
-    for rule in (
-        RowRule(
-            "sgd",
-            lambda r, d: {},
-            lambda k, a, shift, where, g, r: k.apply_sgd(
-                a["rows"].addrs, shift, where, g, np.float32(r.lr)
-            ),
-            _sgd_step,
-            "plain SGD on the pushed rows",
-        ),
-        RowRule(
-            "adagrad",
-            lambda r, d: {"acc": ((d,), F32, r.initial_accumulator)},
-            _accumulator_kernel("apply_adagrad"),
-            _adagrad_step,
-            "Duchi et al. 2011, element-wise",
-        ),
-        RowRule(
-            "rowwise_adagrad",
-            lambda r, d: {"acc": ((), F32, r.initial_accumulator)},
-            _accumulator_kernel("apply_rowwise_adagrad"),
-            _rowwise_adagrad_step,
-            "row-wise adagrad: one accumulator per row (FBGEMM / TorchRec)",
-        ),
-        RowRule(
-            "adam",
-            lambda r, d: {
-                "m": ((d,), F32, 0.0),
-                "v": ((d,), F32, 0.0),
-                "steps": ((), np.dtype(np.int64), 0.0),
-            },
-            _adam_kernel,
-            _adam_step,
-            "lazy adam: torch.optim.SparseAdam",
-        ),
-    )
-}
-if tuple(ROW_RULES) != tuple(TABLE_RULE_KINDS):  # pragma: no cover - a registry out of step
-    raise ImportError(f"table rules {tuple(ROW_RULES)} != declared kinds {TABLE_RULE_KINDS}")
-
-
 class EmbeddingTable:
     """One table's stored rows, optimizer state and memory-policy bookkeeping.
 
@@ -509,7 +153,7 @@ class EmbeddingTable:
         self._shift = min(16, max(10, (CHUNK_TARGET_BYTES // row_bytes).bit_length() - 1))
         self._store: dict[str, RowArena] = {}
         self._new_store()
-        self._seed_key = _seed_key(spec.seed)
+        self._seed_key = seed_key(spec.seed)
         init = spec.initializer
         k = kernels()
         if init.kind == "zeros" or init.scale == 0.0:
@@ -759,7 +403,7 @@ class EmbeddingTable:
             of every id with no stored row (not stored by the pull).
         """
         s = self.spec
-        ids = _ids64(ids)
+        ids = ids64(ids)
         n = ids.shape[0]
         out = np.empty((n, s.dim), s.np_dtype)
         if s.np_dtype == F32:
@@ -803,7 +447,7 @@ class EmbeddingTable:
             now_s: Seconds (for ``expiry_s``; any clock, as long as :meth:`expire` uses it).
             clock: The pushing worker's clock (for ``expiry_clocks``).
         """
-        uniq, g = _coalesce_first(ids, grads)
+        uniq, g = coalesce_first(ids, grads)
         return self.apply_coalesced(uniq, g, now_s=now_s, clock=clock)
 
     def apply_coalesced(
@@ -816,7 +460,7 @@ class EmbeddingTable:
     ) -> PushRowsResult:
         """Apply distinct ids (any order) with their summed float32 gradients (m, dim)."""
         self.pushes += 1
-        uniq = _ids64(uniq)
+        uniq = ids64(uniq)
         g = np.ascontiguousarray(g, np.float32)
         created = 0
         filtered = 0
