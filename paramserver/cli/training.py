@@ -1,7 +1,8 @@
 """``paramserver worker``, ``demo`` and ``torch-demo``: their flags.
 
-What they run is :mod:`paramserver.cli.demos.digits` (and :mod:`paramserver.cli.demos.movielens`
-for ``demo --model movielens``), imported only when the command runs.
+What they run is :mod:`paramserver.cli.demos.digits` (the worker) and
+:mod:`paramserver.cli.demos.digits_demo` (the demo; :mod:`paramserver.cli.demos.movielens` for
+``demo --model movielens``), imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
 ]
 
 _DIGITS = "paramserver.cli.demos.digits"
+_DIGITS_DEMO = "paramserver.cli.demos.digits_demo"
 
 #: Model implementations of the digits job.
 FRAMEWORKS = ("numpy", "torch")
@@ -174,14 +176,14 @@ def add_subcommands(sub: Any) -> None:
         "server; needs paramserver[recsys]; see docs/embedding-tables.md; default digits)",
     )
     _add_movielens_flags(d)
-    d.set_defaults(func=deferred(_DIGITS, "cmd_demo"))
+    d.set_defaults(func=deferred(_DIGITS_DEMO, "cmd_demo"))
 
     t = sub.add_parser(
         "torch-demo",
         help="the demo with torch.nn workers (= demo --framework torch --workers 2)",
     )
     _add_demo_flags(t, workers=2, framework=False)
-    t.set_defaults(func=deferred(_DIGITS, "cmd_demo"), framework="torch")
+    t.set_defaults(func=deferred(_DIGITS_DEMO, "cmd_demo"), framework="torch")
 
 
 def _add_demo_flags(d: argparse.ArgumentParser, *, workers: int, framework: bool = True) -> None:

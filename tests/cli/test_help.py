@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import paramserver
-from paramserver.cli.demos.digits import compression_note
+from paramserver.cli.demos.digits_demo import compression_note
 from paramserver.cli.main import LONG_RUNNING, build_parser
 
 
