@@ -58,3 +58,22 @@ def test_the_progress_format_follows_the_log_format_unless_given(
     base = ["worker", "--server", "127.0.0.1:1", "--worker-index", "0", "--num-workers", "1"]
     args = build_parser().parse_args([*base, *argv])
     assert progress_format(args, env) == expected
+
+
+def test_readable_lines_say_how_many_steps_a_resumed_worker_skipped() -> None:
+    start = {"event": "start", "worker": 1, "resumed_steps": 33, "planned_steps": 88}
+    assert progress_line(start) == (
+        "worker 1: resuming: 33 of 88 steps done before, training the rest"
+    )
+    done = {
+        "event": "done",
+        "worker": 1,
+        "test_accuracy": 0.9,
+        "steps": 88,
+        "resumed_steps": 33,
+        "trained_steps": 55,
+        "elapsed_s": 2.0,
+    }
+    assert progress_line(done) == (
+        "worker 1: done after 88 steps (33 done before this process) in 2.0 s, test accuracy 0.9000"
+    )

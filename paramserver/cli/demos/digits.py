@@ -29,6 +29,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from paramserver.cli.demos.resume import resume_point
 from paramserver.cli.logs import resolve_log_format
 from paramserver.cli.server_arg import server_address
 from paramserver.cli.training import FRAMEWORKS
@@ -295,6 +296,11 @@ def progress_line(event: Mapping[str, Any]) -> str:
     acc_text = f"  test accuracy {acc:.4f}" if isinstance(acc, float) else ""
     kind = event.get("event")
     if kind == "start":
+        if event.get("resumed_steps"):
+            return (
+                f"{who} resuming: {event['resumed_steps']} of {event.get('planned_steps', '?')} "
+                f"steps done before, training the rest{acc_text}"
+            )
         return f"{who} every worker registered, training starts{acc_text}"
     if kind == "epoch":
         epochs = f"/{event['epochs']}" if "epochs" in event else ""
@@ -303,9 +309,11 @@ def progress_line(event: Mapping[str, Any]) -> str:
             f"clock {event['clock']}  [{event.get('train_elapsed_s', 0.0):.1f} s]"
         )
     if kind == "done":
+        resumed = event.get("resumed_steps")
         return (
-            f"{who} done after {event['steps']} steps in {event['elapsed_s']:.1f} s, "
-            f"test accuracy {event['test_accuracy']:.4f}"
+            f"{who} done after {event['steps']} steps"
+            f"{f' ({resumed} done before this process)' if resumed else ''} in "
+            f"{event['elapsed_s']:.1f} s, test accuracy {event['test_accuracy']:.4f}"
         )
     return f"{who} " + "  ".join(f"{k} {v}" for k, v in event.items() if k != "worker")
 
@@ -330,8 +338,16 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
     registered (with the initial test accuracy when evaluating), one ``epoch`` event per epoch
     (``train_elapsed_s``: seconds since ``start``), and ``done``.
 
+    The plan is ``epochs`` x ``steps`` iterations, one batch each, in an order fixed by the
+    seed, the epoch and the worker index. A worker whose name already completed iterations on
+    the cluster (a restarted worker, or one that replaces a lost one with ``replace``) asks
+    :meth:`~paramserver.worker_client.ClusterWorkerClient.progress`, skips that many and trains
+    the rest in the same order (:mod:`paramserver.cli.demos.resume`), so no batch is trained
+    twice; ``start`` and ``done`` say how many it skipped (``resumed_steps``).
+
     Returns:
-        The final summary: ``{"event": "done", "worker": i, "test_accuracy": a, ...}``.
+        The final summary: ``{"event": "done", "worker": i, "test_accuracy": a, "steps":
+        planned, "resumed_steps": skipped, "trained_steps": planned - skipped, ...}``.
     """
     model = digits_model(cfg.framework, cfg.hidden, cfg.seed)
     rule = UpdateRule("sgd", lr=cfg.lr, momentum=cfg.momentum)
@@ -356,18 +372,25 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         mine = np.arange(cfg.worker_index, len(data.y_train), cfg.num_workers)
         steps = max(1, (len(data.y_train) // cfg.num_workers) // cfg.batch_size)
         keys = sorted(params)
+        # what this worker's name completed before (0 for a first start): skipped below
+        resume = resume_point((await ps.progress()).steps, cfg.epochs, steps)
         await ps.wait_for_workers(cfg.num_workers, timeout_s=cfg.start_timeout_s)
         t_train = time.monotonic()
-        start: dict[str, Any] = {"event": "start", "worker": cfg.worker_index}
+        start: dict[str, Any] = {
+            "event": "start",
+            "worker": cfg.worker_index,
+            "resumed_steps": resume.skipped,
+            "planned_steps": resume.planned,
+        }
         if cfg.evaluate:
             start["test_accuracy"] = model.accuracy(params, data.x_test, data.y_test)
         _emit(start, cfg.progress)
         acc = float("nan")
-        for epoch in range(cfg.epochs):
+        for epoch in range(resume.epoch, cfg.epochs):
             rng = np.random.default_rng([cfg.seed, epoch, cfg.worker_index])
-            order = rng.permutation(mine)
+            order = rng.permutation(mine)  # the same order as an uninterrupted run's
             losses = []
-            for step in range(steps):
+            for step in resume.steps_of(epoch, steps):
                 params = await ps.pull(keys)
                 t_step = time.monotonic()
                 idx = order[(step * cfg.batch_size) % len(order) :][: cfg.batch_size]
@@ -401,7 +424,9 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         "event": "done",
         "worker": cfg.worker_index,
         "test_accuracy": acc,
-        "steps": steps * cfg.epochs,
+        "steps": resume.planned,
+        "resumed_steps": resume.skipped,
+        "trained_steps": resume.planned - resume.skipped,
         "elapsed_s": round(time.monotonic() - t0, 3),
     }
     _emit(summary, cfg.progress)
