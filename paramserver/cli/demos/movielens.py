@@ -13,10 +13,11 @@ elements (``k`` factors, then the bias), Adagrad on the server. Loss per batch:
 Training: W workers (asyncio tasks, each with its own client connection) split every global
 batch in W parts; the tables are declared ``bsp``, so each step's row gradients are averaged over
 the workers and applied once when the step closes, which is the single-process update on the
-whole batch. The same model is also trained in one process (the tables' pure core, the same
-seed and batches). The demo prints both per-epoch test RMSEs and the per-movie-mean baseline,
-and exits 0 iff the distributed RMSE is within ``--rmse-tolerance`` (1%) of the single-process
-one and below the baseline.
+whole batch. A worker whose name already completed iterations on the servers skips them
+(:mod:`paramserver.cli.demos.resume`). The same model is also trained in one process (the
+tables' pure core, the same seed and batches). The demo prints both per-epoch test RMSEs and
+the per-movie-mean baseline, and exits 0 iff the distributed RMSE is within
+``--rmse-tolerance`` (1%) of the single-process one and below the baseline.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paramserver.cli.demos.local_cluster import start_servers, stop_servers
+from paramserver.cli.demos.resume import resume_point
 from paramserver.core.tables import EmbeddingTable, Initializer, TableRule, TableSpec
 from paramserver.errors import InvalidArgument
 
@@ -175,8 +177,14 @@ async def _worker(
     async with connect(address, f"movielens-{index}", wait_timeout_s=args.timeout_s) as ps:
         for spec in table_specs(k, args.lr, args.seed):
             await ps.init_table(spec)
-        for epoch in range(args.epochs):
-            for idx_all in batches(data, epoch, args.batch_size, args.seed):
+        # a worker of a name that completed iterations before (restarted, or replacing a lost
+        # one) skips them; each epoch's batches depend only on the seed and the epoch
+        per_epoch = -(-data.train.shape[0] // args.batch_size)
+        resume = resume_point((await ps.progress()).steps, args.epochs, per_epoch)
+        for epoch in range(resume.epoch, args.epochs):
+            epoch_batches = batches(data, epoch, args.batch_size, args.seed)
+            for step in resume.steps_of(epoch, per_epoch):
+                idx_all = epoch_batches[step]
                 idx = idx_all[index::w]
                 u, m = data.users[idx], data.movies[idx]
                 pu, qi = await asyncio.gather(ps.pull_rows("users", u), ps.pull_rows("movies", m))
