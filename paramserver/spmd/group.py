@@ -28,24 +28,23 @@ their transfer completions into one notification per logical operation. Here eac
 
 Lifecycle: ``async with SpmdParallelWorkers(addresses) as group`` or
 ``group = await SpmdParallelWorkers.create(addresses)`` then ``await group.close()``. The
-constructor opens nothing; channels belong to the loop that opened the group.
+constructor opens nothing; channels belong to the loop that opened the group. Opening, the
+per-rank channels and the fan-out are the base class's
+(:class:`~paramserver.spmd.rank_group.RankGroup`); this module holds the commands.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import grpc
 import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import spmd_pb2
-from paramserver.closing import AsyncClosing
 from paramserver.errors import InvalidArgument, ParamServerError
 from paramserver.security.tls import ClientSecurity
 from paramserver.spmd.layout import Layout, Tier
@@ -53,9 +52,6 @@ from paramserver.spmd.notification import TransferCompleteNotification, Transfer
 from paramserver.spmd.planning import (
     KeyOutcome,
     KeyPresence,
-    Placement,
-    RankTransferResult,
-    Verdict,
     check_local_transfer,
     check_object_transfer,
     check_remote_transfer,
@@ -63,7 +59,8 @@ from paramserver.spmd.planning import (
     merge_key_results,
     merge_presence,
 )
-from paramserver.spmd.rank_client import RankClient, rank_error
+from paramserver.spmd.rank_client import RankClient
+from paramserver.spmd.rank_group import RankGroup, layouts_of
 from paramserver.spmd.transfer_errors import RankFailures, RemoteNotConnected, TierNotRegistered
 
 __all__ = [
@@ -125,32 +122,7 @@ class _Connected:
     layouts: tuple[dict[Tier, Layout], ...]
 
 
-def _layouts_of(md: spmd_pb2.RankMetadata) -> dict[Tier, Layout]:
-    return {Tier.parse(int(spec.tier)): Layout.from_proto(spec) for spec in md.layouts}
-
-
-def _placement(p: spmd_pb2.Placement) -> Placement:
-    src_obj = p.WhichOneof("source") == "sequence_hash"
-    dst_obj = p.WhichOneof("destination") == "dst_sequence_hash"
-    return Placement(
-        src=int(p.sequence_hash if src_obj else p.src_block_id),
-        dst=int(p.dst_sequence_hash if dst_obj else p.dst_block_id),
-        src_is_object=src_obj,
-        dst_is_object=dst_obj,
-    )
-
-
-def _rank_result(rank: int, response: spmd_pb2.TransferResponse) -> RankTransferResult:
-    return RankTransferResult(
-        rank=rank,
-        bytes_moved=int(response.bytes_moved),
-        elapsed_s=response.elapsed_us / 1e6,
-        placements=tuple(_placement(p) for p in response.placements),
-        path=response.path,
-    )
-
-
-class SpmdParallelWorkers(AsyncClosing):
+class SpmdParallelWorkers(RankGroup):
     """A group of rank servers driven as one SPMD worker (Dynamo KVBM's SpmdParallelWorkers).
 
     Args:
@@ -172,185 +144,13 @@ class SpmdParallelWorkers(AsyncClosing):
         default_timeout_s: float = 30.0,
         security: ClientSecurity | None = None,
     ) -> None:
-        if not rank_addresses:
-            raise InvalidArgument("SpmdParallelWorkers needs at least one rank address")
-        if default_timeout_s <= 0:
-            raise InvalidArgument("default_timeout_s must be > 0")
-        self.rank_addresses = list(rank_addresses)
-        self.default_timeout_s = default_timeout_s
-        self._clients = [RankClient(a, r, security) for r, a in enumerate(self.rank_addresses)]
-        self._metadata: list[spmd_pb2.RankMetadata] = []
-        self._layouts: list[dict[Tier, Layout]] = []
+        super().__init__(rank_addresses, default_timeout_s=default_timeout_s, security=security)
         self._remotes: dict[str, _Connected] = {}
-        self._opened = False
-
-    # ------------------------------------------------------------------ lifecycle
-
-    @classmethod
-    async def create(
-        cls,
-        rank_addresses: Sequence[str],
-        *,
-        default_timeout_s: float = 30.0,
-        security: ClientSecurity | None = None,
-    ) -> SpmdParallelWorkers:
-        """Construct and open a group (``await group.close()`` when done)."""
-        group = cls(rank_addresses, default_timeout_s=default_timeout_s, security=security)
-        await group.open()
-        return group
-
-    async def open(self, timeout_s: float = 10.0) -> None:
-        """Open a channel per rank in the running loop and read every rank's metadata.
-
-        Raises:
-            RankFailures: a rank is unreachable or serves another rank index than its position
-                (every failing rank named).
-        """
-        for client in self._clients:
-            await client.open()
-        try:
-            metadata = await self._fan_out(
-                "open", lambda c: c.export_metadata(timeout_s), raise_on_failure=True
-            )
-        except BaseException:
-            await self.close()
-            raise
-        problems: dict[int, ParamServerError] = {}
-        for rank, md in metadata.items():
-            if md.rank != rank:
-                problems[rank] = InvalidArgument(
-                    f"rank {rank} ({self.rank_addresses[rank]}): server reports rank {md.rank}"
-                )
-        instances = {md.instance_id for md in metadata.values()}
-        if len(instances) > 1:
-            for rank, md in metadata.items():
-                problems.setdefault(
-                    rank,
-                    InvalidArgument(f"rank {rank}: instance {md.instance_id} (mixed: {instances})"),
-                )
-        if problems:
-            await self.close()
-            raise RankFailures("open", problems, {}, self.worker_count())
-        self._metadata = [metadata[r] for r in range(self.worker_count())]
-        self._layouts = [_layouts_of(md) for md in self._metadata]
-        self._opened = True
-
-    async def close(self) -> None:
-        """Close every channel (idempotent)."""
-        self._opened = False
-        for client in self._clients:
-            await client.close()
-
-    # ------------------------------------------------------------------ plain accessors
-
-    def worker_count(self) -> int:
-        """Number of ranks in the group (local state, so not a coroutine)."""
-        return len(self._clients)
-
-    @property
-    def instance_id(self) -> str:
-        """The instance id the ranks reported."""
-        self._require_open()
-        return str(self._metadata[0].instance_id)
-
-    def layouts(self, rank: int) -> dict[Tier, Layout]:
-        """The layouts rank ``rank`` exported when the group was opened."""
-        self._require_open()
-        return dict(self._layouts[rank])
-
-    def client(self, rank: int) -> RankClient:
-        """The per-rank client (for block reads/writes and object streams)."""
-        return self._clients[rank]
 
     def has_remote_metadata(self, instance_id: str) -> bool:
         """True when :meth:`connect_remote` for ``instance_id`` succeeded (and was not replaced
         by a failed re-connect)."""
         return instance_id in self._remotes
-
-    def _require_open(self) -> None:
-        if not self._opened:
-            raise InvalidArgument("SpmdParallelWorkers is not open (use async with or create())")
-
-    def _timeout(self, timeout_s: float | None) -> float:
-        t = self.default_timeout_s if timeout_s is None else float(timeout_s)
-        if t <= 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {t}")
-        return t
-
-    # ------------------------------------------------------------------ fan-out helpers
-
-    async def _fan_out(
-        self,
-        operation: str,
-        call: Callable[[RankClient], Awaitable[Any]],
-        *,
-        raise_on_failure: bool,
-        ranks: Sequence[int] | None = None,
-    ) -> dict[int, Any]:
-        """Run ``call`` on every rank concurrently (one task per rank); collect every outcome.
-
-        Raises:
-            RankFailures: when ``raise_on_failure`` and at least one rank failed, naming all.
-        """
-        chosen = list(range(self.worker_count())) if ranks is None else list(ranks)
-        tasks = {r: asyncio.create_task(self._guard(r, call)) for r in chosen}
-        if tasks:
-            await asyncio.wait(tasks.values())
-        results: dict[int, Any] = {}
-        failures: dict[int, ParamServerError] = {}
-        for r, task in tasks.items():
-            exc = task.exception()
-            if exc is None:
-                results[r] = task.result()
-            else:
-                assert isinstance(exc, ParamServerError)
-                failures[r] = exc
-        if failures and raise_on_failure:
-            raise RankFailures(operation, failures, results, self.worker_count())
-        if failures:
-            results.update({r: e for r, e in failures.items()})
-        return results
-
-    async def _guard(self, rank: int, call: Callable[[RankClient], Awaitable[Any]]) -> Any:
-        client = self._clients[rank]
-        try:
-            return await call(client)
-        except ParamServerError as exc:
-            if f"rank {rank}" in exc.message:
-                raise
-            raise rank_error(rank, client.address, exc) from exc
-        except grpc.aio.AioRpcError as exc:
-            raise rank_error(rank, client.address, exc) from exc
-
-    def _refuse_if_any(self, operation: str, verdicts: Mapping[int, Verdict]) -> None:
-        refused = {r: v for r, v in verdicts.items() if not v.ok}
-        if not refused:
-            return
-        first = next(iter(refused.values()))
-        text = "; ".join(f"rank {r}: {v.reason}" for r, v in sorted(refused.items()))
-        raise first.error(f"{operation} refused before any rank started: {text}")
-
-    def _dispatch(
-        self,
-        operation: str,
-        method: str,
-        requests: Mapping[int, Any],
-        timeout_s: float,
-    ) -> TransferCompleteNotification:
-        async def one(rank: int, request: Any) -> RankTransferResult:
-            client = self._clients[rank]
-            response = await client.unary(method, request, timeout_s)
-            return _rank_result(rank, response)
-
-        tasks = {r: asyncio.create_task(one(r, req)) for r, req in requests.items()}
-        return TransferCompleteNotification(operation, tasks, self.worker_count())
-
-    def _options(self, rank: int, timeout_s: float, command_id: str) -> spmd_pb2.CommandOptions:
-        return spmd_pb2.CommandOptions(
-            timeout_ms=max(1, int(timeout_s * 1000)),
-            incarnation_id=self._metadata[rank].incarnation_id,
-            command_id=command_id,
-        )
 
     # ------------------------------------------------------------------ metadata
 
@@ -441,7 +241,7 @@ class SpmdParallelWorkers(AsyncClosing):
                 f"connect_remote: remote ranks {sorted(by_rank)} are not 0..{n - 1}"
             )
         ordered = tuple(by_rank[r] for r in range(n))
-        layouts = tuple(_layouts_of(md) for md in ordered)  # validates the layouts
+        layouts = tuple(layouts_of(md) for md in ordered)  # validates the layouts
         t = self._timeout(timeout_s)
         outcomes = await self._fan_out(
             "connect_remote",
