@@ -44,7 +44,8 @@ import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import parameter_server_pb2 as ps_pb2
-from paramserver.errors import DimensionMismatch, InvalidArgument, ValueOutOfRange
+from paramserver.core.storage_range import HALF_DTYPES, overflow_mask, range_refusal, storage_range
+from paramserver.errors import DimensionMismatch, InvalidArgument
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -706,14 +707,8 @@ def _apply_whole(
 
 
 # ------------------------------------------------------------------ storage range (overflow)
-#: float16 and bfloat16: stored narrower than they are computed (range-checked updates).
-HALF_DTYPES: Final[tuple[np.dtype[Any], ...]] = FLOAT_DTYPES[:2]
+# The dense keys' check; what an overflow is: paramserver.core.storage_range.
 _HALF_STORAGE = HALF_DTYPES
-
-
-def storage_range(dtype: np.dtype[Any]) -> float:
-    """Largest finite magnitude of a floating storage ``dtype`` (65504 for float16)."""
-    return float(ml_dtypes.finfo(dtype).max)  # type: ignore[no-untyped-call]
 
 
 #: Elements the range check computes at a time (its temporaries stay near 100 KiB).
@@ -770,42 +765,3 @@ def overflowing_elements(
             inputs_finite = np.isfinite(p0) & np.isfinite(g)
             bad += int(np.count_nonzero(overflow_mask(out, param.dtype, inputs_finite)))
     return bad
-
-
-def overflow_mask(
-    result: Array, dtype: np.dtype[Any], inputs_finite: npt.NDArray[np.bool_]
-) -> npt.NDArray[np.bool_]:
-    """Where storing an update's ``result`` as ``dtype`` would give a non-finite element although
-    the update's inputs were finite: the one definition of an overflowing update, for dense keys
-    (:func:`overflowing_elements`) and embedding-table rows alike.
-
-    Args:
-        result: The updated values, computed wider than the storage (float32 or float64), any
-            shape.
-        dtype: The storage dtype.
-        inputs_finite: bool, ``result``'s shape: the parameter element (and gradient element)
-            the result was computed from were finite (an element already non-finite is not
-            blamed on the update).
-
-    Returns:
-        bool array of ``result``'s shape.
-    """
-    with np.errstate(over="ignore", invalid="ignore"):
-        stored = result.astype(dtype)
-    out: npt.NDArray[np.bool_] = inputs_finite & ~np.isfinite(stored)
-    return out
-
-
-def range_refusal(
-    subject: str, rule_kind: str, bad: int, dtype: np.dtype[Any], detail: str = ""
-) -> ValueOutOfRange:
-    """The refusal of an update that would put ``bad`` elements outside ``dtype``'s range.
-
-    The message names ``subject`` (the key, or the table), the rule, the count and the range,
-    then ``detail`` (where the first such element is), and says that nothing was applied.
-    """
-    limit = storage_range(dtype)
-    return ValueOutOfRange(
-        f"{subject} (rule {rule_kind!r}) would put {bad} element(s) outside the range of "
-        f"{dtype} [-{limit:g}, {limit:g}]{detail}; nothing applied"
-    )

@@ -36,7 +36,6 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from paramserver.core.optimizers import HALF_DTYPES, overflow_mask, range_refusal
 from paramserver.core.row_rules import ROW_RULES
 from paramserver.core.row_store import (
     IdIndex,
@@ -48,6 +47,7 @@ from paramserver.core.row_store import (
     kernels,
     seed_key,
 )
+from paramserver.core.storage_range import HALF_DTYPES, overflow_mask, range_refusal
 from paramserver.errors import (
     DimensionMismatch,
     DTypeMismatch,
@@ -348,7 +348,7 @@ class EmbeddingTable:
         beyond the dtype's largest value (65504 for float16) would be stored as Inf. This
         computes the rule on copies of the rows the push would change (stored rows, and the
         initial rows of ids the frequency filter would admit now) and refuses the whole push
-        if any element would overflow (:func:`~paramserver.core.optimizers.overflow_mask`, the
+        if any element would overflow (:func:`~paramserver.core.storage_range.overflow_mask`, the
         dense keys' definition: an element already non-finite is not blamed). float32 tables
         are not checked, as float32 dense keys are not.
 
