@@ -225,10 +225,7 @@ class WriteAheadLog:
         """
         if not records:
             return 0
-        if self.failed is not None:
-            raise StorageError(self.failed.message)
-        if self._fd is None:
-            raise WalError("write-ahead log is not open")
+        self._check_writable()
         now = time.time()
         frames = []
         payloads = []
@@ -262,10 +259,7 @@ class WriteAheadLog:
         """
         if not records:
             return 0
-        if self.failed is not None:
-            raise StorageError(self.failed.message)
-        if self._fd is None:
-            raise WalError("write-ahead log is not open")
+        self._check_writable()
         for i, (seq, _) in enumerate(records):
             if seq != self.next_sequence + i:
                 raise WalError(
@@ -292,6 +286,13 @@ class WriteAheadLog:
         self.next_sequence = last_sequence + 1
         self._written = self._synced = last_sequence
         self._open_segment(self.directory / f"{_PREFIX}{self.next_sequence:016d}{_SUFFIX}")
+
+    def _check_writable(self) -> None:
+        """Refuse a write to a log that failed (StorageError) or is not open (WalError)."""
+        if self.failed is not None:
+            raise StorageError(self.failed.message)
+        if self._fd is None:
+            raise WalError("write-ahead log is not open")
 
     def _write(self, blob: bytes, count: int) -> None:
         """Write ``count`` framed records in one go and advance the marks, or (on an error)

@@ -300,13 +300,7 @@ class TableClientMixin:
 
         me: Any = self  # a WorkerClient: its retry funnel
         resp = await me._member_call(attempt, "push_rows", _PUSH_RETRYABLE)
-        return RowPushAck(
-            duplicate=resp.duplicate,
-            queued=resp.queued,
-            distinct=int(resp.distinct),
-            applied=int(resp.applied),
-            filtered=int(resp.filtered),
-        )
+        return _ack(resp)
 
     async def pull_rows_many(
         self,
