@@ -536,15 +536,8 @@ class ShardedTables:
             if pos.shape[0]
         }
         if not calls:
-            return RowPushAck(False, False, 0, 0, 0)
-        acks: Collection[RowPushAck] = (await self.fan_out(calls)).values()
-        return RowPushAck(
-            duplicate=all(a.duplicate for a in acks),
-            queued=any(a.queued for a in acks),
-            distinct=sum(a.distinct for a in acks),
-            applied=sum(a.applied for a in acks),
-            filtered=sum(a.filtered for a in acks),
-        )
+            return _sum_acks(())
+        return _sum_acks((await self.fan_out(calls)).values())
 
     async def pull_rows_many(
         self, ids: Mapping[str, Any] | KeyedIds, **kw: Any
