@@ -17,7 +17,7 @@ own bound (the oldest ids are forgotten first).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 __all__ = ["DEDUP_WINDOW", "DedupWindows"]
@@ -61,13 +61,21 @@ class DedupWindows:
         """Replace ``kind``'s windows (a checkpoint restore)."""
         self.kinds[kind] = windows
 
-    def carry_over(self, old_worker_id: str, new_worker_id: str) -> None:
+    def carry_over(
+        self,
+        old_worker_id: str,
+        new_worker_id: str,
+        keep: Callable[[Any], bool] | None = None,
+    ) -> None:
         """``new_worker_id`` continues ``old_worker_id``: it takes over every kind's window
-        (merged, the new registration's own ids kept where both have one)."""
+        (merged, the new registration's own ids kept where both have one); with ``keep``, only
+        the ids whose outcome it accepts."""
         for per_worker in self.kinds.values():
             old = per_worker.pop(old_worker_id, None)
             if old is None:
                 continue
+            if keep is not None:
+                old = OrderedDict((rid, out) for rid, out in old.items() if keep(out))
             mine = per_worker.get(new_worker_id)
             if mine is not None:
                 old.update(mine)

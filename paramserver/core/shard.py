@@ -253,6 +253,7 @@ class ServerCore:
         now: float,
         *,
         resume_worker_id: str = "",
+        resume: bool = False,
         **options: Unpack[RegisterOptions],
     ) -> WorkerRecord:
         """Register a worker; ``options`` (``replace``, ``client_nonce``, ``log``) and the errors
@@ -260,6 +261,8 @@ class ServerCore:
 
         Push deduplication is scoped to a registration (its worker id): a new registration
         starts with no request ids seen, so a restarted worker may number its pushes afresh.
+        With ``resume``, a successor that continues its predecessor's clock (``replace``, or a
+        lost registration taken over) continues its applied push request ids as well.
         ``resume_worker_id`` names the registration this one continues (a client that lost
         its registration and retries its last push under the new one): when it is a departed
         registration of the same name, its request ids carry over, so that retry is still
@@ -271,6 +274,19 @@ class ServerCore:
             prior = self.cluster.workers.get(resume_worker_id)
             if prior is not None and prior.name == name and not prior.live:
                 self.dedup.carry_over(resume_worker_id, rec.worker_id)  # every kind
+        if resume:
+            # It continues the predecessor whose clock it took (fenced with ``replace``, or lost
+            # under the ``wait`` policy and taken over): its request ids too, so its push of a
+            # batch the predecessor pushed but never clocked is a duplicate. Not the queued
+            # ones: a queued push of the open BSP step leaves the step with its registration
+            # (and one of a closed step is for a clock the successor never pushes at again).
+            for old in [c.worker for c in fenced] + [w for w in lost if not w.lost]:
+                if old.worker_id != rec.worker_id:
+                    self.dedup.carry_over(
+                        old.worker_id,
+                        rec.worker_id,
+                        keep=lambda out: not getattr(out, "queued", False),
+                    )
         self._forget_departed()
         self._departed(fenced)
         if self.aggregator is not None:

@@ -108,6 +108,7 @@ class ShardService:
                 replace=request.replace,
                 client_nonce=request.client_nonce,
                 resume_worker_id=request.resume_worker_id,
+                resume=request.resume,
                 log=lambda worker_id: log(
                     wal_records.register(
                         request.worker_name,
@@ -115,6 +116,7 @@ class ShardService:
                         request.client_nonce,
                         worker_id,
                         request.resume_worker_id,
+                        request.resume,
                     )
                 ),
             )

@@ -77,7 +77,12 @@ def tensors_from_wal(items: list[wal_pb.WalTensor]) -> dict[str, np.ndarray]:
 
 # ------------------------------------------------------------------------------ builders
 def register(
-    worker_name: str, replace: bool, nonce: str, worker_id: str, resume_worker_id: str = ""
+    worker_name: str,
+    replace: bool,
+    nonce: str,
+    worker_id: str,
+    resume_worker_id: str = "",
+    resume: bool = False,
 ) -> wal_pb.WalRecord:
     """A registration (replay checks it yields the same worker id)."""
     return wal_pb.WalRecord(
@@ -87,6 +92,7 @@ def register(
             client_nonce=nonce,
             worker_id=worker_id,
             resume_worker_id=resume_worker_id,
+            resume=resume,
         )
     )
 
@@ -201,6 +207,7 @@ def _replay_register(r: _Replay, body: Any) -> None:
         replace=body.replace,
         client_nonce=body.client_nonce,
         resume_worker_id=body.resume_worker_id,
+        resume=body.resume,
     )
     if body.worker_id and rec.worker_id != body.worker_id:
         raise WalError(

@@ -25,7 +25,9 @@ cached across event loops: the channel is created in ``__aenter__`` on the runni
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -152,6 +154,14 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         address: ``host:port`` of the server.
         worker_name: Stable name; one live registration per name.
         replace: Fence a live registration of the same name (a restarted worker).
+        resume: This worker continues its name's iterations where its predecessor stopped
+            (it skips the ``steps`` that :meth:`progress` reports done and redoes the batch
+            in flight at its clock). Its dense pushes are numbered from its name, clock and
+            order within the clock, and a registration that replaces a predecessor (which
+            resumed too) carries over its applied request ids: the predecessor's push of a
+            batch it never clocked (it died between the two) and the successor's push of the
+            same batch are one push, applied once. Without it a replacement's pushes are all
+            new.
         rpc_timeout_s: Deadline of each unary call, and of a pull's transfer beyond its wait.
         retry: Backoff policy for UNAVAILABLE / RESOURCE_EXHAUSTED.
         heartbeat: Renew the lease in the background.
@@ -218,6 +228,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         channel_options: Sequence[tuple[str, Any]] = (),
         security: ClientSecurity | None = None,
         wait_timeout_s: float | None = None,
+        resume: bool = False,
         auto_reregister: bool = True,
         close_timeout_s: float = 2.0,
         compression: Mapping[str, Compression] | None = None,
@@ -250,6 +261,16 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         self.compressor = GradientCompressor(dict(compression or {}))
         self.reregistrations = 0
         self.clock_value = 0
+        self.resume = bool(resume)
+        #: Push request ids (:meth:`_push_request_id`): salt (from the name when resuming,
+        #: else random), the clock of the last id, pushes numbered at that clock.
+        self._id_salt = (
+            int.from_bytes(hashlib.blake2b(worker_name.encode(), digest_size=8).digest(), "big")
+            if resume
+            else secrets.randbits(62)
+        ) & ((1 << 20) - 1)
+        self._id_clock = 0
+        self._id_pushes = 0
         self.view: pb.ClusterView | None = None
         self.last_version = 0
         #: Memory of dropped pull results, reused by the next pull of their key.
@@ -373,6 +394,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
             replace=self.replace if replace is None else replace,
             client_nonce=self._nonce,
             resume_worker_id=resume_worker_id,
+            resume=self.resume,
         )
         try:
             resp = await self._call(
@@ -506,6 +528,28 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
     async def _cast(self, grads: Mapping[str, Any], cast: bool | None) -> Mapping[str, Any]:
         return await cast_gradients(self, grads, cast)
 
+    def _push_request_id(self) -> int:
+        """The next dense push's request id: the n-th push of this client at this clock.
+
+        With ``resume``, a successor that replaces a lost worker continues at its
+        predecessor's clock and takes over its dedup window: so its push of the batch the
+        predecessor pushed but never clocked (it died between the two) carries the same id and
+        is answered as a duplicate, applied once on every shard that applied the original.
+        Layout (62 bits): 20 bits of salt (the name's BLAKE2b hash with ``resume``, else
+        random; random again after this client's clock went back: a re-registration that
+        starts at a lower clock must not reuse the ids of pushes it already made), 26 bits of
+        the clock, 16 bits of n (wrapping; the window remembers far fewer ids than either
+        wraps over).
+        """
+        clock = self.clock_value
+        if clock < self._id_clock:
+            self._id_salt = secrets.randbits(20)
+        if clock != self._id_clock:
+            self._id_clock, self._id_pushes = clock, 0
+        n = self._id_pushes
+        self._id_pushes += 1
+        return (self._id_salt << 42) | ((clock & ((1 << 26) - 1)) << 16) | (n & 0xFFFF)
+
     def _prepare_push(
         self,
         grads: Mapping[str, np.ndarray],
@@ -524,8 +568,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         """
         if not grads:
             raise InvalidArgument("a push needs at least one gradient; got none")
-        request_id = self._next_request_id
-        self._next_request_id += 1
+        request_id = self._push_request_id()
         arrays = normalized_tensors(grads)
         parts = self.compressor.encode_all(arrays)
 

@@ -40,6 +40,7 @@ class ClientOptions(SessionOptions, total=False):
     every session, then its own."""
 
     wait_timeout_s: float | None
+    resume: bool
     auto_reregister: bool
     close_timeout_s: float
     compression: Mapping[str, Compression] | None

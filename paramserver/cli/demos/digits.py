@@ -364,6 +364,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
             compression=schemes,
             security=cfg.security,
             replace=cfg.replace,
+            resume=True,  # it skips what its name completed: the batch in flight is one push
             retry=cfg.retry,
         ) as ps,
     ):
