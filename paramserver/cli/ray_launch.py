@@ -35,6 +35,7 @@ def _load_function(spec: str) -> Any:
 _FLAG_OF = {
     "num_shards": "--shards",
     "num_workers": "--workers",
+    "replicas": "--replicas",
     "base_port": "--base-port",
     "worker_failure": "--worker-failure",
     "shard_max_restarts": "--shard-max-restarts",
@@ -104,6 +105,7 @@ def _job_config(args: argparse.Namespace, config_class: Any) -> Any:
     return config_class(
         num_shards=args.shards,
         num_workers=args.workers,
+        replicas=args.replicas,
         base_port=args.base_port,
         state_dir=args.state_dir,
         server=server_settings(args.serve_args),
@@ -118,6 +120,61 @@ def _job_config(args: argparse.Namespace, config_class: Any) -> Any:
         retry_deadline_s=args.retry_deadline_s,
         name=args.name,
     )
+
+
+class HeadWatchdog:
+    """Ends the command with a failed JobResult (one JSON object on stdout, one error line on
+    stderr, exit 1) when the Ray head's GCS has not accepted a TCP connection for
+    ``timeout_s`` seconds: Ray itself would end the process later with no result."""
+
+    def __init__(self, timeout_s: float) -> None:
+        import threading
+
+        self.timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ray-head-watchdog", daemon=True)
+        self.gcs = ""
+
+    def start(self) -> None:
+        import ray
+
+        self.gcs = str(ray.get_runtime_context().gcs_address)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _reachable(self) -> bool:
+        import socket
+
+        host, _, port = self.gcs.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return True
+        except (OSError, ValueError):
+            return False
+
+    def _run(self) -> None:
+        import time
+
+        from paramserver.integrations.ray.placement import JobResult
+
+        lost_since: float | None = None
+        while not self._stop.wait(1.0):
+            if self._reachable():
+                lost_since = None
+                continue
+            now = time.monotonic()
+            lost_since = lost_since or now
+            if now - lost_since >= self.timeout_s and not self._stop.is_set():
+                error = (
+                    f"lost the Ray head: its GCS at {self.gcs} has refused connections for "
+                    f"{self.timeout_s:g} s (the job's shards and workers went with the cluster)"
+                )
+                print(JobResult.failed(error).to_json(), flush=True)
+                print(f"paramserver ray-launch: the job failed: {error}", file=sys.stderr)
+                sys.stderr.flush()
+                os._exit(1)
 
 
 def _cmd_ray_launch(args: argparse.Namespace) -> int:
@@ -147,12 +204,25 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
         job = _load_function(args.train)
     else:
         job = DigitsJob(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DigitsJob)})
-    ray.init(address=args.address, log_to_driver=args.worker_logs)
+    from paramserver.integrations.ray.placement import JobResult
+
+    try:
+        ray.init(address=args.address, log_to_driver=args.worker_logs)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        result = JobResult.failed(f"cannot join the Ray cluster at {args.address}: {exc}")
+        print(result.to_json(), flush=True)
+        print(f"paramserver ray-launch: {result.error}", file=sys.stderr)
+        return 1
+    watchdog = HeadWatchdog(args.head_timeout_s)
+    watchdog.start()
     try:
         result = launch(cfg, job)
     finally:
+        watchdog.stop()
         ray.shutdown()
     print(result.to_json(), flush=True)
+    if result.error is not None:
+        print(f"paramserver ray-launch: the job failed: {result.error}", file=sys.stderr)
     for w in result.workers:
         if not w.ok:
             print(f"paramserver ray-launch: worker {w.index} failed: {w.error}", file=sys.stderr)
@@ -186,7 +256,26 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--address", default="auto", help="Ray cluster address (default auto)")
     p.add_argument("--shards", type=int, default=2, help="server shards (default 2)")
     p.add_argument("--workers", type=int, default=4, help="worker tasks (default 4)")
-    p.add_argument("--base-port", type=int, default=50051, help="shard i listens on BASE_PORT+i")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="replicas of each shard, on different nodes: a primary streams every mutation to "
+        "its backups and a backup takes over within seconds when the primary's node is lost "
+        "(default: 2 when the cluster has >= 2 nodes with CPUs, else 1)",
+    )
+    p.add_argument(
+        "--base-port",
+        type=int,
+        default=50051,
+        help="replica k of shard i listens on BASE_PORT + i * REPLICAS + k",
+    )
+    p.add_argument(
+        "--head-timeout-s",
+        type=float,
+        default=10.0,
+        help="end with a failed result once the Ray head has been unreachable this long",
+    )
     p.add_argument(
         "--state-dir",
         help="per-node directory of shard-<i>/checkpoints and shard-<i>/wal; the same one "

@@ -34,7 +34,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Protocol
 
 from paramserver.closing import cancelled
 from paramserver.errors import Unavailable
@@ -134,6 +134,35 @@ class Etcd:
         return {"key": _b64(key), "target": target, "result": "EQUAL", field: str(revision)}
 
 
+class ElectionStore(Protocol):
+    """The authority an :class:`Election` campaigns at: etcd's v3 calls the election uses, with
+    etcd's meaning (leases with a TTL, revisions that only grow, transactions in the gateway's
+    JSON shape built by :meth:`Etcd.put` and :meth:`Etcd.revision_is`). :class:`Etcd` is one;
+    the Ray launcher's authority actor is another
+    (:mod:`paramserver.integrations.ray.authority`). Every call raises
+    :class:`~paramserver.errors.Unavailable` when the authority cannot be reached."""
+
+    async def grant(self, ttl_s: int) -> str: ...
+
+    async def keepalive(self, lease: str) -> int: ...
+
+    async def get(self, key: str) -> dict[str, Any] | None: ...
+
+    async def txn(
+        self, compare: list[dict[str, Any]], success: list[dict[str, Any]]
+    ) -> tuple[bool, int]: ...
+
+
+def address_key(prefix: str, shard_index: int, replica_index: int) -> str:
+    """The key under which a replica that moved (placed again on another host) publishes its
+    new client address; the primary streams to it there from then on."""
+    return f"{prefix.rstrip('/')}/shard-{shard_index}/replica-{replica_index}/address"
+
+
+#: How often a primary reads its backups' published addresses (seconds).
+ADDRESS_POLL_S = 1.0
+
+
 class Election:
     """Campaigns for the primary role of one shard replica and keeps or gives it up.
 
@@ -141,11 +170,19 @@ class Election:
         config: The replica's configuration (``election_*``, ``shard_index``,
             ``replica_index``).
         replica: The replica it promotes and demotes.
+        store: The authority (default: etcd at ``config.election_endpoints``).
     """
 
-    def __init__(self, config: ServerConfig, replica: Replica) -> None:
-        assert config.election_endpoints is not None
-        self.etcd = Etcd(parse_addresses(config.election_endpoints))
+    def __init__(
+        self, config: ServerConfig, replica: Replica, store: ElectionStore | None = None
+    ) -> None:
+        if store is None:
+            assert config.election_endpoints is not None
+            store = Etcd(parse_addresses(config.election_endpoints))
+        self.store = store
+        self.prefix = config.election_prefix
+        self.shard_index = config.shard_index
+        self._addresses_read = 0.0
         self.replica = replica
         self.index = config.replica_index
         self.address = config.replica_address_list[config.replica_index]
@@ -172,7 +209,7 @@ class Election:
     # ------------------------------------------------------------------ the lease
     async def _new_lease(self) -> None:
         sent = time.monotonic()
-        self.lease = await self.etcd.grant(self.ttl_s)
+        self.lease = await self.store.grant(self.ttl_s)
         self.renewed_at = sent
         await cancelled(self._keepalive)
         self._keepalive = asyncio.get_running_loop().create_task(
@@ -184,7 +221,7 @@ class Election:
             await asyncio.sleep(self.ttl_s / 4)
             sent = time.monotonic()
             try:
-                ttl = await self.etcd.keepalive(lease)
+                ttl = await self.store.keepalive(lease)
             except Unavailable as exc:
                 logger.warning("election: lease renewal failed: %s", exc.message)
                 continue
@@ -215,32 +252,45 @@ class Election:
             await asyncio.sleep(POLL_S)
 
     async def _check_still_primary(self) -> None:
-        kv = await self.etcd.get(self.primary_key)
+        kv = await self.store.get(self.primary_key)
         if kv is None or kv["create_revision"] != self.epoch:
             await self.replica.demote(f"etcd names another primary (epoch {self.epoch} ended)")
+            return
+        if time.monotonic() - self._addresses_read >= ADDRESS_POLL_S:
+            self._addresses_read = time.monotonic()
+            await self._read_addresses()
+
+    async def _read_addresses(self) -> None:
+        """Stream to each backup at the address it published, if it moved."""
+        for k in range(len(self.replica.addresses)):
+            if k == self.index:
+                continue
+            kv = await self.store.get(address_key(self.prefix, self.shard_index, k))
+            if kv is not None and kv["value"] != self.replica.addresses[k]:
+                self.replica.move(k, kv["value"])
 
     async def _campaign(self) -> None:
-        kv = await self.etcd.get(self.primary_key)
+        kv = await self.store.get(self.primary_key)
         if kv is not None:
             self.replica.backup.observe_epoch(kv["create_revision"])
             return
-        sync = await self.etcd.get(self.sync_key)
+        sync = await self.store.get(self.sync_key)
         members = json.loads(sync["value"]) if sync is not None else [0]
         if self.index not in members:
             return  # not in sync: it may lack acknowledged records
         assert self.lease is not None
-        won, revision = await self.etcd.txn(
+        won, revision = await self.store.txn(
             [
-                self.etcd.revision_is(self.primary_key, "CREATE", 0),
-                self.etcd.revision_is(self.sync_key, "MOD", sync["mod_revision"] if sync else 0),
+                Etcd.revision_is(self.primary_key, "CREATE", 0),
+                Etcd.revision_is(self.sync_key, "MOD", sync["mod_revision"] if sync else 0),
             ],
             [
-                self.etcd.put(
+                Etcd.put(
                     self.primary_key,
                     json.dumps({"index": self.index, "address": self.address}),
                     self.lease,
                 ),
-                self.etcd.put(self.sync_key, json.dumps([self.index])),
+                Etcd.put(self.sync_key, json.dumps([self.index])),
             ],
         )
         if not won:
@@ -254,9 +304,9 @@ class Election:
         if not self.lease_valid():
             return False
         try:
-            done, _ = await self.etcd.txn(
-                [self.etcd.revision_is(self.primary_key, "CREATE", self.epoch)],
-                [self.etcd.put(self.sync_key, json.dumps(sorted(members)))],
+            done, _ = await self.store.txn(
+                [Etcd.revision_is(self.primary_key, "CREATE", self.epoch)],
+                [Etcd.put(self.sync_key, json.dumps(sorted(members)))],
             )
         except Unavailable as exc:
             logger.warning("election: cannot record the replicas in sync: %s", exc.message)

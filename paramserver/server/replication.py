@@ -648,6 +648,22 @@ class Replica:
             return
         await primary.replicated(sequence)
 
+    def move(self, index: int, address: str) -> None:
+        """Replica ``index`` now serves at ``address`` (it was placed again on another host):
+        the primary's stream to it reconnects there."""
+        if self.addresses[index] == address:
+            return
+        logger.warning(
+            "shard %d: replica %d moved from %s to %s",
+            self.shard_index,
+            index,
+            self.addresses[index],
+            address,
+        )
+        self.addresses = (*self.addresses[:index], address, *self.addresses[index + 1 :])
+        if self.primary is not None and index in self.primary.links:
+            self.primary.links[index].address = address
+
     # ------------------------------------------------------------------ roles
     async def promote(
         self, epoch: int, sync_changed: Callable[[set[int]], Awaitable[bool]] | None = None

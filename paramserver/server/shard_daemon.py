@@ -33,7 +33,7 @@ from paramserver.security.tls import (
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.checkpoint_cut import shard_map_of
 from paramserver.server.config import ServerConfig
-from paramserver.server.election import Election
+from paramserver.server.election import Election, ElectionStore
 from paramserver.server.engine import ServerEngine
 from paramserver.server.observability.prometheus import TransportStats, metrics_for
 from paramserver.server.observability.shard_dashboard import ShardDashboard
@@ -65,8 +65,11 @@ class ParameterServerDaemon(ServingDaemon):
         engine: The engine holding the core state.
     """
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, election_store: ElectionStore | None = None) -> None:
         self.config = config
+        #: The authority electing this replica's shard's primary when not etcd at
+        #: ``election_endpoints`` (the Ray launcher's authority actor).
+        self.election_store = election_store
         self.engine: ServerEngine | None = None
         self.checkpoints: CheckpointManager | None = None
         self._timer: asyncio.Task[None] | None = None
@@ -191,11 +194,11 @@ class ParameterServerDaemon(ServingDaemon):
         (:mod:`paramserver.server.election`); without etcd replica 0 is primary at epoch 1
         and there is no failover."""
         await self._primary_health(False)
-        if self.config.election_endpoints is None:
+        if self.config.election_endpoints is None and self.election_store is None:
             if self.config.replica_index == 0:
                 await replica.promote(1)
             return
-        self.election = Election(self.config, replica)
+        self.election = Election(self.config, replica, self.election_store)
         await self.election.start()
 
     async def _primary_health(self, serving: bool) -> None:

@@ -1,6 +1,7 @@
-"""A real 2-node (or 1-node) Ray cluster on this machine, started and stopped by PID.
+"""A real Ray cluster of 1 to 4 nodes on this machine, started and stopped by PID.
 
-The head runs on 127.0.0.2, the second node (``nodes=2``, the default) on 127.0.0.3 (Ray
+The head runs on 127.0.0.2, the second node (``nodes=2``, the default) on 127.0.0.3, a third
+and fourth on 127.0.0.4 and 127.0.0.5 (Ray
 rewrites 127.0.0.1 to the host's routable address; other loopback addresses are kept), each a
 ``ray start --block`` in its own session. No dashboard, no usage stats, a small object store.
 Stopping never runs ``ray stop`` (which ends every Ray process on the machine, other users'
@@ -23,6 +24,10 @@ from pathlib import Path
 RAY_BIN = Path(sys.executable).with_name("ray")
 HEAD_IP = "127.0.0.2"
 NODE_IP = "127.0.0.3"
+NODE2_IP = "127.0.0.4"
+NODE3_IP = "127.0.0.5"
+#: The nodes' names and addresses, in start order.
+NODES = (("head", HEAD_IP), ("node", NODE_IP), ("node2", NODE2_IP), ("node3", NODE3_IP))
 
 
 def free_port(host: str) -> int:
@@ -57,7 +62,12 @@ class LocalRayCluster:
     a driver needs ``cluster.auth_env`` in its environment."""
 
     def __init__(
-        self, env: dict[str, str], num_cpus: int = 3, timeout_s: float = 180.0, nodes: int = 2
+        self,
+        env: dict[str, str],
+        num_cpus: int = 3,
+        timeout_s: float = 180.0,
+        nodes: int = 2,
+        head_cpus: int | None = None,
     ) -> None:
         #: Ray's token authentication off for this loopback-only cluster: by default `ray
         #: start --head` turns it on with the token in ~/.ray/auth_token, a file every Ray
@@ -72,6 +82,7 @@ class LocalRayCluster:
             "RAY_DEDUP_LOGS": "0",
         }
         self.num_cpus = num_cpus
+        self.head_cpus = num_cpus if head_cpus is None else head_cpus
         self.timeout_s = timeout_s
         self.nodes = nodes
         # Short: Ray's Unix sockets live under it (108-byte path limit).
@@ -114,8 +125,8 @@ class LocalRayCluster:
         for attempt in range(attempts):
             try:
                 self._start("head", ["--head", f"--port={self.port}", *self._node_args(HEAD_IP)])
-                if self.nodes > 1:
-                    self._start("node", [f"--address={self.address}", *self._node_args(NODE_IP)])
+                for name, ip in NODES[1 : self.nodes]:
+                    self._start(name, [f"--address={self.address}", *self._node_args(ip)])
                 return self
             except RuntimeError as exc:
                 left = self.stop()
@@ -135,7 +146,7 @@ class LocalRayCluster:
         waits for: under load that wait can time out), no dashboard, no usage stats."""
         args = [
             f"--node-ip-address={ip}",
-            f"--num-cpus={self.num_cpus}",
+            f"--num-cpus={self.head_cpus if ip == HEAD_IP else self.num_cpus}",
             "--object-store-memory=100000000",
             "--disable-usage-stats",
             f"--dashboard-agent-grpc-port={free_port(ip)}",
@@ -163,6 +174,26 @@ class LocalRayCluster:
             grew = bool(more)
             mine |= more
         self.seen |= {p for p in mine if table.get(p, (0, 0, "Z"))[2] != "Z"}
+        return mine
+
+    def kill_node(self, ip: str) -> set[int]:
+        """Lose the node at ``ip`` at once: SIGKILL its ``ray start`` process group and every
+        descendant (raylet, its agents, the Ray workers on it); returns the PIDs killed."""
+        name = dict((addr, n) for n, addr in NODES)[ip]
+        proc = self.procs[[n for n, _ in NODES].index(name)]
+        table = _proc_table()
+        mine = {pid for pid, (_, pgid, _) in table.items() if pgid == proc.pid} | {proc.pid}
+        grew = True
+        while grew:
+            more = {pid for pid, (ppid, _, _) in table.items() if ppid in mine} - mine
+            grew = bool(more)
+            mine |= more
+        for pid in mine:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
         return mine
 
     def stop(self, timeout_s: float = 20.0) -> set[int]:

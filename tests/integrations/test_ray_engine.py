@@ -40,17 +40,17 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port_pair() -> int:
-    """A port p such that p and p + 1 are free on both node addresses right now."""
+def free_port_pair(count: int = 2) -> int:
+    """A port p such that p .. p + count - 1 are free on both node addresses right now."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind((HEAD_IP, 0))
             base = int(s.getsockname()[1])
-        if base >= 65535:
+        if base + count - 1 > 65535:
             continue
         try:
             for host in (HEAD_IP, NODE_IP):
-                for port in (base, base + 1):
+                for port in range(base, base + count):
                     with socket.socket() as s:
                         s.bind((host, port))
         except OSError:
@@ -89,6 +89,7 @@ def config(tmp_path: Path, **overrides: Any) -> RayJobConfig:
     values: dict[str, Any] = {
         "num_shards": 2,
         "num_workers": 4,
+        "replicas": 1,  # one replica per shard: what a restart on the same node restores
         "base_port": free_port_pair(),
         "state_dir": str(tmp_path / "state"),
         "server": {"consistency": "ssp", "staleness": 2, "lease_ms": 5000},
@@ -268,7 +269,9 @@ def test_retried_worker_takes_its_name_over(cluster: LocalRayCluster, tmp_path: 
 
 def test_ray_launch_command_runs_the_digits_job(cluster: LocalRayCluster, tmp_path: Path) -> None:
     """``paramserver ray-launch`` (a driver process of its own) on the running cluster: 2
-    shards, 2 digits workers; it prints the job result as JSON and exits 0 (accuracy >= 0.93)."""
+    shards, 2 digits workers, the default replicas (2 on this 2-node cluster: each shard's
+    primary and backup on different nodes, the backup in sync); it prints the job result as
+    JSON and exits 0 (accuracy >= 0.93)."""
     import json
     import subprocess
     import sys
@@ -285,8 +288,8 @@ def test_ray_launch_command_runs_the_digits_job(cluster: LocalRayCluster, tmp_pa
         "WARNING",
         "ray-launch",
         *("--address", cluster.address, "--shards", "2", "--workers", "2"),
-        *("--base-port", str(free_port_pair()), "--state-dir", str(tmp_path / "state")),
-        *("--serve-args", "--consistency bsp", "--strategy", "STRICT_SPREAD"),
+        *("--base-port", str(free_port_pair(4)), "--state-dir", str(tmp_path / "state")),
+        *("--serve-args", "--consistency bsp"),
         *("--name", "cli-job", "--timeout-s", "200"),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -294,7 +297,9 @@ def test_ray_launch_command_runs_the_digits_job(cluster: LocalRayCluster, tmp_pa
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["ok"] is True
     assert [w["index"] for w in result["workers"]] == [0, 1]
-    assert {s["node_ip"] for s in result["shards"]} == {HEAD_IP, NODE_IP}
+    assert result["replicas"] == 2 and result["failovers"] == 0
+    for s in result["shards"]:
+        assert s["role"] == "primary" and s["in_sync"] == [0, 1], s
     assert result["metrics"]["test_accuracy"] >= 0.93
     acked = sum(int(w["result"]["steps"]) for w in result["workers"])
     assert [s["applied_updates"] for s in result["shards"]] == [acked, acked]

@@ -1,24 +1,35 @@
-"""Shards as restartable Ray actors in a placement group, workers as Ray tasks.
+"""Shards as replicated, restartable Ray actors in placement groups, workers as Ray tasks.
 
 Layout of a job (``paramserver ray-launch``, or :func:`launch` / :class:`RayShardGroup`):
 
-* **Shards.** One placement group of ``num_shards`` bundles (strategy ``SPREAD`` by default:
-  across nodes where it can). Once the group is placed, the launcher reads each bundle's node and
-  fixes shard i's address to ``<node IP>:<base_port + i>``; every shard is started with the whole
-  list (``shard_index``, ``shard_addresses``), so the shard map is known before any worker
-  connects. Shard i is a Ray actor pinned to bundle i that hosts the ``paramserver serve`` daemon
-  in its own process, configured like any shard
-  (:meth:`~paramserver.server.config.ServerConfig.from_sources`: the job's ``server`` settings
-  over ``PARAMSERVER_*`` variables over defaults), bound to its node's IP, with its own checkpoint
-  directory and write-ahead log under ``<state dir>/shard-<i>`` on that node. The state directory
-  is ``state_dir`` when given (the same one again resumes a job), else one per job: ``<system temp
-  dir>/paramserver-ray/<job id>`` (:func:`job_state_dir`), so two jobs never share state by
-  default.
-* **Restarts.** The actors have ``max_restarts`` > 0 (``shard_max_restarts``). Ray re-creates a
-  dead shard actor in the same bundle, hence on the same node; its constructor binds the same
-  address again and restores the newest checkpoint plus the log after it, so the shard comes back
-  with every acknowledged update. Workers ride through: their client retries UNAVAILABLE (same
-  request ids, applied once) until ``retry_deadline_s``.
+* **Shards and replicas.** Each shard has ``replicas`` replicas (default 2 when the cluster
+  has at least 2 nodes with CPUs, else 1). With replicas, shard i gets a placement group of
+  its own with one bundle per replica, ``STRICT_SPREAD`` (each replica on another node);
+  without, one group holds every shard (``strategy``, ``SPREAD`` by default). Once placed, the
+  launcher reads each bundle's node and fixes replica k of shard i at ``<node IP>:<base_port
+  + i * replicas + k>``; every replica is started with the whole map, so it is known before any
+  worker connects. A shard's client address names all its replicas (``"h:p|h:p"``); clients
+  reach whichever is primary. Each replica is a Ray actor pinned to its bundle that hosts the
+  ``paramserver serve`` daemon (:class:`~paramserver.integrations.ray.shard_actor.ShardActor`),
+  configured like any shard (:meth:`~paramserver.server.config.ServerConfig.from_sources`: the
+  job's ``server`` settings over ``PARAMSERVER_*`` variables over defaults), with its own
+  checkpoints and write-ahead log under ``<state dir>/shard-<i>[/replica-<k>]`` on its node.
+  The state directory is ``state_dir`` when given, else one per job: ``<system temp
+  dir>/paramserver-ray/<job id>`` (:func:`job_state_dir`), so two jobs never share state.
+* **Failover.** The launcher is the authority that names each shard's primary: one
+  :class:`~paramserver.integrations.ray.authority.Authority` actor on the launcher's node holds
+  leases and epochs with etcd's meaning, and every replica campaigns there
+  (:mod:`paramserver.server.election`). The primary streams every mutation record to its
+  backups and acknowledges a push only once every backup in sync holds it durably. When a
+  primary's node is lost, its lease lapses (``election_ttl_s``, default 2 s) and an in-sync
+  backup is promoted under a higher epoch; workers' clients find it and retry (same request
+  ids: applied once). Ray places the lost replica's bundle on another node; the replica starts
+  there empty, publishes its new address, and the primary seeds it (checkpoint + stream): no
+  shared disk is needed.
+* **Restarts.** The actors have ``max_restarts`` > 0 (``shard_max_restarts``). A dead replica
+  actor on a live node is re-created in the same bundle; it binds the same address and
+  restores its checkpoint plus the log after it (a replica then catches up from its primary).
+  Workers ride through: their client retries UNAVAILABLE until ``retry_deadline_s``.
 * **Workers.** ``num_workers`` Ray tasks (``SPREAD``), worker i told its index, the worker count
   and the shard addresses. Each runs the job: a :class:`ClusterJob` (an object with ``run_worker``
   and ``final_metrics``, e.g. the digits demo's :class:`~paramserver.cli.demos.digits.DigitsJob`,
@@ -27,39 +38,33 @@ Layout of a job (``paramserver ray-launch``, or :func:`launch` / :class:`RayShar
   :class:`~paramserver.worker_client.ClusterWorkerClient`, a plain function the blocking
   :class:`~paramserver.worker_client.SyncWorkerClient`), or a user's script, unchanged
   (:class:`ScriptJob`: the process ``paramserver run`` would start, with the same
-  environment). A worker task retried by Ray
-  (``worker_max_retries``) registers with ``replace=True``: it fences its dead predecessor's
-  registration instead of waiting out its lease.
-* **Result.** :class:`JobResult`: each worker's exit (its return value or its error), each shard's
-  counters and restarts, and for a :class:`ClusterJob` its final metrics (the digits job: the test
-  accuracy of the final parameters). Teardown stops every shard gracefully (final checkpoint),
-  kills the actors for good, cancels unfinished worker tasks and removes the placement group.
+  environment). A worker task retried by Ray (``worker_max_retries``; e.g. its node was lost)
+  registers with ``replace=True``: it fences its dead predecessor's registration instead of
+  waiting out its lease, and reads what the name already completed
+  (:meth:`~paramserver.worker_client.ClusterWorkerClient.progress`).
+* **Result.** :class:`JobResult`, on every exit of :func:`launch`: each worker's exit (its
+  return value or its error, its task's starts), each shard's primary's counters, the
+  failovers, the retried workers, and for a :class:`ClusterJob` its final metrics (the digits
+  job: the test accuracy of the final parameters); ``error`` when the job could not run to its
+  end. Teardown stops every replica gracefully (final checkpoint), kills the actors for good,
+  cancels unfinished worker tasks and removes the placement groups.
 
-Ray is an optional dependency: ``pip install 'paramserver[ray]'``. The stable address holds
-while the shard's node lives; if the node itself is lost Ray places the bundle on another node,
-whose IP differs, and the shard refuses to start there (its state directory was on the lost
-node too). See docs/engines.md.
+Ray is an optional dependency: ``pip install 'paramserver[ray]'``. Without replicas, a shard
+whose node is lost cannot come back (its state directory was on that node): Ray places its
+bundle on another node and the shard refuses to start there. See docs/engines.md.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import dataclasses
 import inspect
-import json
 import logging
 import os
 import secrets
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import ray
@@ -69,10 +74,17 @@ from ray.util.placement_group import (
     placement_group_table,
     remove_placement_group,
 )
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from paramserver.closing import Closing
-from paramserver.errors import InvalidArgument, Unavailable, WaitTimeout
+from paramserver.errors import InvalidArgument, WaitTimeout
+from paramserver.integrations.ray.authority import Authority
+from paramserver.integrations.ray.results import JobResult, WorkerOutcome
+from paramserver.integrations.ray.script_job import ScriptFailed, ScriptJob
+from paramserver.integrations.ray.shard_actor import ShardActor, ShardInfo, token_auth_enabled
 from paramserver.server.config import ServerConfig
 from paramserver.waiting import Wait
 from paramserver.worker_client.retry import RetryPolicy
@@ -98,12 +110,23 @@ def _ray_ready(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
 #: :class:`~paramserver.server.config.ServerConfig` fields the launcher sets itself for each
 #: shard (its address, its place in the cluster, its state directories; ``wal`` is always on).
 MANAGED_SERVER_FIELDS = frozenset(
-    {"host", "port", "shard_index", "shard_addresses", "checkpoint_dir", "wal", "wal_dir"}
+    {
+        "host",
+        "port",
+        "shard_index",
+        "shard_addresses",
+        "checkpoint_dir",
+        "wal",
+        "wal_dir",
+        "replicas",
+        "replica_index",
+        "replica_addresses",
+        "election_endpoints",
+        "election_prefix",
+    }
 )
 STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
 WORKER_FAILURE = ("fail", "continue")
-#: Shard i's start count, in its state directory (survives actor restarts on the node).
-STARTS_FILE = "starts"
 #: Directory (in the system temp dir of each node) of the per-job state directories.
 DEFAULT_STATE_ROOT = "paramserver-ray"
 
@@ -119,18 +142,6 @@ def job_state_dir(state_dir: str | None, job_id: str) -> str:
     if state_dir:
         return state_dir
     return os.path.join(tempfile.gettempdir(), DEFAULT_STATE_ROOT, job_id)
-
-
-def token_auth_enabled() -> bool | None:
-    """Whether this process runs with Ray's token authentication (None: this Ray does not
-    say). Reads ``ray._raylet.get_authentication_mode``: Ray is loaded, so it costs
-    microseconds."""
-    try:
-        from ray._raylet import AuthenticationMode, get_authentication_mode
-
-        return bool(get_authentication_mode() == AuthenticationMode.TOKEN)
-    except (ImportError, AttributeError):
-        return None
 
 
 def warn_without_token_auth(shard: Any | None = None) -> bool:
@@ -167,8 +178,12 @@ class RayJobConfig:
     Attributes:
         num_shards: Server shards (Ray actors, one placement-group bundle each).
         num_workers: Worker tasks.
-        base_port: Shard i listens on ``<its node IP>:<base_port + i>`` (fixed: the same
-            address after a restart).
+        replicas: Replicas of each shard (a primary and ``replicas - 1`` backups, each on
+            another node: one ``STRICT_SPREAD`` placement group per shard). None (the
+            default): 2 when the cluster has at least 2 nodes with CPUs, else 1. With one,
+            a shard whose node is lost cannot come back (restart the job).
+        base_port: Replica k of shard i listens on ``<its node IP>:<base_port + i * replicas
+            + k>`` (the same address after a restart on its node).
         state_dir: Directory, on every node, under which shard i keeps ``shard-<i>/checkpoints``
             and ``shard-<i>/wal``; a directory holding an earlier job's state resumes that
             job. None (the default): one per job, ``<system temp dir>/paramserver-ray/<job
@@ -197,6 +212,7 @@ class RayJobConfig:
 
     num_shards: int = 2
     num_workers: int = 4
+    replicas: int | None = None
     base_port: int = 50051
     state_dir: str | None = None
     server: Mapping[str, Any] = field(default_factory=dict)
@@ -219,10 +235,14 @@ class RayJobConfig:
                 f"num_shards and num_workers must be >= 1, got {self.num_shards} and "
                 f"{self.num_workers}"
             )
-        if not 1 <= self.base_port <= 65535 - (self.num_shards - 1):
+        if self.replicas is not None and (
+            isinstance(self.replicas, bool) or not 1 <= self.replicas <= 9
+        ):
+            raise InvalidArgument(f"replicas must be an int in [1, 9], got {self.replicas!r}")
+        ports = self.num_shards * (self.replicas or 2)
+        if not 1 <= self.base_port <= 65535 - (ports - 1):
             raise InvalidArgument(
-                f"base_port must leave room for {self.num_shards} ports below 65536, "
-                f"got {self.base_port}"
+                f"base_port must leave room for {ports} ports below 65536, got {self.base_port}"
             )
         if self.strategy not in STRATEGIES:
             raise InvalidArgument(
@@ -272,311 +292,6 @@ class ClusterJob(Protocol):
 TrainFunction = Callable[[Any, int, int], Any]
 
 
-class ScriptFailed(RuntimeError):
-    """A worker's script exited with a status other than 0 (the message holds its last
-    lines of output)."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-    def __reduce__(self) -> tuple[Any, ...]:  # travels back to the driver by pickle
-        return (ScriptFailed, (str(self), self.exit_code))
-
-
-@dataclass(frozen=True)
-class ScriptJob:
-    """Worker tasks that each run a user's training script, unchanged, as ``paramserver run``
-    starts it: ``python -u SCRIPT ARGS`` (this node's interpreter) for a ``.py`` file, else
-    ``SCRIPT ARGS``, with the environment of :mod:`paramserver.worker_client.env` set
-    (``PARAMSERVER_ADDRESS``, ``PARAMSERVER_SHARD_ADDRESSES``, ``WORKER_INDEX``,
-    ``NUM_WORKERS``, ``WORKER_NAME`` = ``<job name>-worker-<index>``,
-    ``PARAMSERVER_REPLACE=1``) over the Ray worker's own and :attr:`env`. So the script reads
-    the cluster with ``ps.connect_sync_from_env()`` or a
-    :class:`~paramserver.integrations.torch.ServerOptimizer`.
-
-    Each line the script prints is printed by the task as ``[worker I] line`` (the driver shows
-    it with ``log_to_driver``). The script dies with its task (Linux: the parent-death
-    signal), so a cancelled or killed task leaves no process behind. A worker's result is
-    ``{"exit_code": 0, "output": [its last lines]}``; a status other than 0 fails the task
-    with :class:`ScriptFailed` (retried by Ray up to ``worker_max_retries`` times; the retry
-    replaces the dead registration under the same name and resumes its progress).
-
-    Attributes:
-        script: Path of the script, as every node sees it (an absolute path: the same file on
-            every node, e.g. a shared filesystem or the same image).
-        args: Its arguments.
-        env: More environment variables of the script (a token file, TLS files...).
-        cwd: Its working directory (default: the Ray worker's).
-        output_lines: How many of its last lines each worker's result keeps.
-    """
-
-    script: str
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    cwd: str | None = None
-    output_lines: int = 20
-
-    def argv(self) -> list[str]:
-        """The command line on this node."""
-        if self.script.endswith(".py"):
-            return [sys.executable, "-u", self.script, *self.args]
-        return [self.script, *self.args]
-
-    def environment(
-        self, base: Mapping[str, str], addresses: Sequence[str], index: int, num_workers: int,
-        worker_name: str,
-    ) -> dict[str, str]:  # fmt: skip
-        """The script's environment: ``base``, then :attr:`env`, then the launcher's
-        variables."""
-        from paramserver.worker_client import env as names
-
-        out = {**base, **self.env}
-        out[names.ADDRESS_ENV] = addresses[0]
-        out[names.SHARD_ADDRESSES_ENV] = ",".join(addresses)
-        out[names.WORKER_INDEX_ENV] = str(index)
-        out[names.NUM_WORKERS_ENV] = str(num_workers)
-        out[names.WORKER_NAME_ENV] = worker_name
-        out[names.REPLACE_ENV] = "1"
-        out["PYTHONUNBUFFERED"] = "1"
-        return out
-
-    def run(
-        self, addresses: Sequence[str], index: int, num_workers: int, worker_name: str
-    ) -> dict[str, Any]:
-        """Run the script as worker ``index`` to its end.
-
-        Raises:
-            ScriptFailed: it exited with a status other than 0 (or was killed by a signal).
-        """
-        env = self.environment(os.environ, addresses, index, num_workers, worker_name)
-        last: collections.deque[str] = collections.deque(maxlen=max(1, self.output_lines))
-        proc = subprocess.Popen(
-            self.argv(),
-            env=env,
-            cwd=self.cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
-        )
-        try:
-            assert proc.stdout is not None
-            for raw in iter(proc.stdout.readline, b""):
-                line = raw.decode(errors="replace").rstrip("\n")
-                last.append(line)
-                print(f"[worker {index}] {line}", flush=True)
-            code = proc.wait()
-        finally:  # cancelled (KeyboardInterrupt) or failed here: the script goes too
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-        if code != 0:
-            status = f"signal {-code}" if code < 0 else f"status {code}"
-            tail = "\n".join(last)
-            raise ScriptFailed(
-                f"{' '.join(self.argv()[-len(self.args) - 1 :])} (worker {index}) exited with "
-                f"{status}; its last lines:\n{tail}",
-                128 - code if code < 0 else code,
-            )
-        return {"exit_code": 0, "output": list(last)}
-
-
-def _die_with_parent() -> None:
-    """In the script's process before exec: SIGKILL it when its parent (the Ray worker) dies
-    (Linux ``prctl(PR_SET_PDEATHSIG)``; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-@dataclass
-class ShardInfo:
-    """One shard as its actor reports it.
-
-    Attributes:
-        index: Shard index.
-        address: ``host:port`` it serves (the same across restarts).
-        node_ip: IP of the Ray node its actor runs on.
-        pid: Process id of its actor (changes on a restart).
-        starts: Times it started (1 + restarts; read from its state directory).
-        restored_applied_updates: Applied updates it held right after its last start (restored
-            from its checkpoint and write-ahead log; 0 on a first start).
-        applied_updates: Pushes applied so far (each BSP step counts its contributing pushes).
-        duplicate_pushes: Retried pushes recognised and not re-applied.
-        recovery_s: Seconds its last start spent restoring.
-    """
-
-    index: int
-    address: str
-    node_ip: str
-    pid: int
-    starts: int
-    restored_applied_updates: int
-    applied_updates: int
-    duplicate_pushes: int
-    recovery_s: float
-
-
-@dataclass
-class WorkerOutcome:
-    """One worker task's exit.
-
-    Attributes:
-        index: Worker index.
-        ok: It returned (no exception, not cancelled, within the deadline).
-        result: Its return value (the digits job: its ``done`` summary).
-        error: Why it failed (``None`` when ok).
-        node_ip: IP of the node it last ran on (``None`` if unknown).
-    """
-
-    index: int
-    ok: bool
-    result: Any = None
-    error: str | None = None
-    node_ip: str | None = None
-
-
-@dataclass
-class JobResult:
-    """What a job on Ray returns to its driver.
-
-    Attributes:
-        workers: Every worker's exit, by index.
-        shards: Every shard's state at the end (before teardown).
-        metrics: Final metrics; the digits job: ``test_accuracy`` of the final parameters.
-        elapsed_s: Seconds from the workers' submission to their last exit.
-        state_dir: Where the shards kept their state, on each shard's node (what a later
-            ``--restore-from`` reads).
-    """
-
-    workers: list[WorkerOutcome]
-    shards: list[ShardInfo]
-    metrics: dict[str, Any] = field(default_factory=dict)
-    elapsed_s: float = 0.0
-    state_dir: str = ""
-
-    @property
-    def ok(self) -> bool:
-        """Every worker returned."""
-        return all(w.ok for w in self.workers)
-
-    def to_json(self) -> str:
-        """The result as one JSON object (worker results that JSON cannot hold as ``repr``)."""
-        return json.dumps(asdict(self) | {"ok": self.ok}, default=repr, sort_keys=True)
-
-
-# ---------------------------------------------------------------------------- the shard actor
-class ShardActor:
-    """Hosts one shard's ``paramserver serve`` daemon on a private event loop thread.
-
-    Created by :class:`RayShardGroup` as a Ray actor; its constructor runs again on every
-    restart, restoring the shard from its checkpoint directory and write-ahead log.
-
-    Raises:
-        Unavailable: the actor landed on another node than its address names (UNAVAILABLE).
-        InvalidArgument: a bad setting, or unreadable certificates or token file
-            (INVALID_ARGUMENT).
-    """
-
-    def __init__(
-        self, index: int, addresses: Sequence[str], server: Mapping[str, Any], state_dir: str
-    ) -> None:
-        from paramserver.security.tls import ServerSecurity
-        from paramserver.server.shard_daemon import ParameterServerDaemon
-
-        self.index = index
-        self.address = addresses[index]
-        host, port = self.address.rsplit(":", 1)
-        node_ip = ray.util.get_node_ip_address()
-        if node_ip != host:
-            raise Unavailable(
-                f"shard {index} was placed on node {node_ip}, but its address is {self.address}"
-                " (its bundle moved to another node: restart the job)"
-            )
-        shard_dir = Path(state_dir) / f"shard-{index}"
-        shard_dir.mkdir(parents=True, exist_ok=True)
-        starts_file = shard_dir / STARTS_FILE
-        self.starts = (int(starts_file.read_text()) if starts_file.exists() else 0) + 1
-        starts_file.write_text(str(self.starts))
-        managed = {
-            "host": host,
-            "port": int(port),
-            "shard_index": index,
-            "shard_addresses": ",".join(addresses),
-            "checkpoint_dir": str(shard_dir / "checkpoints"),
-            "wal": True,
-            "wal_dir": str(shard_dir / "wal"),
-        }
-        config = ServerConfig.from_sources({**server, **managed}, os.environ)
-        ServerSecurity.of_config(config)  # unreadable certificates: refused here
-        self._loop = _new_loop(config.use_uvloop)
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"paramserver-shard-{index}", daemon=True
-        )
-        self._thread.start()
-        self._daemon = ParameterServerDaemon(config)
-        self._stopped = False
-        self._run(self._daemon.start(), timeout_s=120.0)
-        assert self._daemon.engine is not None
-        self.restored_applied_updates = self._daemon.engine.core.applied_updates
-        logger.info(
-            "shard %d serving on %s (start %d, %d applied updates restored)",
-            index,
-            self.address,
-            self.starts,
-            self.restored_applied_updates,
-        )
-
-    def _run(self, coro: Any, timeout_s: float) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
-
-    def token_auth(self) -> bool | None:
-        """Whether this shard's Ray worker process runs with token authentication (as its node
-        was started; None: this Ray does not say)."""
-        return token_auth_enabled()
-
-    def info(self) -> ShardInfo:
-        """This shard's address, node, process and counters."""
-        engine = self._daemon.engine
-        assert engine is not None
-        return ShardInfo(
-            index=self.index,
-            address=self.address,
-            node_ip=ray.util.get_node_ip_address(),
-            pid=os.getpid(),
-            starts=self.starts,
-            restored_applied_updates=self.restored_applied_updates,
-            applied_updates=engine.core.applied_updates,
-            duplicate_pushes=engine.core.duplicate_pushes,
-            recovery_s=self._daemon.recovery_s,
-        )
-
-    def stop(self, grace_s: float) -> None:
-        """Graceful stop: in-flight calls finish within ``grace_s``, a final checkpoint
-        (once; later calls return at once)."""
-        if self._stopped:
-            return
-        self._stopped = True
-        self._run(self._daemon.stop(grace_s), timeout_s=grace_s + 60.0)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10.0)
-
-
-def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
-    if use_uvloop:
-        try:
-            import uvloop
-        except ImportError:  # pragma: no cover - uvloop is a runtime dependency on POSIX
-            return asyncio.new_event_loop()
-        return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
-
-
 # ---------------------------------------------------------------------------- worker tasks
 def _worker_main(
     addresses: Sequence[str],
@@ -585,12 +300,15 @@ def _worker_main(
     job: ClusterJob | ScriptJob | TrainFunction,
     name: str,
     retry_deadline_s: float,
+    authority: Any = None,
 ) -> dict[str, Any]:
     """Body of worker task ``index``: connect to the cluster, run the job, leave."""
     from paramserver.serving.bootstrap import run_loop
     from paramserver.worker_client import connect, connect_sync
 
     node_ip = ray.util.get_node_ip_address()
+    if authority is not None:  # counted for the job's result (a retried task starts again)
+        ray.get(authority.worker_started.remote(index), timeout=30)
     retry = RetryPolicy(deadline_s=retry_deadline_s)
     worker_name = f"{name}-worker-{index}"
     result: Any
@@ -616,6 +334,11 @@ def _final_metrics_main(addresses: Sequence[str], job: ClusterJob) -> dict[str, 
     return job.final_metrics(addresses[0])
 
 
+def cluster_cpu_nodes() -> int:
+    """Alive Ray nodes that offer CPUs."""
+    return sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0))
+
+
 # ---------------------------------------------------------------------------- the group
 class RayShardGroup(Closing):
     """The shards of one job on a Ray cluster (``ray.init`` must have run).
@@ -625,8 +348,13 @@ class RayShardGroup(Closing):
     tears everything down.
 
     Attributes:
-        addresses: Shard addresses in shard order (fixed for the group's life).
-        actors: The shard actors' handles, in shard order.
+        addresses: Each shard's client address, in shard order (fixed for the group's life);
+            a replicated shard's names every replica as first placed (``"h:p|h:p"``), and
+            clients reach its primary.
+        groups: Each shard's replica addresses as first placed.
+        replicas: Replicas of each shard (``config.replicas``, or the default it resolved to).
+        actors: The replica actors' handles, by shard then replica.
+        authority: The job's authority actor (:mod:`paramserver.integrations.ray.authority`).
         job_id: This group's job id (:func:`new_job_id`).
         state_dir: Where its shards keep their state on their nodes (:func:`job_state_dir`).
     """
@@ -635,13 +363,43 @@ class RayShardGroup(Closing):
         self.config = config
         self.job_id = new_job_id(config.name)
         self.state_dir = job_state_dir(config.state_dir, self.job_id)
+        self.replicas = config.replicas or 1
         self.addresses: list[str] = []
-        self.actors: list[Any] = []
-        self._pg: PlacementGroup | None = None
+        self.groups: list[list[str]] = []
+        self.actors: list[list[Any]] = []
+        self.authority: Any = None
+        self._pgs: list[PlacementGroup] = []
         self._jobs: list[WorkerJob] = []
 
+    def _slot(self, i: int, k: int) -> tuple[PlacementGroup, int]:
+        """Replica k of shard i: its placement group and bundle."""
+        return (self._pgs[0], i) if self.replicas == 1 else (self._pgs[i], k)
+
+    def _place(self) -> None:
+        cfg = self.config
+        if self.replicas == 1:  # one group of every shard, spread by cfg.strategy
+            shapes = [(cfg.num_shards, cfg.strategy, f"{cfg.name}-shards")]
+        else:  # each shard's replicas on different nodes
+            shapes = [
+                (self.replicas, "STRICT_SPREAD", f"{cfg.name}-shard-{i}")
+                for i in range(cfg.num_shards)
+            ]
+        for count, strategy, name in shapes:
+            bundles = [{"CPU": cfg.shard_num_cpus} for _ in range(count)]
+            self._pgs.append(placement_group(bundles, strategy=strategy, name=name))
+        what = f"{cfg.name}'s shards to be placed"
+        ready = _ray_ready([pg.ready() for pg in self._pgs], cfg.start_timeout_s, what)
+        if len(ready) < len(self._pgs):
+            raise WaitTimeout(
+                f"the shards' placement groups ({cfg.num_shards} shards x {self.replicas} "
+                f"replicas, bundles of {cfg.shard_num_cpus} CPU, "
+                f"{cfg.strategy if self.replicas == 1 else 'STRICT_SPREAD per shard'}) were not "
+                f"placed within {cfg.start_timeout_s} s"
+            )
+
     def start(self) -> RayShardGroup:
-        """Place the group, fix the addresses, start every shard and wait until each serves.
+        """Place the replicas, fix the addresses, start every replica and wait until each
+        serves (and, with replicas, each shard has a primary).
 
         Raises:
             WaitTimeout: the group was not placed or the shards did not start within
@@ -649,56 +407,149 @@ class RayShardGroup(Closing):
         """
         cfg = self.config
         try:
-            bundles = [{"CPU": cfg.shard_num_cpus} for _ in range(cfg.num_shards)]
-            self._pg = placement_group(bundles, strategy=cfg.strategy, name=f"{cfg.name}-shards")
-            ready = _ray_ready(
-                [self._pg.ready()], cfg.start_timeout_s, f"{cfg.name}'s shards to be placed"
-            )
-            if not ready:
-                raise WaitTimeout(
-                    f"the shards' placement group ({cfg.num_shards} bundles of "
-                    f"{cfg.shard_num_cpus} CPU, {cfg.strategy}) was not placed within "
-                    f"{cfg.start_timeout_s} s"
+            if cfg.replicas is None:
+                self.replicas = 2 if cluster_cpu_nodes() >= 2 else 1
+            r = self.replicas
+            here = ray.get_runtime_context().get_node_id()
+            self.authority = (
+                ray.remote(Authority)
+                .options(
+                    name=f"{self.job_id}-authority",
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
                 )
-            ips = _bundle_node_ips(self._pg, cfg.num_shards)
-            self.addresses = [f"{ip}:{cfg.base_port + i}" for i, ip in enumerate(ips)]
+                .remote()
+            )
+            self._place()
+            self.groups = [
+                [
+                    f"{_bundle_node_ip(*self._slot(i, k))}:{cfg.base_port + i * r + k}"
+                    for k in range(r)
+                ]
+                for i in range(cfg.num_shards)
+            ]
+            self.addresses = ["|".join(g) for g in self.groups]
             actor_class = ray.remote(ShardActor)
             for i in range(cfg.num_shards):
-                self.actors.append(
-                    actor_class.options(
-                        name=f"{cfg.name}-shard-{i}",
-                        num_cpus=cfg.shard_num_cpus,
-                        max_restarts=cfg.shard_max_restarts,
-                        max_task_retries=-1 if cfg.shard_max_restarts else 0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            self._pg, placement_group_bundle_index=i
-                        ),
-                    ).remote(i, self.addresses, dict(cfg.server), self.state_dir)
-                )
-            refs = [a.info.remote() for a in self.actors]
-            done = _ray_ready(refs, cfg.start_timeout_s, f"{cfg.num_shards} shards to serve")
+                self.actors.append([])
+                for k in range(r):
+                    pg, bundle = self._slot(i, k)
+                    self.actors[i].append(
+                        actor_class.options(
+                            name=f"{self.job_id}-shard-{i}-replica-{k}",
+                            num_cpus=cfg.shard_num_cpus,
+                            max_restarts=cfg.shard_max_restarts,
+                            max_task_retries=-1 if cfg.shard_max_restarts else 0,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                pg, placement_group_bundle_index=bundle
+                            ),
+                        ).remote(
+                            i,
+                            k,
+                            self.groups,
+                            dict(cfg.server),
+                            self.state_dir,
+                            self.authority if r > 1 else None,
+                            self.job_id,
+                        )
+                    )
+            refs = [a.info.remote() for shard in self.actors for a in shard]
+            done = _ray_ready(refs, cfg.start_timeout_s, f"{len(refs)} shard replicas to serve")
             if len(done) < len(refs):
                 raise WaitTimeout(f"the shards did not all start within {cfg.start_timeout_s} s")
-            ray.get(refs)  # a shard that failed to start raises here
-            warn_without_token_auth(self.actors[0])
+            ray.get(refs)  # a replica that failed to start raises here
+            if r > 1:
+                self._wait_for_primaries(time.monotonic() + cfg.start_timeout_s)
+            warn_without_token_auth(self.actors[0][0])
         except BaseException:
             self.close()
             raise
-        logger.info("shards serving: %s (state in %s)", ",".join(self.addresses), self.state_dir)
+        logger.info(
+            "shards serving: %s (%d replicas each; state in %s)",
+            ",".join(self.addresses),
+            r,
+            self.state_dir,
+        )
         return self
 
-    def info(self, index: int, timeout_s: float = 60.0) -> ShardInfo:
-        """Shard ``index``'s address, node, process and counters (waits out a restart)."""
-        out: ShardInfo = ray.get(self.actors[index].info.remote(), timeout=timeout_s)
+    def _wait_for_primaries(self, deadline: float) -> None:
+        with Wait("every shard to elect a primary", deadline=deadline, logger=logger) as waiting:
+            while True:
+                have = [self.primary(i) for i in range(self.config.num_shards)]
+                if all(p is not None for p in have):
+                    return
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(
+                        f"shards {[i for i, p in enumerate(have) if p is None]} elected no "
+                        "primary in time"
+                    )
+                waiting.tick()
+                time.sleep(0.1)
+
+    def primary(self, index: int) -> dict[str, Any] | None:
+        """Shard ``index``'s primary now, as the authority names it: ``{"index": replica,
+        "address", "epoch"}`` (None while there is none; without replicas: replica 0)."""
+        if self.replicas == 1:
+            return {"index": 0, "address": self.groups[index][0], "epoch": 0}
+        out: dict[str, Any] | None = ray.get(
+            self.authority.primary.remote(index, self.job_id), timeout=30
+        )
         return out
+
+    def replica_infos(self, timeout_s: float = 10.0) -> list[list[ShardInfo | None]]:
+        """Every replica's info, by shard then replica (None: it did not answer within
+        ``timeout_s``, e.g. its node was lost and Ray has not placed it again)."""
+        refs = [[a.info.remote() for a in shard] for shard in self.actors]
+        flat = [ref for shard in refs for ref in shard]
+        ready, _ = ray.wait(flat, num_returns=len(flat), timeout=timeout_s)
+        done = set(ready)
+        out: list[list[ShardInfo | None]] = []
+        for shard in refs:
+            row: list[ShardInfo | None] = []
+            for ref in shard:
+                try:
+                    row.append(ray.get(ref) if ref in done else None)
+                except ray.exceptions.RayError:
+                    row.append(None)
+            out.append(row)
+        return out
+
+    def info(self, index: int, timeout_s: float = 60.0) -> ShardInfo:
+        """Shard ``index``'s primary: address, node, process and counters (waits out a restart
+        or a failover, at most ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.replicas == 1:
+                out: ShardInfo = ray.get(self.actors[index][0].info.remote(), timeout=timeout_s)
+                return out
+            primary = self.primary(index)
+            if primary is not None:
+                try:
+                    out = ray.get(
+                        self.actors[index][primary["index"]].info.remote(),
+                        timeout=max(1.0, deadline - time.monotonic()),
+                    )
+                    if out.role == "primary":
+                        report = ray.get(self.authority.report.remote(), timeout=30)
+                        out.failovers = max(0, len(report["promotions"].get(index, [])) - 1)
+                        return out
+                except ray.exceptions.RayError:
+                    pass
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"shard {index} has no primary that answers")
+            time.sleep(0.2)
 
     def infos(self, timeout_s: float = 60.0) -> list[ShardInfo]:
-        out: list[ShardInfo] = ray.get([a.info.remote() for a in self.actors], timeout=timeout_s)
-        return out
+        """Every shard's primary (:meth:`info`)."""
+        return [self.info(i, timeout_s) for i in range(self.config.num_shards)]
 
-    def kill(self, index: int) -> None:
-        """Kill shard ``index``'s actor process now (Ray restarts it: ``max_restarts``)."""
-        ray.kill(self.actors[index], no_restart=False)
+    def kill(self, index: int, replica: int | None = None) -> None:
+        """Kill the actor process of replica ``replica`` of shard ``index`` now (default: the
+        primary; Ray restarts it: ``max_restarts``)."""
+        if replica is None:
+            primary = self.primary(index)
+            replica = primary["index"] if primary is not None else 0
+        ray.kill(self.actors[index][replica], no_restart=False)
 
     def submit(self, job: ClusterJob | ScriptJob | TrainFunction) -> WorkerJob:
         """Start ``num_workers`` worker tasks running ``job``."""
@@ -711,27 +562,48 @@ class RayShardGroup(Closing):
             **({"runtime_env": {"env_vars": dict(cfg.worker_env)}} if cfg.worker_env else {}),
         )
         refs = [
-            task.remote(self.addresses, i, cfg.num_workers, job, cfg.name, cfg.retry_deadline_s)
+            task.remote(
+                self.addresses,
+                i,
+                cfg.num_workers,
+                job,
+                cfg.name,
+                cfg.retry_deadline_s,
+                self.authority,
+            )
             for i in range(cfg.num_workers)
         ]
         worker_job = WorkerJob(self, job, refs)
         self._jobs.append(worker_job)
         return worker_job
 
+    def report(self) -> dict[str, Any]:
+        """The authority's counts: ``{"promotions": {shard: [(epoch, replica)]},
+        "worker_starts": {worker: n}}`` (empty when it is gone)."""
+        if self.authority is None:
+            return {"promotions": {}, "worker_starts": {}}
+        try:
+            out: dict[str, Any] = ray.get(self.authority.report.remote(), timeout=30)
+        except ray.exceptions.RayError:
+            return {"promotions": {}, "worker_starts": {}}
+        return out
+
     def close(self) -> None:
-        """Teardown: cancel unfinished worker tasks, stop each shard gracefully (final
-        checkpoint), kill the actors for good, remove the placement group."""
+        """Teardown: cancel unfinished worker tasks, stop each replica gracefully (final
+        checkpoint), kill the actors for good, remove the placement groups."""
         for job in self._jobs:
             job.cancel()
-        stops = [a.stop.remote(self.config.stop_grace_s) for a in self.actors]
+        actors = [a for shard in self.actors for a in shard]
+        stops = [a.stop.remote(self.config.stop_grace_s) for a in actors]
         if stops:
             ray.wait(stops, num_returns=len(stops), timeout=self.config.stop_grace_s + 30.0)
-        for actor in self.actors:
+        for actor in actors + ([self.authority] if self.authority is not None else []):
             ray.kill(actor, no_restart=True)
         self.actors = []
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
+        self.authority = None
+        for pg in self._pgs:
+            remove_placement_group(pg)
+        self._pgs = []
 
     open = start
 
@@ -761,7 +633,8 @@ class WorkerJob:
     def result(self, timeout_s: float | None = None) -> JobResult:
         """Wait for every worker (at most ``timeout_s``, default ``job_timeout_s``); with
         ``worker_failure="fail"`` the first worker that fails for good cancels the rest.
-        Returns each worker's exit, each shard's counters and the job's final metrics."""
+        Returns each worker's exit, each shard's counters, failovers and retries, and the
+        job's final metrics."""
         cfg = self.shards.config
         deadline = time.monotonic() + (cfg.job_timeout_s if timeout_s is None else timeout_s)
         outcomes: dict[int, WorkerOutcome] = {}
@@ -797,37 +670,72 @@ class WorkerJob:
                 metrics = ray.get(evaluate.remote(self.shards.addresses, self.job), timeout=120)
             except Exception as exc:  # the shards are unreachable: say so in the result
                 metrics = {"error": f"evaluation failed: {type(exc).__name__}: {exc}"}
+        report = self.shards.report()
+        starts = report["worker_starts"]
+        for i, outcome in outcomes.items():
+            outcome.starts = max(1, int(starts.get(i, 1)))
+        shards: list[ShardInfo] = []
+        error = None
+        try:
+            shards = self.shards.infos(timeout_s=60.0)
+        except (WaitTimeout, ray.exceptions.RayError) as exc:
+            error = f"the shards' final state could not be read: {exc}"
         return JobResult(
             workers=[outcomes[i] for i in range(len(self.refs))],
-            shards=self.shards.infos(),
+            shards=shards,
             metrics=metrics,
             elapsed_s=round(elapsed, 3),
             state_dir=self.shards.state_dir,
+            replicas=self.shards.replicas,
+            failovers=sum(max(0, len(p) - 1) for p in report["promotions"].values()),
+            retried_workers=sorted(i for i, o in outcomes.items() if o.starts > 1),
+            error=error,
         )
 
 
-def _bundle_node_ips(pg: PlacementGroup, count: int) -> list[str]:
-    """The IP of the node each bundle of ``pg`` was placed on, in bundle order."""
-    table = placement_group_table(pg)
-    node_of = table["bundles_to_node_id"]
+def _bundle_node_ip(pg: PlacementGroup, bundle: int) -> str:
+    """The IP of the node bundle ``bundle`` of ``pg`` was placed on."""
+    node_of = placement_group_table(pg)["bundles_to_node_id"]
     ip_of = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-    return [ip_of[node_of[i]] for i in range(count)]
+    return str(ip_of[node_of[bundle]])
 
 
 def launch(config: RayJobConfig, job: ClusterJob | ScriptJob | TrainFunction) -> JobResult:
     """Run one job on the Ray cluster this process is connected to and tear it down.
 
     Args:
-        config: Shards, workers, restart policies, deadlines.
+        config: Shards, replicas, workers, restart policies, deadlines.
         job: A :class:`ClusterJob` (the digits demo's
             :class:`~paramserver.cli.demos.digits.DigitsJob`), a :class:`ScriptJob` (a
             training script) or a function ``train(client, worker_index, num_workers)``.
 
     Returns:
-        The :class:`JobResult` (workers' exits, shards' counters, final metrics).
-
-    Raises:
-        WaitTimeout: the shards did not start within ``start_timeout_s`` (DEADLINE_EXCEEDED).
+        The :class:`JobResult` (workers' exits, shards' counters, failovers, retried workers,
+        final metrics). A job that could not run to its end (the shards did not start within
+        ``start_timeout_s``, the cluster failed under it) returns one too, with ``ok``
+        false and ``error`` saying why; nothing is raised for it.
     """
-    with RayShardGroup(config) as shards:
-        return shards.submit(job).result()
+    shards = RayShardGroup(config)
+    try:
+        with shards:
+            return shards.submit(job).result()
+    except (WaitTimeout, ray.exceptions.RayError, OSError) as exc:
+        logger.error("the job failed: %s", exc)
+        return JobResult.failed(f"{type(exc).__name__}: {exc}", shards.state_dir)
+
+
+__all__ = [
+    "MANAGED_SERVER_FIELDS",
+    "ClusterJob",
+    "JobResult",
+    "RayJobConfig",
+    "RayShardGroup",
+    "ScriptFailed",
+    "ScriptJob",
+    "ShardActor",
+    "ShardInfo",
+    "TrainFunction",
+    "WorkerJob",
+    "WorkerOutcome",
+    "launch",
+]

@@ -1,0 +1,189 @@
+"""The Ray launcher's authority (:class:`~paramserver.integrations.ray.authority.LeaseTable`)
+without Ray: its etcd semantics, and two real replica daemons of one shard electing a primary
+through it, failing over when the primary stops renewing its lease, and streaming to a backup
+that moved to another address.
+
+Expected values are independent of the product: the etcd v3 rules the table claims (revisions
+only grow, a lapsed lease deletes its keys, a create-if-absent transaction wins once) and the
+sum of the gradients pushed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from paramserver.core.optimizers import UpdateRule
+from paramserver.integrations.ray.authority import Authority, LeaseTable
+from paramserver.server.config import ServerConfig
+from paramserver.server.election import Etcd, address_key
+from paramserver.server.shard_daemon import ParameterServerDaemon
+from paramserver.worker_client import RetryPolicy, connect
+from tests.harness.polling import eventually
+from tests.harness.timing import scaled
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_lease_table_keeps_etcd_semantics() -> None:
+    clock = Clock()
+    table = LeaseTable(clock)
+    lease = table.grant(2)
+    create = [Etcd.revision_is("p", "CREATE", 0)]
+    won, rev = table.txn(create, [Etcd.put("p", "a", lease)])
+    assert won and rev == 2
+    assert table.get("p") == {"value": "a", "create_revision": 2, "mod_revision": 2}
+    lost, rev2 = table.txn(create, [Etcd.put("p", "b")])  # present: the create loses
+    assert not lost and rev2 == 2 and table.get("p")["value"] == "a"  # type: ignore[index]
+    clock.now += 1.5
+    assert table.keepalive(lease) == 2  # renewed: lives 2 s from now
+    clock.now += 1.9
+    assert table.get("p") is not None
+    clock.now += 0.2  # 2.1 s since the renewal: lapsed, its key gone, the revision grew
+    assert table.get("p") is None
+    assert table.keepalive(lease) == 0
+    assert table.revision == 3
+    # a put to a lapsed lease is refused and changes nothing
+    assert table.txn([], [Etcd.put("q", "x", lease)]) == (False, 3)
+    # a new primary's create revision (its epoch) is higher than any before it
+    other = table.grant(2)
+    won, rev = table.txn(create, [Etcd.put("p", "c", other)])
+    assert won and rev == 4 and table.get("p")["create_revision"] == 4  # type: ignore[index]
+    # MOD comparisons
+    assert not table.txn([Etcd.revision_is("p", "MOD", 3)], [Etcd.put("s", "1")])[0]
+    assert table.txn([Etcd.revision_is("p", "MOD", 4)], [Etcd.put("s", "1")]) == (True, 5)
+
+
+def test_authority_counts_promotions_and_worker_starts() -> None:
+    auth = Authority()
+    lease = auth.grant(5)
+    key = "job/shard-1/primary"
+    create = [Etcd.revision_is(key, "CREATE", 0)]
+    assert auth.txn(create, [Etcd.put(key, '{"index": 0, "address": "a"}', lease)])[0]
+    assert auth.primary(1, "job") == {"index": 0, "address": "a", "epoch": 2}
+    assert auth.primary(0, "job") is None
+    auth.worker_started(3)
+    auth.worker_started(3)
+    assert auth.report() == {"promotions": {1: [(2, 0)]}, "worker_starts": {3: 2}}
+    auth.publish(address_key("job", 1, 1), "h:1")
+    assert auth.get(address_key("job", 1, 1))["value"] == "h:1"  # type: ignore[index]
+
+
+class LocalStore:
+    """The table as an ElectionStore, in this process."""
+
+    def __init__(self, table: LeaseTable) -> None:
+        self.table = table
+
+    async def grant(self, ttl_s: int) -> str:
+        return self.table.grant(ttl_s)
+
+    async def keepalive(self, lease: str) -> int:
+        return self.table.keepalive(lease)
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        return self.table.get(key)
+
+    async def txn(
+        self, compare: list[dict[str, Any]], success: list[dict[str, Any]]
+    ) -> tuple[bool, int]:
+        return self.table.txn(compare, success)
+
+
+def _config(tmp_path: Path, k: int, addresses: list[str]) -> ServerConfig:
+    host, port = addresses[k].rsplit(":", 1)
+    return ServerConfig(
+        host=host,
+        port=int(port),
+        consistency="asp",
+        lease_ms=60_000,
+        replicas=2,
+        replica_index=k,
+        replica_addresses=",".join(addresses),
+        checkpoint_dir=str(tmp_path / f"replica-{k}" / "checkpoints"),
+        wal=True,
+        wal_dir=str(tmp_path / f"replica-{k}" / "wal"),
+        election_prefix="job",
+        election_ttl_s=1,
+    )
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_replicas_fail_over_and_reseed_a_moved_backup_through_the_table(
+    tmp_path: Path,
+) -> None:
+    """Replica 0 is elected first; the pushes it acknowledges are on replica 1 when replica 0
+    stops (its lease lapses: no graceful hand-over); replica 1 is promoted under a higher
+    epoch and serves; a new replica 0 at another address publishes it and is seeded by the new
+    primary; every acknowledged push is in the final value, applied once."""
+    table = LeaseTable()
+    store = LocalStore(table)
+    p0, p1, p2 = _free_ports(3)
+    addresses = [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"]
+    d0 = ParameterServerDaemon(_config(tmp_path, 0, addresses), election_store=store)
+    d1 = ParameterServerDaemon(_config(tmp_path, 1, addresses), election_store=store)
+    await d0.start()
+    await d1.start()
+    moved: ParameterServerDaemon | None = None
+    try:
+        await eventually(lambda: d0.replica is not None and d0.replica.primary is not None)
+        assert d0.replica is not None and d1.replica is not None
+        epoch0 = d0.replica.epoch
+        retry = RetryPolicy(deadline_s=scaled(30.0))
+        g = np.arange(4, dtype=np.float32)
+        async with connect("|".join(addresses), "w", retry=retry) as ps:
+            await ps.init({"x": np.zeros(4, np.float32)}, rule=UpdateRule("add"))
+            for _ in range(3):
+                await ps.push({"x": g})
+            await eventually(lambda: d0.replica.primary.in_sync() == {0, 1})  # type: ignore[union-attr]
+            # replica 0 is lost: it stops serving and renewing (no hand-over, no release)
+            await d0.stop(0.0)
+            await eventually(lambda: d1.replica.primary is not None, timeout_s=20.0)  # type: ignore[union-attr]
+            assert d1.replica.epoch > epoch0
+            for _ in range(2):
+                await ps.push({"x": g})
+            # replica 0 again, at another address (as on another node), with an empty disk
+            moved_addresses = [f"127.0.0.1:{p2}", addresses[1]]
+            table.txn([], [Etcd.put(address_key("job", 0, 0), moved_addresses[0])])
+            cfg = _config(tmp_path / "new-node", 0, moved_addresses)
+            moved = ParameterServerDaemon(cfg, election_store=store)
+            await moved.start()
+            await eventually(
+                lambda: d1.replica.primary.in_sync() == {0, 1},  # type: ignore[union-attr]
+                timeout_s=30.0,
+            )
+            await ps.push({"x": g})
+            values = await ps.pull(["x"])
+        np.testing.assert_array_equal(values["x"], 6 * g)
+        assert d1.engine is not None and d1.engine.core.applied_updates == 6
+        assert moved.engine is not None
+        await eventually(lambda: moved.engine.core.applied_updates == 6)  # type: ignore[union-attr]
+        assert moved.replica is not None and moved.replica.primary is None
+    finally:
+        for d in (d0, d1, moved):
+            if d is not None:
+                await d.stop(0.0)
