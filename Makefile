@@ -82,4 +82,4 @@ bench: $(STAMP)  ## benchmarks (JSON lines on stdout)
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info paramserver/api/v1/*_pb2*.py paramserver/api/v1/*_pb2.pyi
+	rm -rf $(VENV) build dist *.egg-info paramserver/api/v1/*_pb2*.py paramserver/api/v1/*_pb2*.pyi

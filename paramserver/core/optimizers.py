@@ -37,7 +37,7 @@ import numbers
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 
 import ml_dtypes
 import numpy as np
@@ -212,7 +212,9 @@ class UpdateRule:
         if kind is None:
             raise InvalidArgument(f"unknown update rule kind enum value {kind_value}")
 
-        def opt(name: str) -> float | None:
+        def opt(
+            name: Literal["lr", "momentum", "weight_decay", "beta1", "beta2", "eps"],
+        ) -> float | None:
             return float(getattr(msg, name)) if msg.HasField(name) else None
 
         return cls(
@@ -514,7 +516,7 @@ class RuleKind:
     """
 
     name: str
-    proto: int
+    proto: ps_pb2.RuleKind.ValueType
     defaults: Mapping[str, float]
     state: tuple[str, ...]
     step: _Kernel | None

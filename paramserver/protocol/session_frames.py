@@ -87,7 +87,7 @@ class _Placed:
         #: (inline batches) zero bytes after each slot, up to the next one's offset
         self.pads: list[bytes] = []
         self.dsts: list[np.ndarray] = []
-        self.dtypes: list[int] = []
+        self.dtypes: list[tensor.WireDType] = []
         self.ndims: list[int] = []
         self.dims: list[int] = []
         self.offsets: list[int] = []

@@ -36,8 +36,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeAlias, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -71,11 +71,16 @@ DEFAULT_CHUNK_BYTES: int = 1 << 20
 
 _MAX_CHUNKS = 1 << 32  # chunk_index is a uint32
 
-_BFLOAT16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+#: A ``tensor_pb2.DType`` wire value.
+WireDType: TypeAlias = tensor_pb2.DType.ValueType
+#: A ``tensor_pb2.TensorRole`` wire value.
+TensorRole: TypeAlias = tensor_pb2.TensorRole.ValueType
+
+_BFLOAT16: np.dtype[np.generic] = np.dtype(ml_dtypes.bfloat16)
 
 # Wire value -> little-endian numpy dtype. bfloat16 (an ml_dtypes extension type) has no
 # explicit byte order; it is native, which is little-endian on every supported host.
-_WIRE_TABLE: tuple[tuple[tensor_pb2.DType, np.dtype[Any]], ...] = (
+_WIRE_TABLE: tuple[tuple[WireDType, np.dtype[np.generic]], ...] = (
     (tensor_pb2.DTYPE_FLOAT16, np.dtype("<f2")),
     (tensor_pb2.DTYPE_BFLOAT16, _BFLOAT16),
     (tensor_pb2.DTYPE_FLOAT32, np.dtype("<f4")),
@@ -83,10 +88,10 @@ _WIRE_TABLE: tuple[tuple[tensor_pb2.DType, np.dtype[Any]], ...] = (
     (tensor_pb2.DTYPE_INT32, np.dtype("<i4")),
     (tensor_pb2.DTYPE_INT64, np.dtype("<i8")),
 )
-_FROM_WIRE: dict[int, np.dtype[Any]] = {int(wire): dt for wire, dt in _WIRE_TABLE}
-_TO_WIRE: dict[np.dtype[Any], tensor_pb2.DType] = {dt: wire for wire, dt in _WIRE_TABLE}
+_FROM_WIRE: dict[int, np.dtype[np.generic]] = {int(wire): dt for wire, dt in _WIRE_TABLE}
+_TO_WIRE: dict[np.dtype[np.generic], WireDType] = {dt: wire for wire, dt in _WIRE_TABLE}
 
-SUPPORTED_DTYPES: tuple[np.dtype[Any], ...] = tuple(_FROM_WIRE.values())
+SUPPORTED_DTYPES: tuple[np.dtype[np.generic], ...] = tuple(_FROM_WIRE.values())
 """float16, bfloat16 (``ml_dtypes``), float32, float64, int32, int64, in wire-enum order."""
 
 
@@ -99,18 +104,18 @@ def _key_label(key: str) -> str:
     return f"tensor {shown(key)!r}" if key else "tensor"
 
 
-def _is_big_endian(dtype: np.dtype[Any]) -> bool:
+def _is_big_endian(dtype: np.dtype[np.generic]) -> bool:
     if dtype.byteorder == ">":
         return True
     return dtype.byteorder == "=" and sys.byteorder == "big" and dtype.kind in "fiu"
 
 
-def _little_endian(dtype: np.dtype[Any]) -> np.dtype[Any]:
+def _little_endian(dtype: np.dtype[np.generic]) -> np.dtype[np.generic]:
     """The little-endian twin of ``dtype`` (itself when already little-endian or byte-less)."""
     return dtype.newbyteorder("<") if _is_big_endian(dtype) else dtype
 
 
-def _lookup_wire(dtype: np.dtype[Any]) -> tensor_pb2.DType | None:
+def _lookup_wire(dtype: np.dtype[np.generic]) -> WireDType | None:
     try:
         return _TO_WIRE.get(_little_endian(dtype))
     except TypeError:  # unhashable oddities
@@ -119,12 +124,12 @@ def _lookup_wire(dtype: np.dtype[Any]) -> tensor_pb2.DType | None:
 
 #: Supported dtypes :func:`normalize` returns a C-contiguous array of as is (little-endian or
 #: byte-less): a caller may skip normalising such an array.
-WIRE_READY_DTYPES: frozenset[np.dtype[Any]] = frozenset(
+WIRE_READY_DTYPES: frozenset[np.dtype[np.generic]] = frozenset(
     dt for dt in _TO_WIRE if not _is_big_endian(dt)
 )
 
 
-def dtype_to_wire(dtype: npt.DTypeLike) -> int:
+def dtype_to_wire(dtype: npt.DTypeLike) -> WireDType:
     """Map a numpy dtype to its ``tensor_pb2.DType`` wire value.
 
     Args:
@@ -139,7 +144,7 @@ def dtype_to_wire(dtype: npt.DTypeLike) -> int:
     if isinstance(dtype, np.dtype):  # fast path: a supported little-endian (or native) dtype
         known = _TO_WIRE.get(dtype)
         if known is not None:
-            return int(known)
+            return known
     if dtype is None:
         raise InvalidArgument("dtype is None; expected one of: " + _supported_names())
     try:
@@ -149,10 +154,10 @@ def dtype_to_wire(dtype: npt.DTypeLike) -> int:
     wire = _lookup_wire(dt)
     if wire is None:
         raise InvalidArgument(f"unsupported dtype {dt}; supported: {_supported_names()}")
-    return int(wire)
+    return wire
 
 
-def dtype_from_wire(value: int, key: str) -> np.dtype[Any]:
+def dtype_from_wire(value: int, key: str) -> np.dtype[np.generic]:
     """Map a ``tensor_pb2.DType`` wire value to its little-endian numpy dtype.
 
     Args:
@@ -190,7 +195,7 @@ def array_limit_problem(shape: Sequence[int], itemsize: int) -> str | None:
     return None
 
 
-def checked_nbytes(key: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
+def checked_nbytes(key: str, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> int:
     """:func:`tensor_nbytes` of a received tensor, refusing (INVALID_ARGUMENT, naming ``key``)
     a negative dimension or a shape no array can have (:func:`array_limit_problem`)."""
     if shape and min(shape) < 0:
@@ -281,7 +286,7 @@ def encode_frames(
     array: np.ndarray | np.generic | float | int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     *,
-    role: int = 0,
+    role: TensorRole = tensor_pb2.TENSOR_ROLE_UNSPECIFIED,
     dense_shape: tuple[int, ...] = (),
 ) -> Iterator[tensor_pb2.TensorFrame]:
     """Split one tensor into frames: header in frame 0, then chunks of raw bytes.
@@ -315,7 +320,7 @@ def encode_frame_bytes(
     array: np.ndarray | np.generic | float | int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     *,
-    role: int = 0,
+    role: TensorRole = tensor_pb2.TENSOR_ROLE_UNSPECIFIED,
     dense_shape: tuple[int, ...] = (),
 ) -> Iterator[bytes]:
     """:func:`encode_frames` as the wire bytes of ``PushRequest(frame=...)`` /
@@ -338,7 +343,7 @@ def encode_messages(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     *,
     field: str = "frame",
-    role: int = 0,
+    role: TensorRole = tensor_pb2.TENSOR_ROLE_UNSPECIFIED,
     dense_shape: tuple[int, ...] = (),
 ) -> Iterator[_M]:
     """:func:`encode_frames`, each frame built in place inside a container message.
@@ -366,7 +371,7 @@ def _prepare(
     key: str,
     array: np.ndarray | np.generic | float | int,
     chunk_bytes: int,
-    role: int,
+    role: TensorRole,
     dense_shape: tuple[int, ...],
 ) -> tuple[tensor_pb2.TensorHeader, memoryview, int]:
     if not isinstance(key, str) or not key:
@@ -475,7 +480,7 @@ class TensorAssembler:
         self,
         *,
         max_tensor_bytes: int | None = None,
-        allocate: Callable[[str, np.dtype[Any], tuple[int, ...]], np.ndarray] | None = None,
+        allocate: Callable[[str, np.dtype[np.generic], tuple[int, ...]], np.ndarray] | None = None,
     ) -> None:
         if max_tensor_bytes is not None and max_tensor_bytes < 0:
             raise InvalidArgument(f"max_tensor_bytes must be >= 0, got {max_tensor_bytes}")
@@ -698,7 +703,7 @@ class HeadedStream:
             :meth:`received_head`: no head.
     """
 
-    messages: AsyncIterator[Any]
+    messages: AsyncIterable[Any]
     head_field: str
     what: str
     head_first: bool = True
@@ -734,13 +739,13 @@ class HeadedStream:
 
 
 async def read_headed_stream(
-    messages: AsyncIterator[Any],
+    messages: AsyncIterable[Any],
     *,
     head: str,
     what: str,
     max_tensor_bytes: int | None = None,
     head_first: bool = True,
-    allocate: Callable[[str, np.dtype[Any], tuple[int, ...]], np.ndarray] | None = None,
+    allocate: Callable[[str, np.dtype[np.generic], tuple[int, ...]], np.ndarray] | None = None,
 ) -> tuple[Any, dict[str, np.ndarray]]:
     """Read a stream whose messages carry either its one ``head`` message or a tensor ``frame``
     (the ``body`` oneof of the reduction and push-sum streams).

@@ -123,7 +123,8 @@ def _parse_frame(view: memoryview, pos: int, end: int) -> RawFrame | None:
             elif frame.header is not None:
                 return None  # a repeated header merges in protobuf: its business
             else:
-                frame.header = tensor_pb2.TensorHeader.FromString(view[pos : pos + n])
+                # upb parses any buffer; types-protobuf names only bytes.
+                frame.header = tensor_pb2.TensorHeader.FromString(view[pos : pos + n])  # type: ignore[arg-type]
             pos += n
         elif tag == _CHUNK_INDEX_TAG:
             value, pos = _read_varint(view, pos, end)

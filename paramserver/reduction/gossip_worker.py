@@ -37,7 +37,7 @@ import logging
 import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Final
+from typing import Final
 
 import grpc
 import numpy as np
@@ -53,6 +53,7 @@ from paramserver.errors import (
     ParamServerError,
     WorkerNotFound,
 )
+from paramserver.method_handlers import ServicerContext
 from paramserver.protocol import tensor
 from paramserver.reduction.reduce_client import ReductionClient
 from paramserver.security.tls import (
@@ -85,7 +86,7 @@ _RETRYABLE: Final[frozenset[grpc.StatusCode]] = frozenset(
 _endpoint_of = endpoint_security  # the parameter of GossipWorker shadows the function
 
 
-class _PushSumEndpoint(pb_grpc.PushSumPeerServicer):  # type: ignore[misc]
+class _PushSumEndpoint(pb_grpc.PushSumPeerServicer):
     """The worker's ``PushSumPeer`` service: decode a share, absorb it once."""
 
     def __init__(self, worker: GossipWorker) -> None:
@@ -93,7 +94,7 @@ class _PushSumEndpoint(pb_grpc.PushSumPeerServicer):  # type: ignore[misc]
 
     @grpc_errors
     async def PushShare(
-        self, request_iterator: AsyncIterator[pb.PushShareRequest], context: Any
+        self, request_iterator: AsyncIterator[pb.PushShareRequest], context: ServicerContext
     ) -> pb.PushShareResponse:
         # A share is "s" (this node's value shape, float64) and "w" (a float64 scalar): a frame
         # header claiming more is refused before anything is allocated for it.
@@ -380,7 +381,7 @@ class GossipWorker(AsyncClosing):
     async def _directory(self) -> pb.PeersResponse:
         return await self._require_client().peers()
 
-    def _stub(self, address: str) -> pb_grpc.PushSumPeerStub:
+    def _stub(self, address: str) -> pb_grpc.PushSumPeerAsyncStub:
         channel = self._channels.get(address)
         if channel is None:
             channel = open_channel(address, self.security)

@@ -86,7 +86,7 @@ class ReduceInfo:
     active_workers: int
 
 
-class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
+class ReductionClient(ServiceSession["pb_grpc.ReductionServiceAsyncStub"]):
     """One worker's session with a reduction server.
 
     Args:
@@ -138,7 +138,7 @@ class ReductionClient(ServiceSession[pb_grpc.ReductionServiceStub]):
         """
         await super().open()
 
-    def _new_stub(self, channel: grpc.aio.Channel) -> pb_grpc.ReductionServiceStub:
+    def _new_stub(self, channel: grpc.aio.Channel) -> pb_grpc.ReductionServiceAsyncStub:
         return pb_grpc.ReductionServiceStub(channel)
 
     def _heartbeat_request(self) -> pb.ReductionHeartbeatRequest:

@@ -49,6 +49,7 @@ from paramserver.core.aggregation import (
     Synchronous,
 )
 from paramserver.errors import InvalidArgument, Unavailable, WaitTimeout, WorkerNotFound
+from paramserver.method_handlers import ServicerContext
 from paramserver.protocol import tensor
 from paramserver.reduction.coordinator import (
     ReduceOutcome,
@@ -78,13 +79,13 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME: Final[str] = "paramserver.api.v1.ReductionService"
 """Full gRPC service name (also the health-check service name in ``reduce`` mode)."""
 
-_STRATEGY_PB: Final[dict[type, int]] = {
+_STRATEGY_PB: Final[dict[type, pb.ReductionStrategy.ValueType]] = {
     Synchronous: pb.REDUCTION_STRATEGY_SYNCHRONOUS,
     Asynchronous: pb.REDUCTION_STRATEGY_ASYNCHRONOUS,
     FederatedAverage: pb.REDUCTION_STRATEGY_FEDERATED_AVERAGE,
     GossipAverage: pb.REDUCTION_STRATEGY_GOSSIP,
 }
-_AGGREGATION_PB: Final[dict[str, int]] = {
+_AGGREGATION_PB: Final[dict[str, ps_pb.Aggregation.ValueType]] = {
     "mean": ps_pb.AGGREGATION_MEAN,
     "sum": ps_pb.AGGREGATION_SUM,
     "weighted_mean": ps_pb.AGGREGATION_WEIGHTED_MEAN,
@@ -263,7 +264,7 @@ async def _read_reduce(
     return header, gradients
 
 
-class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
+class ReductionServicer(pb_grpc.ReductionServiceServicer):
     """Implements ``paramserver.api.v1.ReductionService`` over a :class:`ReductionEngine`."""
 
     def __init__(self, engine: ReductionEngine) -> None:
@@ -290,7 +291,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
 
     @grpc_errors
     async def Register(
-        self, request: pb.ReductionRegisterRequest, context: Any
+        self, request: pb.ReductionRegisterRequest, context: ServicerContext
     ) -> pb.ReductionRegisterResponse:
         check_worker_identity(request.worker_name)  # (per-worker tokens: docs/security.md)
         reg = self.coordinator.register(
@@ -307,7 +308,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
 
     @grpc_errors
     async def Heartbeat(
-        self, request: pb.ReductionHeartbeatRequest, context: Any
+        self, request: pb.ReductionHeartbeatRequest, context: ServicerContext
     ) -> pb.ReductionHeartbeatResponse:
         check_worker_identity(request.worker_id)
         self.coordinator.heartbeat(request.worker_id, self.engine.now())
@@ -317,7 +318,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
 
     @grpc_errors
     async def Leave(
-        self, request: pb.ReductionLeaveRequest, context: Any
+        self, request: pb.ReductionLeaveRequest, context: ServicerContext
     ) -> pb.ReductionLeaveResponse:
         check_worker_identity(request.worker_id)
         self.coordinator.leave(request.worker_id)
@@ -326,7 +327,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
 
     @grpc_errors
     async def Reduce(
-        self, request_iterator: AsyncIterator[pb.ReduceRequest], context: Any
+        self, request_iterator: AsyncIterator[pb.ReduceRequest], context: ServicerContext
     ) -> AsyncIterator[pb.ReduceResponse]:
         config = self.engine.config
         header, gradients = await _read_reduce(request_iterator, config.max_tensor_bytes)
@@ -365,7 +366,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
                 yield pb.ReduceResponse(frame=frame)
 
     @grpc_errors
-    async def Peers(self, request: pb.PeersRequest, context: Any) -> pb.PeersResponse:
+    async def Peers(self, request: pb.PeersRequest, context: ServicerContext) -> pb.PeersResponse:
         check_worker_identity(request.worker_id)
         peers = self.coordinator.peers(request.worker_id, self.engine.now())
         strategy = self.coordinator.strategy
@@ -377,7 +378,7 @@ class ReductionServicer(pb_grpc.ReductionServiceServicer):  # type: ignore[misc]
 
     @grpc_errors
     async def Status(
-        self, request: pb.ReductionStatusRequest, context: Any
+        self, request: pb.ReductionStatusRequest, context: ServicerContext
     ) -> pb.ReductionStatusResponse:
         coordinator = self.coordinator
         stats = coordinator.optimizer.stats()

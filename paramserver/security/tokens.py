@@ -36,17 +36,17 @@ import inspect
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import TypeVar, cast
 
 import grpc
 
 from paramserver.errors import InvalidArgument, PermissionDenied
-from paramserver.method_handlers import behaviour_of, same_shape
+from paramserver.method_handlers import Behaviour, Handler, behaviour_of, same_shape
 
 logger = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ def check_worker_identity(worker: str) -> None:
         )
 
 
-def _bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+def _bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
     for key, value in metadata or ():
         if key.lower() != AUTHORIZATION_KEY:
             continue
@@ -336,7 +336,7 @@ def _bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     return None
 
 
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Checks the bearer token of every RPC (unary and streaming) against a :class:`TokenTable`.
 
     Open services (:data:`OPEN_SERVICES`) pass without a token. Otherwise: no token or an unknown
@@ -366,9 +366,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
+    ) -> Handler | None:
         method = str(handler_call_details.method)
         service = method.lstrip("/").split("/", 1)[0]
         if service in OPEN_SERVICES:
@@ -385,7 +385,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return self._refusal(handler, method, *verdict)
 
     def _verdict(
-        self, method: str, metadata: Sequence[tuple[str, Any]] | None
+        self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None
     ) -> tuple[grpc.StatusCode, str] | None:
         token = _bearer_token(metadata)
         if token is None:
@@ -407,11 +407,13 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return None
 
     def _refusal(
-        self, handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, detail: str
-    ) -> grpc.RpcMethodHandler:
+        self, handler: Handler, method: str, code: grpc.StatusCode, detail: str
+    ) -> Handler:
         """A handler of the same streaming kind as ``handler`` that logs and aborts."""
 
-        async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        async def refuse(
+            _request: object, context: grpc.aio.ServicerContext[object, object]
+        ) -> None:
             self.refused[code.name] = self.refused.get(code.name, 0) + 1
             if self.on_refusal is not None:
                 self.on_refusal(method.rsplit("/", 1)[-1], code.name)
@@ -421,20 +423,21 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return same_shape(handler, refuse)
 
 
-def _with_identity(handler: grpc.RpcMethodHandler, name: str) -> grpc.RpcMethodHandler:
+def _with_identity(handler: Handler, name: str) -> Handler:
     """``handler`` with :data:`CALLER_WORKER_NAME` set to ``name`` while it runs."""
     behavior = behaviour_of(handler)
+    wrapped: Behaviour
     if inspect.isasyncgenfunction(behavior):
 
-        async def gen(request: Any, context: Any) -> Any:
+        async def gen(request: object, context: object) -> AsyncIterator[object]:
             CALLER_WORKER_NAME.set(name)
-            async for item in behavior(request, context):
+            async for item in cast(AsyncIterator[object], behavior(request, context)):
                 yield item
 
-        wrapped: Any = gen
+        wrapped = gen
     else:
 
-        async def call(request: Any, context: Any) -> Any:
+        async def call(request: object, context: object) -> object:
             CALLER_WORKER_NAME.set(name)
             result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
@@ -484,7 +487,12 @@ class _BearerMetadata:
 def _bearer_kind(base: type, method: str) -> type:
     """A :class:`_BearerMetadata` interceptor of one of grpc.aio's four call kinds."""
 
-    async def intercept(self: _BearerMetadata, continuation: Any, details: Any, body: Any) -> Any:
+    async def intercept(
+        self: _BearerMetadata,
+        continuation: Callable[[grpc.aio.ClientCallDetails, object], Awaitable[object]],
+        details: grpc.aio.ClientCallDetails,
+        body: object,
+    ) -> object:
         return await continuation(self._details(details), body)
 
     return type(f"_Bearer{base.__name__}", (_BearerMetadata, base), {method: intercept})
@@ -503,7 +511,7 @@ _BEARER_KINDS = tuple(
 )
 
 
-def bearer_interceptors(token: str) -> list[Any]:
+def bearer_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
     """Client interceptors adding ``authorization: Bearer <token>`` to every call of a
     plain-text ``grpc.aio`` channel (unary and streaming)."""
     return [kind(token) for kind in _BEARER_KINDS]

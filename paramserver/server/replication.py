@@ -50,6 +50,7 @@ from paramserver.errors import (
     ParamServerError,
     StaleEpoch,
 )
+from paramserver.method_handlers import ServicerContext
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.server.checkpoint import (
     CheckpointManager,
@@ -734,14 +735,14 @@ class Replica:
             await cancelled(task)
 
 
-class ReplicationServicer(rpb_grpc.ReplicationServicer):  # type: ignore[misc]
+class ReplicationServicer(rpb_grpc.ReplicationServicer):
     """The ``Replication`` service of a replica (decode, call, encode)."""
 
     def __init__(self, backup: Backup) -> None:
         self.backup = backup
 
-    async def Replicate(
-        self, request_iterator: AsyncIterator[rpb.ReplicateRequest], context: Any
+    async def Replicate(  # type: ignore[override]  # writes through context.write, yields none
+        self, request_iterator: AsyncIterator[rpb.ReplicateRequest], context: ServicerContext
     ) -> None:
         try:
             await self.backup.serve(request_iterator, context.write)

@@ -255,9 +255,7 @@ class ParameterServerDaemon(ServingDaemon):
         async def status() -> dict[str, Any]:
             if self.servicer is None:
                 return {}
-            from paramserver.api.v1 import parameter_server_pb2 as pb
-
-            return status_to_dict(await self.servicer.Status(pb.StatusRequest(), None))
+            return status_to_dict(await self.servicer.status())
 
         async def read_peer(address: str) -> dict[str, Any]:
             from paramserver.api.v1 import parameter_server_pb2 as pb

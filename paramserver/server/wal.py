@@ -124,7 +124,7 @@ class WriteAheadLog:
         for payload, offset in self._payloads(path):
             record = wal_pb.WalRecord()
             try:
-                record.ParseFromString(payload)
+                record.ParseFromString(payload)  # type: ignore[arg-type]  # upb parses any buffer
             except Exception:  # a CRC collision on garbage; treat as torn
                 return
             yield record, offset
@@ -156,7 +156,7 @@ class WriteAheadLog:
             if tail is not None:  # records are in sequence order: the last holds the largest
                 record = wal_pb.WalRecord()
                 try:
-                    record.ParseFromString(tail)
+                    record.ParseFromString(tail)  # type: ignore[arg-type]  # upb parses any buffer
                 except Exception:  # a CRC collision on garbage: parse them all, stop before it
                     end = 0
                     for record, end in self._read_segment(seg):  # noqa: B007

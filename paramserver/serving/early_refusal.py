@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 from paramserver.errors import REFUSAL_METADATA_KEY, ParamServerError
+from paramserver.method_handlers import ServicerContext
 
 __all__ = ["DRAIN_S", "announce_refusal", "drain_request_stream"]
 
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 DRAIN_S = 10.0
 
 
-async def announce_refusal(context: Any, request: Any, exc: BaseException) -> None:
+async def announce_refusal(context: ServicerContext, request: Any, exc: BaseException) -> None:
     """Send the refusal of a client stream in the initial metadata (only for a client stream
     and a :class:`ParamServerError`; nothing when initial metadata is already out)."""
     if not hasattr(request, "__aiter__") or not isinstance(exc, ParamServerError):

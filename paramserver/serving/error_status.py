@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from paramserver.errors import ERROR_CLASS_METADATA_KEY, CapacityExceeded, ParamServerError
+from paramserver.method_handlers import ServicerContext
 from paramserver.protocol.limits import cut_details
 from paramserver.serving.early_refusal import announce_refusal, drain_request_stream
 
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+async def abort_with(context: ServicerContext, exc: BaseException, method: str) -> None:
     """End the call with ``exc``'s status (a :class:`ParamServerError`; a MemoryError becomes
     :class:`~paramserver.errors.CapacityExceeded`, RESOURCE_EXHAUSTED), or a logged INTERNAL."""
     if isinstance(exc, MemoryError):
@@ -51,7 +52,9 @@ def grpc_errors(fn: F) -> F:
     if inspect.isasyncgenfunction(fn):
 
         @functools.wraps(fn)
-        async def gen_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+        async def gen_wrapper(
+            self: Any, request: Any, context: ServicerContext
+        ) -> AsyncIterator[Any]:
             try:
                 async for item in fn(self, request, context):
                     yield item
@@ -63,7 +66,7 @@ def grpc_errors(fn: F) -> F:
         return gen_wrapper  # type: ignore[return-value]
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: Any) -> Any:
+    async def wrapper(self: Any, request: Any, context: ServicerContext) -> Any:
         try:
             return await fn(self, request, context)
         except grpc.aio.AbortError:

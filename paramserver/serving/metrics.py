@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from paramserver.errors import Unavailable
-from paramserver.method_handlers import behaviour_of, same_shape
+from paramserver.method_handlers import ServicerContext, behaviour_of, same_shape
 from paramserver.security.http_access import HttpSecurity, authorized, unauthorized_response
 from paramserver.security.tls import bind_failure_reason
 from paramserver.serving.dashboard import ASSETS, Dashboard, asset
@@ -70,7 +70,7 @@ _PAGE_POLICY = (
 )
 
 
-class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class RpcMetrics(grpc.aio.ServerInterceptor):
     """Counts and times every RPC; times the consistency wait of pulls."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -112,7 +112,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return same_shape(handler, wrap(method, behaviour))
 
     def _wrap_unary(self, method: str, behaviour: Any) -> Any:
-        async def call(request: Any, context: Any) -> Any:
+        async def call(request: Any, context: ServicerContext) -> Any:
             t0 = time.perf_counter()
             outcome = "error"
             CURRENT_RPC.set(method)
@@ -132,7 +132,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if not inspect.isasyncgenfunction(behaviour):  # context.write style: time the call
             return self._wrap_unary(method, behaviour)
 
-        async def call(request: Any, context: Any) -> AsyncIterator[Any]:
+        async def call(request: Any, context: ServicerContext) -> AsyncIterator[Any]:
             t0 = time.perf_counter()
             outcome = "error"
             first = True

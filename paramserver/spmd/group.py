@@ -343,8 +343,8 @@ class SpmdParallelWorkers(RankGroup):
         requests = {
             r: spmd_pb2.LocalTransferRequest(
                 options=self._options(r, t, cid),
-                src_tier=int(src_t),
-                dst_tier=int(dst_t),
+                src_tier=src_t.wire,
+                dst_tier=dst_t.wire,
                 src_block_ids=src_ids[r],
                 dst_block_ids=dst_ids[r],
             )
@@ -466,7 +466,7 @@ class SpmdParallelWorkers(RankGroup):
             ends = {
                 r: {
                     "layout": spmd_pb2.RemoteLayoutBlocks(
-                        instance_id=other.instance_id, tier=int(r_tier), block_ids=remote_ids[r]
+                        instance_id=other.instance_id, tier=r_tier.wire, block_ids=remote_ids[r]
                     )
                 }
                 for r in range(n)
@@ -479,11 +479,11 @@ class SpmdParallelWorkers(RankGroup):
             options = self._options(r, t, cid)
             if onboard:
                 requests[r] = spmd_pb2.RemoteOnboardRequest(
-                    options=options, dst_tier=int(tier), dst_block_ids=local_ids[r], **ends[r]
+                    options=options, dst_tier=tier.wire, dst_block_ids=local_ids[r], **ends[r]
                 )
             else:
                 requests[r] = spmd_pb2.RemoteOffloadRequest(
-                    options=options, src_tier=int(tier), src_block_ids=local_ids[r], **ends[r]
+                    options=options, src_tier=tier.wire, src_block_ids=local_ids[r], **ends[r]
                 )
         method = "RemoteOnboard" if onboard else "RemoteOffload"
         return self._dispatch(operation, method, requests, t)
@@ -631,16 +631,20 @@ class SpmdParallelWorkers(RankGroup):
         t = self._timeout(timeout_s)
         cid = uuid.uuid4().hex
 
-        method, request, end = (
-            ("GetBlocks", spmd_pb2.GetBlocksRequest, "dst")
-            if into_blocks
-            else ("PutBlocks", spmd_pb2.PutBlocksRequest, "src")
-        )
-
         async def call(c: RankClient) -> Any:
-            blocks = {f"{end}_tier": int(tier), f"{end}_block_ids": ids[c.rank]}
-            req = request(options=self._options(c.rank, t, cid), sequence_hashes=keys, **blocks)
-            return await c.unary(method, req, t)
+            options = self._options(c.rank, t, cid)
+            if into_blocks:
+                get = spmd_pb2.GetBlocksRequest(
+                    options=options,
+                    sequence_hashes=keys,
+                    dst_tier=tier.wire,
+                    dst_block_ids=ids[c.rank],
+                )
+                return await c.unary("GetBlocks", get, t)
+            put = spmd_pb2.PutBlocksRequest(
+                options=options, sequence_hashes=keys, src_tier=tier.wire, src_block_ids=ids[c.rank]
+            )
+            return await c.unary("PutBlocks", put, t)
 
         outcomes = await self._fan_out(operation, call, raise_on_failure=False)
         per_rank: dict[int, dict[int, tuple[str, str]]] = {}

@@ -35,6 +35,11 @@ class Tier(enum.IntEnum):
     G4 = 4
     """Object store, keys ``"{rank}/{sequence_hash:016x}"``; never a local-transfer endpoint."""
 
+    @property
+    def wire(self) -> spmd_pb2.Tier.ValueType:
+        """The wire enum value (``paramserver.api.v1.Tier``)."""
+        return spmd_pb2.Tier.ValueType(self.value)
+
     @classmethod
     def parse(cls, value: Tier | int | str) -> Tier:
         """Accept a :class:`Tier`, its integer value, or a name such as ``"G2"`` / ``"host"``.
@@ -59,7 +64,7 @@ class Tier(enum.IntEnum):
             raise InvalidArgument(f"unknown tier {value!r} (expected G1..G4)") from None
 
 
-DTYPES: Mapping[str, tuple[np.dtype[Any], int]] = {
+DTYPES: Mapping[str, tuple[np.dtype[np.generic], spmd_pb2.BlockDType.ValueType]] = {
     "float16": (np.dtype(np.float16), spmd_pb2.BLOCK_D_TYPE_FLOAT16),
     "bfloat16": (np.dtype(ml_dtypes.bfloat16), spmd_pb2.BLOCK_D_TYPE_BFLOAT16),
     "float32": (np.dtype(np.float32), spmd_pb2.BLOCK_D_TYPE_FLOAT32),
@@ -115,7 +120,7 @@ class Layout:
                 raise InvalidArgument(f"{name} must be in [1, 2**31), got {value}")
 
     @property
-    def np_dtype(self) -> np.dtype[Any]:
+    def np_dtype(self) -> np.dtype[np.generic]:
         """The numpy dtype of the elements."""
         return DTYPES[self.dtype][0]
 
@@ -155,7 +160,7 @@ class Layout:
     def to_proto(self, tier: Tier, *, shm_name: str = "", path: str = "") -> spmd_pb2.LayoutSpec:
         """Encode as a wire ``LayoutSpec`` of ``tier``."""
         return spmd_pb2.LayoutSpec(
-            tier=int(tier),
+            tier=tier.wire,
             num_blocks=self.num_blocks,
             num_layers=self.num_layers,
             outer_dim=self.outer_dim,

@@ -164,7 +164,7 @@ class RankClient(AsyncClosing):
         view = memoryview(out)
         pos = 0
         request = spmd_pb2.ReadBlocksRequest(
-            tier=int(tier), block_ids=list(block_ids), incarnation_id=incarnation_id
+            tier=tier.wire, block_ids=list(block_ids), incarnation_id=incarnation_id
         )
         try:
             async for chunk in self.stub.ReadBlocks(request, timeout=timeout_s):
@@ -208,7 +208,7 @@ class RankClient(AsyncClosing):
             payload = memoryview(data).cast("B")
 
         header = spmd_pb2.WriteBlocksHeader(
-            tier=int(tier),
+            tier=tier.wire,
             block_ids=list(block_ids),
             incarnation_id=incarnation_id,
             timeout_ms=int(timeout_s * 1000),

@@ -24,15 +24,13 @@ cached across event loops: the channel is created in ``__aenter__`` on the runni
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import secrets
-import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -44,15 +42,18 @@ from paramserver.errors import (
     AlreadyExists,
     InvalidArgument,
     ParamServerError,
-    WaitTimeout,
     WorkerNotFound,
 )
 from paramserver.protocol import shm, tensor, wire
 from paramserver.security.tls import ClientSecurity
-from paramserver.waiting import Wait
 from paramserver.worker_client.compression import Compression, GradientCompressor
 from paramserver.worker_client.embedding import TableClientMixin
 from paramserver.worker_client.lifecycle import ServiceSession, name_taken
+
+# Re-exported: these lived here before progress.py, and callers import them from here.
+from paramserver.worker_client.progress import WorkerProgress as WorkerProgress
+from paramserver.worker_client.progress import await_workers as await_workers
+from paramserver.worker_client.progress import progress_of as progress_of
 from paramserver.worker_client.pull_buffers import DEFAULT_MAX_BYTES, PullBuffers
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
 from paramserver.worker_client.transport.base import PullResult, PullSpec, PushPayload, Transports
@@ -96,37 +97,13 @@ class PushAck:
     live_workers: int
 
 
-@dataclass(frozen=True)
-class WorkerProgress:
-    """What the registrations of one worker name completed, as the cluster records it (kept
-    across re-registration and replacement, in checkpoints and the write-ahead log).
-
-    Attributes:
-        worker_name: The name.
-        steps: Iterations completed: ``clock()`` calls of this name that advanced its clock,
-            by every registration of the name (0 for a name the cluster never saw). A worker
-            that trains one batch per iteration has trained this many of its batches.
-        clock: The clock its newest registration reached (a registration that joins late
-            starts at the cluster's minimum clock, so this may exceed ``steps``).
-    """
-
-    worker_name: str
-    steps: int
-    clock: int
+if TYPE_CHECKING:  # the generated stubs type an aio channel's stub as a class of its own
+    _GeneratedStub = pb_grpc.ParameterServerAsyncStub
+else:
+    _GeneratedStub = pb_grpc.ParameterServerStub
 
 
-def progress_of(statuses: Iterable[pb.StatusResponse], worker_name: str) -> WorkerProgress:
-    """``worker_name``'s progress over shards' statuses: the fewest iterations any shard
-    counted (every shard counts each iteration; the fewest is what all of them saw end)."""
-    found = []
-    for st in statuses:
-        mine = [(int(p.steps), int(p.clock)) for p in st.progress if p.worker_name == worker_name]
-        found.append(mine[0] if mine else (0, 0))  # a shard that never saw it: nothing done
-    steps, clock = min(found, default=(0, 0))
-    return WorkerProgress(worker_name, steps, clock)
-
-
-class ParameterServerStub(pb_grpc.ParameterServerStub):  # type: ignore[misc]
+class ParameterServerStub(_GeneratedStub):
     """The generated stub, with Push requests written and Pull responses read by
     :mod:`paramserver.protocol.wire` (tensor frames without protobuf copies of their payload; the
     same
@@ -147,7 +124,7 @@ class ParameterServerStub(pb_grpc.ParameterServerStub):  # type: ignore[misc]
         )
 
 
-class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]):
+class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyncStub"]):
     """One worker's session with a parameter-server shard.
 
     Args:
@@ -315,7 +292,7 @@ class WorkerClient(TableClientMixin, ServiceSession[pb_grpc.ParameterServerStub]
         self.pull_buffers.clear()
         await super().close()
 
-    def _new_stub(self, channel: grpc.aio.Channel) -> pb_grpc.ParameterServerStub:
+    def _new_stub(self, channel: grpc.aio.Channel) -> pb_grpc.ParameterServerAsyncStub:
         return ParameterServerStub(channel)
 
     def _open_options(self) -> list[tuple[str, Any]]:
@@ -768,43 +745,6 @@ def normalized_tensors(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
         else:
             out[key] = tensor.normalize(value, key)
     return out
-
-
-class _Polled(Protocol):
-    async def heartbeat(self) -> pb.HeartbeatResponse: ...
-
-    async def status(self) -> pb.StatusResponse: ...
-
-
-async def await_workers(
-    client: _Polled, n: int, timeout_s: float, *, where: str | None = None
-) -> int:
-    """The start barrier of :meth:`WorkerClient.wait_for_workers`, polling ``client`` (the
-    server at ``where``); a wait a person can see (:mod:`paramserver.waiting`)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise InvalidArgument(f"wait_for_workers: n must be an int >= 1, got {n!r}")
-    if not isinstance(timeout_s, int | float) or not timeout_s > 0:
-        raise InvalidArgument(
-            f"wait_for_workers: timeout_s must be a number > 0, got {timeout_s!r}"
-        )
-    deadline = time.monotonic() + timeout_s
-    delay = 0.01
-    what = f"{n} workers to register" + (f" at {where}" if where else "")
-    with Wait(what, address=where, deadline=deadline, logger=logger) as waiting:
-        while True:
-            view = (await client.heartbeat()).view
-            if view.live_workers >= n:
-                return int(view.live_workers)
-            if (await client.status()).applied_updates > 0:
-                return 0  # the others passed it and trained (and may have left)
-            if time.monotonic() >= deadline:
-                raise WaitTimeout(
-                    f"start barrier: {view.live_workers} of {n} workers registered after "
-                    f"{timeout_s} s"
-                )
-            waiting.update(detail=f"{view.live_workers} of {n} registered")
-            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.2)
 
 
 class _Casting(Protocol):

@@ -73,7 +73,7 @@ class WirePart:
     """One tensor to send: its array, wire role and (sparse) dense shape."""
 
     array: np.ndarray
-    role: int = tensor_pb2.TENSOR_ROLE_UNSPECIFIED
+    role: tensor_pb2.TensorRole.ValueType = tensor_pb2.TENSOR_ROLE_UNSPECIFIED
     dense_shape: tuple[int, ...] = ()
 
 

@@ -65,7 +65,7 @@ def _ints_as_numbers(descriptor: Any, data: dict[str, Any]) -> None:
 def _enum_name(message: Message, field: str, prefix: str) -> str:
     desc = message.DESCRIPTOR.fields_by_name[field].enum_type
     number = getattr(message, field)
-    value = desc.values_by_number.get(number)
+    value = desc.values_by_number.get(number) if desc is not None else None
     name = value.name if value is not None else str(number)
     return name.removeprefix(prefix).lower()
 

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import numpy as np
@@ -31,6 +31,7 @@ from paramserver.errors import (
     InvalidArgument,
     MalformedStream,
 )
+from paramserver.method_handlers import ServicerContext
 from paramserver.protocol import tensor, wire
 from paramserver.protocol.limits import shown
 from paramserver.server.checkpoint_cut import shard_map_of
@@ -87,7 +88,7 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) ->
     request that does not decode (invalid UTF-8 in a string field, truncated bytes) is refused
     with INVALID_ARGUMENT by its handler instead of gRPC's INTERNAL (:func:`wire.tolerant`)."""
     caught = _Handlers()
-    pb_grpc.add_ParameterServerServicer_to_server(servicer, caught)
+    pb_grpc.add_ParameterServerServicer_to_server(servicer, cast(grpc.aio.Server, caught))
     handlers = dict(caught.handlers)
     handlers["Push"] = grpc.stream_unary_rpc_method_handler(
         servicer.Push,
@@ -109,7 +110,7 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) ->
     server.add_registered_method_handlers(caught.service, handlers)
 
 
-class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[misc]
+class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     """Implements ``paramserver.api.v1.ParameterServer`` over a :class:`ServerEngine`."""
 
     def __init__(self, shard: ShardService, host: ShardHost | None = None) -> None:
@@ -128,15 +129,19 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         )
 
     @grpc_errors
-    async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
+    async def Register(
+        self, request: pb.RegisterRequest, context: ServicerContext
+    ) -> pb.RegisterResponse:
         return await self.shard.register(request)
 
     @grpc_errors
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: ServicerContext
+    ) -> pb.HeartbeatResponse:
         return self.shard.heartbeat(request)
 
     @grpc_errors
-    async def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
+    async def Leave(self, request: pb.LeaveRequest, context: ServicerContext) -> pb.LeaveResponse:
         return await self.shard.leave(request)
 
     async def _read_tensors(
@@ -232,14 +237,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Init(
-        self, request_iterator: AsyncIterator[pb.InitRequest], context: Any
+        self, request_iterator: AsyncIterator[pb.InitRequest], context: ServicerContext
     ) -> pb.InitResponse:
         header, tensors, _ = await self._read_tensors(request_iterator, "header")
         return await self.shard.init(header, tensors)
 
     @grpc_errors
     async def Push(
-        self, request_iterator: AsyncIterator[pb.PushRequest], context: Any
+        self, request_iterator: AsyncIterator[pb.PushRequest], context: ServicerContext
     ) -> pb.PushResponse:
         with self.engine.backpressure.ticket() as ticket:
             return await self._push(request_iterator, ticket)
@@ -255,8 +260,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
         return await self.shard.apply_push_header(header, grads, encoded=encoded)
 
     @grpc_errors
-    async def Pull(
-        self, request: pb.PullRequest, context: Any
+    async def Pull(  # type: ignore[override]  # also wire bytes: see add_to_server
+        self, request: pb.PullRequest, context: ServicerContext
     ) -> AsyncIterator[pb.PullResponse | bytes]:
         shard = self.shard
         keys = await shard.admit_pull(request.worker_id, request.keys, request.timeout_ms)
@@ -269,8 +274,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             for msg in await shard.pull_frame_bytes(key):
                 yield msg
 
-    async def Session(
-        self, request_iterator: AsyncIterator[pb.SessionRequest], context: Any
+    async def Session(  # type: ignore[override]  # writes through context.write, yields none
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: ServicerContext
     ) -> None:
         """One worker client's persistent stream
         (:mod:`paramserver.server.transports.session_service`).
@@ -287,37 +292,45 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
             await abort_with(context, exc, "Session")
 
     @grpc_errors
-    async def InitTable(self, request: Any, context: Any) -> Any:
+    async def InitTable(self, request: Any, context: ServicerContext) -> Any:
         return await self.table_rpcs.init_table(request)
 
     @grpc_errors
     async def PullRows(
-        self, request_iterator: AsyncIterator[Any], context: Any
+        self, request_iterator: AsyncIterator[Any], context: ServicerContext
     ) -> AsyncIterator[Any]:
         async for msg in self.table_rpcs.pull_rows(request_iterator):
             yield msg
 
     @grpc_errors
-    async def PushRows(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
+    async def PushRows(self, request_iterator: AsyncIterator[Any], context: ServicerContext) -> Any:
         return await self.table_rpcs.push_rows(request_iterator)
 
     @grpc_errors
     async def PullRowsMany(
-        self, request_iterator: AsyncIterator[Any], context: Any
+        self, request_iterator: AsyncIterator[Any], context: ServicerContext
     ) -> AsyncIterator[Any]:
         async for msg in self.table_rpcs.pull_rows_many(request_iterator):
             yield msg
 
     @grpc_errors
-    async def PushRowsMany(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
+    async def PushRowsMany(
+        self, request_iterator: AsyncIterator[Any], context: ServicerContext
+    ) -> Any:
         return await self.table_rpcs.push_rows_many(request_iterator)
 
     @grpc_errors
-    async def Clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockResponse:
+    async def Clock(self, request: pb.ClockRequest, context: ServicerContext) -> pb.ClockResponse:
         return await self.shard.clock(request)
 
     @grpc_errors
-    async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
+    async def Status(
+        self, request: pb.StatusRequest, context: ServicerContext
+    ) -> pb.StatusResponse:
+        return await self.status()
+
+    async def status(self) -> pb.StatusResponse:
+        """The shard's ``StatusResponse`` (what the Status RPC answers; also the dashboard's)."""
         core = self.core
         now = self.engine.now()
         obs = self.engine.obs
@@ -389,7 +402,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def Checkpoint(
-        self, request: pb.CheckpointRequest, context: Any
+        self, request: pb.CheckpointRequest, context: ServicerContext
     ) -> pb.CheckpointResponse:
         host = self.host
         if host is None or host.checkpoints is None:
@@ -405,7 +418,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):  # type: ignore[
 
     @grpc_errors
     async def GetShardMap(
-        self, request: pb.GetShardMapRequest, context: Any
+        self, request: pb.GetShardMapRequest, context: ServicerContext
     ) -> pb.GetShardMapResponse:
         cfg = self.engine.config
         shard_map = self.host.shard_map if self.host is not None else None

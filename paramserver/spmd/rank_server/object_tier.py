@@ -17,10 +17,9 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 
-import grpc
-
 from paramserver.api.v1 import spmd_pb2
 from paramserver.errors import InvalidArgument, MalformedStream, ParamServerError, ResourceExhausted
+from paramserver.method_handlers import ServicerContext
 from paramserver.spmd.hashing import object_key
 from paramserver.spmd.layout import Tier
 from paramserver.spmd.planning import MAX_CHUNK_BYTES, check_object_transfer
@@ -130,7 +129,7 @@ async def object_command(
     direction: Direction,
     name: str,
     options: spmd_pb2.CommandOptions,
-    context: grpc.aio.ServicerContext,
+    context: ServicerContext,
     blocks: tuple[Tier, list[int]],
     hashes: list[int],
     *,
@@ -258,7 +257,7 @@ async def put_object(
     state: RankState,
     header: spmd_pb2.PutObjectHeader,
     chunks: AsyncIterator[spmd_pb2.DataChunk],
-    context: grpc.aio.ServicerContext,
+    context: ServicerContext,
 ) -> spmd_pb2.PutObjectResponse:
     """Serve ``PutObject``: store one whole object from its chunk stream, or nothing.
 

@@ -29,8 +29,9 @@ from typing import Any, TypeVar, cast
 
 import grpc
 
-from paramserver.api.v1 import spmd_pb2
+from paramserver.api.v1 import spmd_pb2, spmd_pb2_grpc
 from paramserver.errors import InvalidArgument, MalformedStream
+from paramserver.method_handlers import ServicerContext
 from paramserver.serving.error_status import grpc_errors
 from paramserver.spmd.layout import Tier
 from paramserver.spmd.rank_server.object_tier import (
@@ -56,7 +57,7 @@ __all__ = ["RankServicer", "rank_rpc"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _cancel_when_rpc_ends(context: grpc.aio.ServicerContext) -> Callable[[], None]:
+def _cancel_when_rpc_ends(context: ServicerContext) -> Callable[[], None]:
     """Cancel the handler task if the RPC ends (client gone, deadline) while it still runs.
 
     A belt-and-braces guard: whatever the handler awaits (a peer rank, a worker thread, the
@@ -73,7 +74,8 @@ def _cancel_when_rpc_ends(context: grpc.aio.ServicerContext) -> Callable[[], Non
         if not finished and task is not None and not task.done():
             task.cancel()
 
-    context.add_done_callback(lambda _: loop.call_soon_threadsafe(cancel_if_running))
+    # types-grpcio declares the callback a class of its own, so no function matches it.
+    context.add_done_callback(lambda _: loop.call_soon_threadsafe(cancel_if_running))  # type: ignore[arg-type]
 
     def mark_finished() -> None:
         nonlocal finished
@@ -83,7 +85,7 @@ def _cancel_when_rpc_ends(context: grpc.aio.ServicerContext) -> Callable[[], Non
 
 
 @contextlib.contextmanager
-def _guarded(servicer: Any, context: grpc.aio.ServicerContext) -> Iterator[None]:
+def _guarded(servicer: Any, context: ServicerContext) -> Iterator[None]:
     """Count a failure of the handler (not an abort) and cancel it if its RPC ends first."""
     mark_finished = _cancel_when_rpc_ends(context)
     try:
@@ -108,7 +110,7 @@ def rank_rpc(fn: F) -> F:
     if inspect.isasyncgenfunction(fn):
 
         @functools.wraps(fn)
-        async def streaming(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def streaming(self: Any, request: Any, context: ServicerContext) -> Any:
             with _guarded(self, context):
                 async for item in fn(self, request, context):
                     yield item
@@ -116,7 +118,7 @@ def rank_rpc(fn: F) -> F:
         return cast(F, grpc_errors(streaming))
 
     @functools.wraps(fn)
-    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(self: Any, request: Any, context: ServicerContext) -> Any:
         with _guarded(self, context):
             return await fn(self, request, context)
 
@@ -157,7 +159,7 @@ async def _header_then_chunks(
     return first.header, chunks()
 
 
-class RankServicer:
+class RankServicer(spmd_pb2_grpc.RankServerServicer):
     """Implements ``paramserver.api.v1.RankServer`` for one rank (decode, call, encode).
 
     Construct with :meth:`create` (allocates the pools); call :meth:`close` to release them.
@@ -191,20 +193,20 @@ class RankServicer:
 
     @rank_rpc
     async def ExportMetadata(
-        self, request: spmd_pb2.ExportMetadataRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.ExportMetadataRequest, context: ServicerContext
     ) -> spmd_pb2.RankMetadata:
         return self.state.metadata()
 
     @rank_rpc
     async def ImportMetadata(
-        self, request: spmd_pb2.ImportMetadataRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.ImportMetadataRequest, context: ServicerContext
     ) -> spmd_pb2.ImportMetadataResponse:
         replaced = await self.state.import_remote(request.remote)
         return spmd_pb2.ImportMetadataResponse(replaced=replaced)
 
     @rank_rpc
     async def ForgetRemote(
-        self, request: spmd_pb2.ForgetRemoteRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.ForgetRemoteRequest, context: ServicerContext
     ) -> spmd_pb2.ForgetRemoteResponse:
         return spmd_pb2.ForgetRemoteResponse(
             removed=await self.state.forget_remote(request.instance_id)
@@ -214,7 +216,7 @@ class RankServicer:
 
     @rank_rpc
     async def LocalTransfer(
-        self, request: spmd_pb2.LocalTransferRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.LocalTransferRequest, context: ServicerContext
     ) -> spmd_pb2.TransferResponse:
         return await local_transfer(
             self.state,
@@ -226,13 +228,13 @@ class RankServicer:
 
     @rank_rpc
     async def RemoteOnboard(
-        self, request: spmd_pb2.RemoteOnboardRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.RemoteOnboardRequest, context: ServicerContext
     ) -> spmd_pb2.TransferResponse:
         return await self._remote(Direction.ONBOARD, request, context)
 
     @rank_rpc
     async def RemoteOffload(
-        self, request: spmd_pb2.RemoteOffloadRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.RemoteOffloadRequest, context: ServicerContext
     ) -> spmd_pb2.TransferResponse:
         return await self._remote(Direction.OFFLOAD, request, context)
 
@@ -240,14 +242,18 @@ class RankServicer:
         self,
         direction: Direction,
         request: spmd_pb2.RemoteOnboardRequest | spmd_pb2.RemoteOffloadRequest,
-        context: grpc.aio.ServicerContext,
+        context: ServicerContext,
     ) -> spmd_pb2.TransferResponse:
         """Both remote RPCs: the local blocks (the destination onboard, the source offload) and
         the other end, objects or a connected peer's layout."""
         onboard = direction is Direction.ONBOARD
         local = _blocks(request, "dst" if onboard else "src")
         end = "source" if onboard else "destination"
-        which = request.WhichOneof(end)
+        which = (
+            request.WhichOneof("source")
+            if isinstance(request, spmd_pb2.RemoteOnboardRequest)
+            else request.WhichOneof("destination")
+        )
         name = f"remote_{direction.value}"
         if which == "object":
             hashes = _ids(request.object.sequence_hashes)
@@ -272,19 +278,19 @@ class RankServicer:
 
     @rank_rpc
     async def HasObjects(
-        self, request: spmd_pb2.HasObjectsRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.HasObjectsRequest, context: ServicerContext
     ) -> spmd_pb2.HasObjectsResponse:
         return await has_objects(self.state, _ids(request.sequence_hashes))
 
     @rank_rpc
     async def PutBlocks(
-        self, request: spmd_pb2.PutBlocksRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.PutBlocksRequest, context: ServicerContext
     ) -> spmd_pb2.ObjectBlocksResponse:
         return await self._per_key(Direction.OFFLOAD, "put_blocks", request, context)
 
     @rank_rpc
     async def GetBlocks(
-        self, request: spmd_pb2.GetBlocksRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.GetBlocksRequest, context: ServicerContext
     ) -> spmd_pb2.ObjectBlocksResponse:
         return await self._per_key(Direction.ONBOARD, "get_blocks", request, context)
 
@@ -293,7 +299,7 @@ class RankServicer:
         direction: Direction,
         name: str,
         request: spmd_pb2.PutBlocksRequest | spmd_pb2.GetBlocksRequest,
-        context: grpc.aio.ServicerContext,
+        context: ServicerContext,
     ) -> spmd_pb2.ObjectBlocksResponse:
         blocks = _blocks(request, "dst" if direction is Direction.ONBOARD else "src")
         hashes = _ids(request.sequence_hashes)
@@ -306,7 +312,7 @@ class RankServicer:
     async def PutObject(
         self,
         request_iterator: AsyncIterator[spmd_pb2.PutObjectRequest],
-        context: grpc.aio.ServicerContext,
+        context: ServicerContext,
     ) -> spmd_pb2.PutObjectResponse:
         self.state.object_store()  # no object tier: refused before the stream is read
         header, chunks = await _header_then_chunks(request_iterator, "PutObject", self.state.prefix)
@@ -314,7 +320,7 @@ class RankServicer:
 
     @rank_rpc
     async def GetObject(
-        self, request: spmd_pb2.GetObjectRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.GetObjectRequest, context: ServicerContext
     ) -> AsyncIterator[spmd_pb2.GetObjectResponse]:
         async for message in get_object(self.state, int(request.sequence_hash)):
             yield message
@@ -323,7 +329,7 @@ class RankServicer:
 
     @rank_rpc
     async def ReadBlocks(
-        self, request: spmd_pb2.ReadBlocksRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.ReadBlocksRequest, context: ServicerContext
     ) -> AsyncIterator[spmd_pb2.BlockChunk]:
         async for chunk in send_stream(self.state, request):
             yield chunk
@@ -332,7 +338,7 @@ class RankServicer:
     async def WriteBlocks(
         self,
         request_iterator: AsyncIterator[spmd_pb2.WriteBlocksRequest],
-        context: grpc.aio.ServicerContext,
+        context: ServicerContext,
     ) -> spmd_pb2.WriteBlocksResponse:
         header, chunks = await _header_then_chunks(
             request_iterator, "WriteBlocks", self.state.prefix
@@ -342,7 +348,7 @@ class RankServicer:
 
     @rank_rpc
     async def CheckBlocks(
-        self, request: spmd_pb2.CheckBlocksRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.CheckBlocksRequest, context: ServicerContext
     ) -> spmd_pb2.CheckBlocksResponse:
         ids = _ids(request.block_ids)
         pool = self.state.checked_pool(
@@ -352,7 +358,7 @@ class RankServicer:
 
     @rank_rpc
     async def Status(
-        self, request: spmd_pb2.RankStatusRequest, context: grpc.aio.ServicerContext
+        self, request: spmd_pb2.RankStatusRequest, context: ServicerContext
     ) -> spmd_pb2.RankStatusResponse:
         s = self.state
         return spmd_pb2.RankStatusResponse(

@@ -36,6 +36,7 @@ import grpc
 
 from paramserver.api.v1 import spmd_pb2, spmd_pb2_grpc
 from paramserver.errors import InvalidArgument, ParamServerError, from_rpc_error
+from paramserver.method_handlers import ServicerContext
 from paramserver.security.tls import open_channel
 from paramserver.spmd.layout import Layout, Tier
 from paramserver.spmd.objects import FilesystemObjectStore, ObjectStore
@@ -214,7 +215,7 @@ class RankState:
                 "(never written, or the last write failed or timed out)"
             )
 
-    def budget_s(self, timeout_ms: int, context: grpc.aio.ServicerContext) -> float:
+    def budget_s(self, timeout_ms: int, context: ServicerContext) -> float:
         """The server-side budget of a command: its own timeout, capped by the RPC deadline."""
         requested = timeout_ms / 1000.0 if timeout_ms else self.config.default_timeout_s
         budget = server_budget_s(requested)
@@ -242,7 +243,7 @@ class RankState:
             )
         return remote
 
-    def peer_stub(self, remote: Remote) -> spmd_pb2_grpc.RankServerStub:
+    def peer_stub(self, remote: Remote) -> spmd_pb2_grpc.RankServerAsyncStub:
         """A stub on the (cached) channel to ``remote``'s rank server."""
         address = remote.metadata.address
         channel = self._channels.get(address)
@@ -375,7 +376,7 @@ class RankState:
         self,
         name: str,
         options: spmd_pb2.CommandOptions,
-        context: grpc.aio.ServicerContext,
+        context: ServicerContext,
         *,
         reads: Mapping[Tier, Sequence[int]],
         writes: Mapping[Tier, Sequence[int]],

@@ -23,12 +23,13 @@ import enum
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
 import grpc
 
 from paramserver.api.v1 import spmd_pb2
 from paramserver.errors import InvalidArgument, MalformedStream
+from paramserver.method_handlers import ServicerContext
 from paramserver.spmd.layout import Tier
 from paramserver.spmd.planning import (
     MAX_CHUNK_BYTES,
@@ -82,7 +83,7 @@ def placements(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[spmd_pb2.
 async def local_transfer(
     state: RankState,
     options: spmd_pb2.CommandOptions,
-    context: grpc.aio.ServicerContext,
+    context: ServicerContext,
     src: tuple[Tier, list[int]],
     dst: tuple[Tier, list[int]],
 ) -> spmd_pb2.TransferResponse:
@@ -124,7 +125,7 @@ async def remote_transfer(
     state: RankState,
     direction: Direction,
     options: spmd_pb2.CommandOptions,
-    context: grpc.aio.ServicerContext,
+    context: ServicerContext,
     local: tuple[Tier, list[int]],
     peer: RemoteBlocks,
     *,
@@ -206,7 +207,7 @@ async def _onboard_shared_memory(
 ) -> int:
     md = remote.metadata
     check_request = spmd_pb2.CheckBlocksRequest(
-        tier=int(peer.tier), block_ids=peer.block_ids, incarnation_id=md.incarnation_id
+        tier=peer.tier.wire, block_ids=peer.block_ids, incarnation_id=md.incarnation_id
     )
     try:
         check = await state.peer_stub(remote).CheckBlocks(check_request)
@@ -237,22 +238,25 @@ async def _peer_stream(
 ) -> int:
     """Stream blocks over gRPC: onboard reads the peer's ``ReadBlocks`` into ``pool``, offload
     writes ``pool``'s blocks into the peer's ``WriteBlocks``. Returns the bytes moved."""
-    where = {
-        "tier": int(peer.tier),
-        "block_ids": peer.block_ids,
-        "incarnation_id": remote.metadata.incarnation_id,
-    }
+    tier, incarnation_id = peer.tier.wire, remote.metadata.incarnation_id
     stub = state.peer_stub(remote)
     try:
         if direction is Direction.ONBOARD:
-            call = stub.ReadBlocks(spmd_pb2.ReadBlocksRequest(**where))
+            call = stub.ReadBlocks(
+                spmd_pb2.ReadBlocksRequest(
+                    tier=tier, block_ids=peer.block_ids, incarnation_id=incarnation_id
+                )
+            )
             try:
                 return await _receive_chunks(state, call, pool, ids, cancel)
             finally:
                 call.cancel()
 
         async def requests() -> AsyncIterator[spmd_pb2.WriteBlocksRequest]:
-            yield spmd_pb2.WriteBlocksRequest(header=spmd_pb2.WriteBlocksHeader(**where))
+            header = spmd_pb2.WriteBlocksHeader(
+                tier=tier, block_ids=peer.block_ids, incarnation_id=incarnation_id
+            )
+            yield spmd_pb2.WriteBlocksRequest(header=header)
             async for chunk in stream_blocks(state, pool, ids, cancel):
                 yield spmd_pb2.WriteBlocksRequest(chunk=chunk)
 
@@ -344,7 +348,7 @@ async def stream_blocks(
 
 async def _receive_chunks(
     state: RankState,
-    chunks: AsyncIterator[spmd_pb2.BlockChunk],
+    chunks: AsyncIterable[spmd_pb2.BlockChunk],
     dst: BlockPool,
     dst_ids: list[int],
     cancel: threading.Event,
@@ -368,7 +372,7 @@ async def receive_stream(
     state: RankState,
     header: spmd_pb2.WriteBlocksHeader,
     chunks: AsyncIterator[spmd_pb2.BlockChunk],
-    context: grpc.aio.ServicerContext,
+    context: ServicerContext,
 ) -> int:
     """Serve ``WriteBlocks``: overwrite the header's blocks from the chunk stream.
 

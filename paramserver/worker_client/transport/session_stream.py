@@ -208,7 +208,7 @@ class SessionTransport:
         except Exception as exc:  # e.g. writing to a stream the server already ended
             self._drop()
             raise _rpc_error(grpc.StatusCode.UNAVAILABLE, f"session stream broke: {exc!r}") from exc
-        if resp is grpc.aio.EOF:
+        if not isinstance(resp, pb.SessionResponse):  # grpc.aio.EOF
             self._drop()
             raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "session stream ended by the server")
         if resp.seq != req.seq:
