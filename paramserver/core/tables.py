@@ -24,12 +24,24 @@ reference; this module is the shard's state for it, with time passed in.
   are dropped and counted, and pulls return its initial row.
 
 Storage (:mod:`paramserver.core.row_store`): each per-row field (the rows; the rule's state; the
-last push's clock and time, kept only by a table with expiry) is a chunked :class:`RowArena`,
-and the id -> row index is an open-addressing :class:`IdIndex`.
+row's version; the last push's clock and time, kept only by a table with expiry) is a chunked
+:class:`RowArena`, and the id -> row index is an open-addressing :class:`IdIndex`.
+
+* **Row versions** (HET's per-embedding clocks: Miao et al., "HET: Scaling out Huge Embedding
+  Model Training via Cache-enabled Distributed Framework", VLDB 2022). A stored row's version
+  counts the pushes applied to it since it was stored (+1 per applied push that holds its id,
+  a closed bsp step counting once); an id with no stored row has version 0 (its row is its
+  initial row). Versions are per-row state: checkpointed and moved by reshards with the rows,
+  and rebuilt exactly by replaying the WAL's pushes. They are comparable only within one
+  :attr:`EmbeddingTable.version_epoch`, a random nonzero 63-bit value drawn when the table is
+  created or loaded in a process and redrawn when an expiry sweep drops rows (a dropped row
+  re-created later starts again at version 0). A worker-side row cache sends the versions it
+  holds and gets back only rows that changed more than its bound allows.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -130,6 +142,13 @@ class PushRowsResult:
 CHUNK_TARGET_BYTES: Final = 8 << 20
 
 _BOOKKEEPING: Final = ("last_clock", "last_s")
+#: The per-row field of the row versions (kept by every table; not optimizer state).
+_VERSION: Final = "version"
+
+
+def new_version_epoch() -> int:
+    """A random nonzero 63-bit version epoch (0 means "none" on the wire)."""
+    return secrets.randbits(63) + 1
 
 
 class EmbeddingTable:
@@ -173,6 +192,8 @@ class EmbeddingTable:
         self.rows_pulled = 0
         self.filtered = 0
         self.expired = 0
+        #: The epoch the row versions belong to (see the module docstring).
+        self.version_epoch = new_version_epoch()
 
     # ------------------------------------------------------------------ storage
     def _fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any], float]]:
@@ -180,6 +201,7 @@ class EmbeddingTable:
         s, d = self.spec, self.spec.dim
         out: dict[str, tuple[tuple[int, ...], np.dtype[Any], float]] = {
             "rows": ((d,), s.np_dtype, 0.0),
+            _VERSION: ((), np.dtype(np.int64), 0.0),
             "last_clock": ((), np.dtype(np.int64), 0.0),
             "last_s": ((), np.dtype(np.float64), 0.0),
         }
@@ -227,7 +249,9 @@ class EmbeddingTable:
         """Bytes of the stored rows' optimizer state (adagrad's accumulators, adam's moments
         and step counts; 0 for sgd)."""
         return self.n * sum(
-            a.row_bytes for name, a in self._store.items() if name not in ("rows", *_BOOKKEEPING)
+            a.row_bytes
+            for name, a in self._store.items()
+            if name not in ("rows", _VERSION, *_BOOKKEEPING)
         )
 
     def stored_bytes(self) -> int:
@@ -436,6 +460,16 @@ class EmbeddingTable:
         self.rows_pulled += n
         return out
 
+    def versions(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The versions of validated ``ids`` (int64 (n,), caller's order): a stored row's
+        count of applied pushes, 0 for an id with no stored row (changes nothing)."""
+        ids = ids64(ids)
+        where = self.index.lookup(ids)
+        have = where >= 0
+        out = np.zeros(ids.shape[0], np.int64)
+        out[have] = self._store[_VERSION].gather(where[have])
+        return out
+
     def push(
         self, ids: npt.NDArray[np.int64], grads: np.ndarray, *, now_s: float, clock: int
     ) -> PushRowsResult:
@@ -486,6 +520,8 @@ class EmbeddingTable:
         self.filtered += filtered
         if uniq.shape[0]:
             self._apply_rule(where, g)
+            versions = self._store[_VERSION]
+            versions.scatter(where, versions.gather(where) + 1)
             if self.tracks_pushes:
                 kernels().stamp(
                     self._store["last_clock"].addrs,
@@ -574,7 +610,7 @@ class EmbeddingTable:
 
     def _state_names(self) -> list[str]:
         """The rule's per-row optimizer state arrays (``acc``; ``m``, ``v``, ``steps``)."""
-        return [n for n in self._fields() if n not in ("rows", *_BOOKKEEPING)]
+        return [n for n in self._fields() if n not in ("rows", _VERSION, *_BOOKKEEPING)]
 
     def _apply_rule(self, where: npt.NDArray[np.int64], g: npt.NDArray[np.float32]) -> None:
         s = self.spec
@@ -623,7 +659,8 @@ class EmbeddingTable:
 
         A row last pushed at clock c (time t) expires once ``clock - c >= expiry_clocks`` (or
         ``now_s - t >= expiry_s``); its optimizer state goes with it and a later pull returns
-        its initial row again. Returns the number of rows dropped (also added to
+        its initial row again, and the table draws a new :attr:`version_epoch` (a re-created
+        row starts again at version 0). Returns the number of rows dropped (also added to
         :attr:`expired`).
         """
         drop = self._expiry_mask(now_s, clock)
@@ -640,6 +677,7 @@ class EmbeddingTable:
             self.n = int(keep.shape[0])
             self.index.rebuild(ids[keep], rows)
             self.expired += count
+            self.version_epoch = new_version_epoch()
         return count
 
     # ------------------------------------------------------------------ durability
@@ -654,9 +692,10 @@ class EmbeddingTable:
         """Copies of the stored ids and per-row arrays, sorted by id (checkpoints, reshard).
 
         Keys: ``ids`` (int64 (n,)), ``rows`` (storage dtype (n, dim)), the rule's state
-        (``acc``, ``m``, ``v``, ``steps``), ``last_clock``, ``last_s`` (zeros for a table
-        without expiry, which does not keep them), and the frequency filter's ``pending_ids``
-        / ``pending_counts`` (ids without a row, with a count > 0).
+        (``acc``, ``m``, ``v``, ``steps``), ``version`` (int64 (n,)), ``last_clock``,
+        ``last_s`` (zeros for a table without expiry, which does not keep them), and the
+        frequency filter's ``pending_ids`` / ``pending_counts`` (ids without a row, with a
+        count > 0).
         """
         ids = self.ids_by_row()
         order = np.argsort(ids, kind="stable").astype(np.int64)
@@ -675,13 +714,17 @@ class EmbeddingTable:
         return out
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        """Replace every stored row and counter by :meth:`state_arrays` output.
+        """Replace every stored row and counter by :meth:`state_arrays` output, and draw a
+        new :attr:`version_epoch`. Arrays saved before rows had versions (no ``version``)
+        load with every version 0.
 
         Raises:
             InvalidArgument: an array is missing or of the wrong shape or dtype.
         """
         ids = np.asarray(arrays["ids"], np.int64)
         n = ids.shape[0]
+        if _VERSION not in arrays:
+            arrays = {**arrays, _VERSION: np.zeros(n, np.int64)}
         for name, (shape, dtype, _) in self._fields().items():
             got = arrays.get(name)
             if got is None or got.shape != (n, *shape) or got.dtype != dtype:
@@ -701,3 +744,4 @@ class EmbeddingTable:
         self._pending.rebuild(p_ids, np.arange(p_ids.shape[0], dtype=np.int64))
         self._pending_counts = p_counts.copy()
         self._pending_n = int(p_ids.shape[0])
+        self.version_epoch = new_version_epoch()

@@ -135,16 +135,22 @@ def chunk_rows(
     rows: np.ndarray | None,
     *,
     chunk_bytes: int = tensor.DEFAULT_CHUNK_BYTES,
+    versions: npt.NDArray[np.int64] | None = None,
 ) -> Iterator[Any]:
     """``RowsChunk`` messages of ids and/or rows (little-endian bytes), in order.
 
     Args:
         ids: int64 (n,) or None (row-only chunks: pull replies).
         rows: (n, dim) rows or None (id-only chunks: pull requests).
+        versions: int64 (n,) row versions, one per id or row (``RowsChunk.versions``), or
+            None (no versions).
     """
     n = ids.shape[0] if ids is not None else rows.shape[0] if rows is not None else 0
     row_bytes = 0 if rows is None else rows.dtype.itemsize * (rows.shape[1] if rows.ndim > 1 else 1)
+    if versions is not None:
+        row_bytes += 8
     k = rows_per_chunk(row_bytes, chunk_bytes)
+    versions_le = None if versions is None else versions.astype("<i8", copy=False)
     ids_le = None if ids is None else ids.astype("<i8", copy=False)
     rows_le = None
     if rows is not None:
@@ -157,6 +163,7 @@ def chunk_rows(
         yield tpb.RowsChunk(
             ids=b"" if ids_le is None else ids_le[start:stop].tobytes(),
             rows=b"" if rows_le is None else rows_le[start:stop].tobytes(),
+            versions=b"" if versions_le is None else versions_le[start:stop].tobytes(),
         )
 
 
@@ -169,15 +176,25 @@ class RowsReceiver:
         dim: Row width (0: chunks carry no rows).
         dtype: Row dtype (ignored when ``dim`` is 0).
         with_ids: Chunks carry ids.
+        with_versions: Chunks carry one int64 version per id or row (``RowsChunk.versions``),
+            collected into :attr:`versions` by :meth:`finish`.
 
     Raises (from :meth:`feed` / :meth:`finish`):
         MalformedStream: a chunk's ids and rows disagree, a chunk carries what its stream does
-            not (rows in a pull request, ids in a pull reply), or more or fewer ids than
+            not (rows in a pull request, ids in a pull reply, versions where none were asked
+            for or a count of them other than the chunk's ids), or more or fewer ids than
             announced (INVALID_ARGUMENT).
     """
 
     def __init__(
-        self, what: str, num_ids: int, dim: int, dtype: np.dtype[Any], *, with_ids: bool = True
+        self,
+        what: str,
+        num_ids: int,
+        dim: int,
+        dtype: np.dtype[Any],
+        *,
+        with_ids: bool = True,
+        with_versions: bool = False,
     ) -> None:
         self.what = what
         self.num_ids = num_ids
@@ -186,6 +203,11 @@ class RowsReceiver:
         self.with_ids = with_ids
         self._ids: list[np.ndarray] = []
         self._rows: list[np.ndarray] = []
+        self.with_versions = with_versions
+        self._versions: list[np.ndarray] = []
+        #: The versions received (int64 (n,); empty unless ``with_versions``), set by
+        #: :meth:`finish`.
+        self.versions: npt.NDArray[np.int64] = np.zeros(0, np.int64)
         self.received = 0
 
     def feed(self, chunk: Any) -> None:
@@ -215,6 +237,13 @@ class RowsReceiver:
             raise MalformedStream(
                 f"{self.what}: more than the {self.num_ids} ids the header announced"
             )
+        if len(chunk.versions) != (8 * k if self.with_versions else 0):
+            raise MalformedStream(
+                f"{self.what}: a chunk of {k} ids carries {len(chunk.versions)} version bytes, "
+                f"expected {8 * k if self.with_versions else 0}"
+            )
+        if self.with_versions:
+            self._versions.append(np.frombuffer(chunk.versions, "<i8"))
         if self.with_ids:
             self._ids.append(np.frombuffer(chunk.ids, "<i8"))
         if self.dim:
@@ -248,6 +277,8 @@ class RowsReceiver:
             )
         else:
             rows = np.zeros((self.received, 0), np.float32)
+        if self._versions:
+            self.versions = np.concatenate(self._versions).astype(np.int64, copy=False)
         return ids, rows
 
 

@@ -77,8 +77,8 @@ def test_the_memory_budget_refuses_a_push_of_new_rows_and_changes_nothing() -> N
     spec = TableSpec("emb", 8, rule=TableRule("sgd", lr=1.0))
     probe = TableSet()
     probe.init(spec)
-    row_bytes = probe.get("emb").row_bytes  # 8 float32 (no expiry: no last clock or time)
-    assert row_bytes == 8 * 4
+    row_bytes = probe.get("emb").row_bytes  # 8 float32 and a version (no expiry bookkeeping)
+    assert row_bytes == 8 * 4 + 8
     tables = TableSet(TableLimits(memory_bytes=10 * row_bytes))
     tables.init(spec)
     cluster, worker = cluster_with("w0")

@@ -527,7 +527,8 @@ def test_compiled_rules_match_the_numpy_rule_step(kind: str) -> None:
 def test_rows_of_a_table_without_expiry_carry_no_bookkeeping() -> None:
     plain = _table(TableRule("sgd"), dim=16)
     timed = _table(TableRule("sgd"), dim=16, expiry_clocks=3)
-    assert plain.row_bytes == 16 * 4 and timed.row_bytes == 16 * 4 + 8 + 8
+    # every table keeps a version (int64) a row; one with expiry its last clock and time
+    assert plain.row_bytes == 16 * 4 + 8 and timed.row_bytes == 16 * 4 + 8 + 8 + 8
     adam = _table(TableRule("adam"), dim=16)
     adam.push(np.arange(10, dtype=np.int64), np.ones((10, 16), np.float32), now_s=0, clock=0)
     assert adam.state_bytes() == 10 * (16 * 4 * 2 + 8)

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.api.v1 import tensor_pb2
@@ -250,7 +251,14 @@ class TableRpcs:
 
     async def _read_many(
         self, request_iterator: AsyncIterator[Any], *, push: bool
-    ) -> tuple[Any, list[EmbeddingTable], list[tuple[np.ndarray, np.ndarray]]]:
+    ) -> tuple[
+        Any,
+        list[EmbeddingTable],
+        list[tuple[np.ndarray, np.ndarray]],
+        list[np.ndarray | None],
+    ]:
+        """The header, every segment's table and (ids, rows), and each segment's held row
+        versions (pulls with ``row_versions``; None otherwise)."""
         header, it = await self._read(request_iterator)
         tables = self._segment_tables(header, push=push)
         receivers = []
@@ -269,30 +277,47 @@ class TableRpcs:
                 )
             else:
                 receivers.append(
-                    rows_wire.RowsReceiver(where, int(seg.num_ids), 0, np.dtype(np.float32))
+                    rows_wire.RowsReceiver(
+                        where,
+                        int(seg.num_ids),
+                        0,
+                        np.dtype(np.float32),
+                        with_versions=seg.row_versions,
+                    )
                 )
         many = rows_wire.SegmentsReceiver(receivers)
         async for msg in it:
             if msg.WhichOneof("body") != "chunk":
                 raise MalformedStream("a second header in one several-table stream")
             many.feed(msg.chunk)
-        return header, tables, many.finish()
+        parts = many.finish()
+        held = [r.versions if r.with_versions else None for r in receivers]
+        return header, tables, parts, held
 
     async def pull_rows_many(self, request_iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """PullRowsMany: every segment's ids, then one info and every segment's rows."""
-        header, _, parts = await self._read_many(request_iterator, push=False)
-        infos, rows = await self.pull_many_decoded(header, [ids for ids, _ in parts])
+        header, _, parts, held = await self._read_many(request_iterator, push=False)
+        infos, rows, versions = await self.pull_many_decoded(
+            header, [ids for ids, _ in parts], held
+        )
         yield tpb.PullRowsManyResponse(info=tpb.PullRowsManyInfo(tables=infos))
-        for block in rows:
-            for chunk in rows_wire.chunk_rows(None, block):
+        for block, vers in zip(rows, versions, strict=True):
+            for chunk in rows_wire.chunk_rows(None, block, versions=vers):
                 yield tpb.PullRowsManyResponse(chunk=chunk)
 
     async def pull_many_decoded(
-        self, header: Any, ids: list[np.ndarray]
-    ) -> tuple[list[Any], list[np.ndarray]]:
+        self,
+        header: Any,
+        ids: list[np.ndarray],
+        held: list[np.ndarray | None] | None = None,
+    ) -> tuple[list[Any], list[np.ndarray], list[np.ndarray | None]]:
         """Rows of several tables: every id checked, every table's consistency wait, then
-        every table read with no await in between (one moment of the shard). Returns the
-        ``PullRowsInfo`` and rows of each segment, in segment order."""
+        every table read with no await in between (one moment of the shard). A segment
+        with ``row_versions`` (``held``: the worker's versions, -1 none) gets only the rows
+        whose held version is absent, of another epoch, ahead of the server's or more than
+        ``max_version_lag`` behind it (:func:`resend_mask`), with their versions. Returns
+        the ``PullRowsInfo``, rows and versions (None: a segment without versions) of each
+        segment, in segment order."""
         check_worker_identity(header.worker_id)
         tables = self._segment_tables(header, push=False)
         checked = [self._check_ids(t, i) for t, i in zip(tables, ids, strict=True)]
@@ -310,27 +335,53 @@ class TableRpcs:
         now = self.engine.now()
         for t in tables:
             self.rates.note(now, t)
-        rows = [t.pull(c) for t, c in zip(tables, checked, strict=True)]
+        held = held if held is not None else [None] * len(tables)
+        resent: list[np.ndarray | None] = []
+        versions: list[np.ndarray | None] = []
+        for t, c, seg, h in zip(tables, checked, header.segments, held, strict=True):
+            if h is None:
+                resent.append(None)
+                versions.append(None)
+                continue
+            current = t.versions(c)
+            mask = resend_mask(
+                h, current, int(seg.version_epoch) == t.version_epoch, int(seg.max_version_lag)
+            )
+            resent.append(mask)
+            versions.append(current[mask])
+        rows = [
+            t.pull(c if m is None else c[m])
+            for t, c, m in zip(tables, checked, resent, strict=True)
+        ]
+        for t, c, m in zip(tables, checked, resent, strict=True):
+            if m is not None:  # a cache's validated read: its hits are the rows not re-sent
+                counts = self.cache_counts.setdefault(t.spec.name, [0, 0])
+                counts[0] += int(c.shape[0])
+                counts[1] += int(c.shape[0] - np.count_nonzero(m))
         for t, seg in zip(tables, header.segments, strict=True):
             if seg.cache_rows_requested:
                 counts = self.cache_counts.setdefault(t.spec.name, [0, 0])
                 counts[0] += int(seg.cache_rows_requested)
                 counts[1] += int(min(seg.cache_rows_hit, seg.cache_rows_requested))
         min_clock = self.engine.core.cluster.min_clock()
-        infos = [
-            tpb.PullRowsInfo(
+        infos = []
+        for t, r, m in zip(tables, rows, resent, strict=True):
+            info = tpb.PullRowsInfo(
                 dtype=tensor.dtype_to_wire(t.spec.np_dtype),
                 dim=t.spec.dim,
-                num_ids=int(c.shape[0]),
+                num_ids=int(r.shape[0]),
                 min_clock=min_clock,
             )
-            for t, c in zip(tables, checked, strict=True)
-        ]
-        return infos, rows
+            if m is not None:
+                info.row_versions = True
+                info.resent = np.packbits(m, bitorder="little").tobytes()
+                info.version_epoch = t.version_epoch
+            infos.append(info)
+        return infos, rows, versions
 
     async def push_rows_many(self, request_iterator: AsyncIterator[Any]) -> Any:
         """PushRowsMany: every segment's ids and gradient rows, all or nothing."""
-        header, _, parts = await self._read_many(request_iterator, push=True)
+        header, _, parts, _ = await self._read_many(request_iterator, push=True)
         return await self.push_many_decoded(header, parts)
 
     async def push_many_decoded(
@@ -439,6 +490,26 @@ class TableRpcs:
             info.cache_rows_requested = requested
             info.cache_rows_hit = hit
         return out
+
+
+def resend_mask(
+    held: np.ndarray, current: np.ndarray, same_epoch: bool, max_lag: int
+) -> npt.NDArray[np.bool_]:
+    """Which rows a version-validated pull sends (bool (n,)): every row when the held
+    versions belong to another epoch; else each row held at no version (-1), at a version
+    ahead of the server's (``current - held < 0``) or more than ``max_lag`` pushes behind.
+
+    Args:
+        held: int64 (n,) versions the worker holds (-1: none).
+        current: int64 (n,) the server's versions of the same ids, read with the rows.
+        same_epoch: Whether the held versions are of the table's current version epoch.
+        max_lag: Pushes a held row may lag the server's row.
+    """
+    if not same_epoch:
+        return np.ones(held.shape[0], bool)
+    lag = current - held
+    out: npt.NDArray[np.bool_] = (held < 0) | (lag < 0) | (lag > max_lag)
+    return out
 
 
 #: Seconds of history the row rates of Status cover.
