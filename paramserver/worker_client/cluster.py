@@ -30,7 +30,7 @@ from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.waiting import Wait
 from paramserver.worker_client.client import PushAck, WorkerClient, WorkerProgress
 from paramserver.worker_client.compression import GradientCompressor
-from paramserver.worker_client.embedding import RowPushAck
+from paramserver.worker_client.embedding import RowPushAck, ValidatedRows
 from paramserver.worker_client.forwarding import Forwarded
 from paramserver.worker_client.keyed import KeyedIds
 from paramserver.worker_client.options import (
@@ -313,6 +313,24 @@ class ClusterWorkerClient(AsyncClosing):
         """:meth:`WorkerClient.pull_rows_many` (one request per shard, concurrently)."""
         return await self._api.pull_rows_many(
             ids, timeout_s=timeout_s, observer=observer, cache_counts=cache_counts
+        )
+
+    async def pull_rows_validated(
+        self,
+        ids: Mapping[str, Any],
+        held: Mapping[str, Any],
+        *,
+        max_version_lag: int,
+        timeout_s: float | None = None,
+        cache_counts: Mapping[str, tuple[int, int]] | None = None,
+    ) -> dict[str, ValidatedRows]:
+        """:meth:`WorkerClient.pull_rows_validated` (one request per shard, concurrently)."""
+        return await self._api.pull_rows_validated(
+            ids,
+            held,
+            max_version_lag=max_version_lag,
+            timeout_s=timeout_s,
+            cache_counts=cache_counts,
         )
 
     async def push_rows_many(

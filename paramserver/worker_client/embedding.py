@@ -39,6 +39,7 @@ __all__ = [
     "RowPushAck",
     "ShardedTables",
     "TableClientMixin",
+    "ValidatedRows",
     "check_ids",
     "check_ids_many",
     "check_rows",
@@ -46,6 +47,28 @@ __all__ = [
 ]
 
 _PUSH_RETRYABLE = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass(frozen=True)
+class ValidatedRows:
+    """One table's answer to a version-validated pull (:meth:`TableClientMixin.
+    pull_rows_validated`).
+
+    Attributes:
+        resent: bool (n,) over the requested ids: True where the server sent the row (the
+            held copy, if any, is not valid); False where the held row is within the bound.
+        rows: (m, dim) the rows sent, in request order (m = resent.sum()).
+        versions: int64 (m,) their versions; -1 where unknown (a server that predates row
+            versions: every row is sent and none may be cached by version).
+        epoch_changed: The table's version epoch on a shard differs from the one the held
+            versions of that shard were sent with: held rows of this table that are not in
+            this answer may be of the old epoch and must be dropped.
+    """
+
+    resent: npt.NDArray[np.bool_]
+    rows: np.ndarray
+    versions: npt.NDArray[np.int64]
+    epoch_changed: bool
 
 
 @dataclass(frozen=True)
@@ -369,6 +392,103 @@ class TableClientMixin:
                 )
         return out
 
+    async def pull_rows_validated(
+        self,
+        ids: Mapping[str, npt.NDArray[np.int64]],
+        held: Mapping[str, npt.NDArray[np.int64]],
+        *,
+        max_version_lag: int,
+        timeout_s: float | None = None,
+        cache_counts: Mapping[str, tuple[int, int]] | None = None,
+    ) -> dict[str, ValidatedRows]:
+        """A version-validated ``PullRowsMany`` (a worker-side row cache's pull; HET's
+        per-embedding clocks, Miao et al., VLDB 2022): each id goes with the version of the
+        row the caller holds, and the server sends a row (with its version) only where
+        nothing is held, the held version is of another epoch or ahead of the server's, or
+        the server's row has had more than ``max_version_lag`` pushes since; the table's
+        consistency wait applies as to any pull, and every table is read at one moment.
+
+        Args:
+            ids: ``{table: distinct int64 ids}``.
+            held: ``{table: int64 versions}``, one per id (-1: no row held).
+            max_version_lag: Pushes a held row may lag the server's row (0: unchanged only).
+            timeout_s: Deadline of the consistency waits (default: the client's).
+            cache_counts: As :meth:`pull_rows_many`.
+
+        Returns:
+            ``{table: ValidatedRows}``.
+
+        Raises:
+            As :meth:`pull_rows_many`; MalformedStream: a reply whose rows disagree with its
+                bitmap.
+        """
+        arrays = check_ids_many(ids)
+        tables = list(arrays)
+        versions = {t: np.ascontiguousarray(held[t], np.int64) for t in tables}
+        for t in tables:
+            if versions[t].shape != arrays[t].shape:
+                raise InvalidArgument(
+                    f"table {t!r}: {versions[t].shape[0]} held versions for "
+                    f"{arrays[t].shape[0]} ids"
+                )
+        me: Any = self  # a WorkerClient: the one deadline rule of every pull, its retry funnel
+        wait_ms, deadline_s = me._pull_deadlines(timeout_s)
+        counts = dict(cache_counts or {})
+        epochs: dict[str, int] = self.__dict__.setdefault("_row_version_epochs", {})
+        sent_epochs = {t: epochs.get(t, 0) for t in tables}
+
+        async def attempt() -> tuple[list[Any], dict[str, np.ndarray], dict[str, np.ndarray]]:
+            header = tpb.RowsManyHeader(
+                worker_id=self.worker_id,
+                timeout_ms=wait_ms,
+                segments=[
+                    tpb.RowsSegment(
+                        table=t,
+                        num_ids=arrays[t].shape[0],
+                        cache_rows_requested=counts.get(t, (0, 0))[0],
+                        cache_rows_hit=counts.get(t, (0, 0))[1],
+                        row_versions=True,
+                        max_version_lag=max_version_lag,
+                        version_epoch=sent_epochs[t],
+                    )
+                    for t in tables
+                ],
+            )
+
+            def requests() -> Iterator[tpb.PullRowsManyRequest]:
+                yield tpb.PullRowsManyRequest(header=header)
+                for t in tables:
+                    for chunk in rows_wire.chunk_rows(arrays[t], None, versions=versions[t]):
+                        yield tpb.PullRowsManyRequest(chunk=chunk)
+
+            return await read_rows_many_infos(
+                self.stub.PullRowsMany(requests(), timeout=deadline_s), tables
+            )
+
+        infos, rows, got_versions = await me._member_call(attempt, "pull_rows_validated")
+        out: dict[str, ValidatedRows] = {}
+        for t, info in zip(tables, infos, strict=True):
+            n = arrays[t].shape[0]
+            if info.row_versions:
+                bits = np.frombuffer(info.resent, np.uint8)
+                if bits.shape[0] != (n + 7) // 8:
+                    raise MalformedStream(f"table {t!r}: a resent bitmap for other than {n} ids")
+                mask = np.unpackbits(bits, count=n, bitorder="little").astype(bool)
+                got_v = got_versions[t]
+                changed = int(info.version_epoch) != sent_epochs[t]
+                epochs[t] = int(info.version_epoch)
+            else:  # a server that predates row versions: every row, no versions
+                mask = np.ones(n, bool)
+                got_v = np.full(n, -1, np.int64)
+                changed = True
+                epochs.pop(t, None)
+            if int(mask.sum()) != rows[t].shape[0]:
+                raise MalformedStream(
+                    f"table {t!r}: {rows[t].shape[0]} rows for {int(mask.sum())} resent ids"
+                )
+            out[t] = ValidatedRows(mask, rows[t], got_v, changed)
+        return out
+
     async def push_rows_many(
         self,
         ids: Mapping[str, Any] | KeyedIds,
@@ -448,7 +568,21 @@ async def read_rows_many(stream: Any, tables: list[str]) -> dict[str, np.ndarray
     Raises:
         MalformedStream: info missing, repeated or after rows; rows that do not add up.
     """
+    return (await read_rows_many_infos(stream, tables))[1]
+
+
+async def read_rows_many_infos(
+    stream: Any, tables: list[str]
+) -> tuple[list[Any], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A ``PullRowsMany`` reply stream: its ``PullRowsInfo`` per table, the rows
+    ``{table: (num_ids, dim)}`` and their versions ``{table: int64 (num_ids,)}`` (empty for a
+    segment answered without versions).
+
+    Raises:
+        MalformedStream: info missing, repeated or after rows; rows that do not add up.
+    """
     many: rows_wire.SegmentsReceiver | None = None
+    infos: list[Any] = []
     async for msg in stream:
         if msg.WhichOneof("body") == "info":
             if many is not None:
@@ -464,6 +598,7 @@ async def read_rows_many(stream: Any, tables: list[str]) -> dict[str, np.ndarray
                         int(i.dim),
                         tensor.dtype_from_wire(i.dtype, t),
                         with_ids=False,
+                        with_versions=i.row_versions,
                     )
                     for t, i in zip(tables, infos, strict=True)
                 ]
@@ -474,7 +609,10 @@ async def read_rows_many(stream: Any, tables: list[str]) -> dict[str, np.ndarray
             many.feed(msg.chunk)
     if many is None:
         raise MalformedStream("empty PullRowsMany reply")
-    return {t: rows for t, (_, rows) in zip(tables, many.finish(), strict=True)}
+    parts = many.finish()
+    rows = {t: r for t, (_, r) in zip(tables, parts, strict=True)}
+    versions = {t: r.versions for t, r in zip(tables, many.receivers, strict=True)}
+    return infos, rows, versions
 
 
 class ShardedTables:
@@ -566,6 +704,54 @@ class ShardedTables:
             for i, rows in got.items():
                 block[parts[t][i]] = rows[t]
             out[t] = block
+        return out
+
+    async def pull_rows_validated(
+        self,
+        ids: Mapping[str, npt.NDArray[np.int64]],
+        held: Mapping[str, npt.NDArray[np.int64]],
+        **kw: Any,
+    ) -> dict[str, ValidatedRows]:
+        """Every table's ids and held versions split by shard; one version-validated
+        request per shard, all concurrently; each table's answers merged in the caller's
+        order (``epoch_changed`` if any shard's changed)."""
+        arrays = check_ids_many(ids)
+        parts = {t: self.split(t, a) for t, a in arrays.items()}
+        counts = kw.pop("cache_counts", None)  # reported to one shard only (no double count)
+        calls: dict[int, Awaitable[Any]] = {}
+        for i, shard in enumerate(self.shards):
+            if any(parts[t][i].shape[0] for t in arrays):
+                calls[i] = shard.pull_rows_validated(
+                    {t: a[parts[t][i]] for t, a in arrays.items()},
+                    {t: np.asarray(held[t], np.int64)[parts[t][i]] for t in arrays},
+                    cache_counts=None if calls else counts,
+                    **kw,
+                )
+        if not calls:  # no ids at all: ask one shard for every table's dim and dtype
+            got0: dict[str, ValidatedRows] = await self.shards[0].pull_rows_validated(
+                arrays, held, cache_counts=counts, **kw
+            )
+            return got0
+        got: dict[int, dict[str, ValidatedRows]] = await self.fan_out(calls)
+        out: dict[str, ValidatedRows] = {}
+        for t, a in arrays.items():
+            mask = np.zeros(a.shape[0], bool)
+            where, rows, versions = [], [], []
+            for i, answer in got.items():
+                one = answer[t]
+                pos = parts[t][i]
+                mask[pos] = one.resent
+                where.append(pos[one.resent])
+                rows.append(one.rows)
+                versions.append(one.versions)
+            at = np.concatenate(where)
+            order = np.argsort(at, kind="stable")
+            out[t] = ValidatedRows(
+                mask,
+                np.concatenate(rows)[order],
+                np.concatenate(versions)[order],
+                any(answer[t].epoch_changed for answer in got.values()),
+            )
         return out
 
     async def push_rows_many(

@@ -2,44 +2,54 @@
 Embedding Model Training via Cache-enabled Distributed Framework", VLDB 2022).
 
 With Zipf-distributed ids most rows a batch pulls are the same hot rows as the batch before.
-:class:`RowCache` wraps a worker client (the async one: ``connect``) and keeps the rows it pulled,
-each stamped with the worker's clock when it was pulled (its version), and the row gradients it
-was given, summed per id:
+:class:`RowCache` wraps a worker client (the async one: ``connect``, or a sharded cluster
+client) and keeps the rows it pulled, each with its **version**: the server counts, per
+stored row, the pushes applied to it (HET's per-embedding clock; 0 for a row never pushed),
+and sends a row's version with the row. With a bound s >= 1:
 
-* **Read staleness.** A row pulled at clock f is served from the cache at clock c while
-  ``c - f <= s``; otherwise it is pulled again (with the table's own consistency wait). Rows
-  past the bound are dropped at each :meth:`RowCache.clock`.
-* **Write staleness.** Gradients of clock p are summed locally per (table, id) and pushed (one
-  several-table request per shard) at the latest by the :meth:`RowCache.clock` that ends clock
-  ``p + s``. The cached copies of the pushed ids stay (a hot row is not pulled again because
-  this worker updated it), keeping the clock they were pulled at: of an ``sgd`` table the
-  pushed sum is applied to the copy as the server applies it (``w -= lr * g``, after HET's
-  local updates of cached embeddings), so the worker reads its own flushed updates; of another
-  rule the copy is left as it was and lacks them until it is pulled again.
+* **Read staleness.** Every read is one version-validated pull (``PullRowsMany`` with
+  ``row_versions``, one request per shard): each id goes with the version the cache holds
+  (16 bytes an id instead of 8), and the server, at the moment it reads the rows and after
+  the table's consistency wait, sends back only the rows the cache must replace: not held,
+  or held at a version ``h`` with ``V - h > s`` (or ``< 0``) for the server's version ``V``,
+  or of another version epoch (a shard restart or an expiry sweep that dropped rows). Every
+  other row is served from the cache: it is at most s pushes behind the server's row *at the
+  time of the read*.
+* **Write staleness.** Gradients of clock p are summed locally per (table, id) and pushed
+  (one several-table request per shard) at the latest by the :meth:`RowCache.clock` that ends
+  clock ``p + s``. Of an ``sgd`` table (asp or ssp, no frequency filter) the pushed sum is
+  then applied to the cached copies (``w -= lr * g`` in float32, as the server's rule: HET's
+  local updates of cached embeddings) and their versions advanced by one, so the worker reads
+  its own flushed updates and they do not count against the bound; of another rule the copy
+  is left as it was, and the worker's own pushes count as pushes the copy lacks.
 
-**Guarantee.** For s >= 1, a row read at clock c was pulled from the server at a clock
-``f >= c - s``: it misses at most the updates other workers applied after that pull (at most
-s clocks and the current one of theirs) and this worker's own gradients of clocks ``>= f``
-not yet flushed (an ``sgd`` table) or all of them (another rule). Deferred gradients are
-summed before they are pushed, so the table's rule sees one push of their sum per flush
-instead of one push per batch (the same update for ``sgd`` up to float rounding; a different
-trajectory for adaptive rules). **s = 0 is exact:**
-the cache keeps nothing and defers nothing; every read is a pull and every push is sent at
-once, so training is bit for bit that of the client it wraps.
+**Guarantee.** For s >= 1 a row read at any moment is, for the server's row of version V at
+that moment: the server's row of some version ``h`` with ``V - s <= h <= V``; or, of an sgd
+table, such a row plus this worker's own later pushes applied locally, where ``V - h`` minus
+those own pushes is at most s (the copy lacks at most s pushes of other workers; the same
+additions in another order, so equal up to float rounding). Not yet in it: this worker's own
+gradients not yet flushed (at most s clocks of them). Deferred gradients are summed before
+they are pushed, so the table's rule sees one push of their sum per flush instead of one
+push per batch (the same update for ``sgd`` up to float rounding; a different trajectory for
+adaptive rules). **s = 0 is exact:** the cache keeps nothing and defers nothing; every read
+is a plain pull and every push is sent at once, so training is bit for bit that of the client
+it wraps.
 
 Usage::
 
     async with connect(address, worker_name="w0") as ps:
         cache = RowCache(ps, staleness=2)
-        rows = await cache.pull_rows("items", ids)        # hot rows from memory
+        rows = await cache.pull_rows("items", ids)        # unchanged hot rows not re-sent
         await cache.push_rows("items", ids, grads)        # summed locally
         await cache.clock()                               # flushes what reached the bound
         cache.stats.hit_rate
 
 Only this worker's reads are cached; a table's server-side consistency (asp, ssp, bsp) applies
-to the pulls the cache does make. Each pull carries the cache's rows requested and hit since its
-last report of that table, which the server's ``Status`` shows per table (``cache_rows_*``).
-With a bsp table use s = 0 (a deferred push would miss its step).
+to every pull the cache makes. The server's ``Status`` shows per table the rows the cache
+requested and hit (``cache_rows_*``: counted by the server from each validated pull; at s = 0
+each pull reports its rows, none hit).
+With a bsp table use s = 0 (a deferred push would miss its step). The cache keeps every row it
+has read (its memory grows with the distinct ids this worker reads).
 """
 
 from __future__ import annotations
@@ -53,7 +63,13 @@ import numpy.typing as npt
 
 from paramserver.errors import InvalidArgument
 from paramserver.protocol import rows_wire
-from paramserver.worker_client.embedding import RowPushAck, check_ids, check_ids_many, check_rows
+from paramserver.worker_client.embedding import (
+    RowPushAck,
+    ValidatedRows,
+    check_ids,
+    check_ids_many,
+    check_rows,
+)
 from paramserver.worker_client.keyed import KeyedIds
 
 __all__ = ["CacheStats", "RowCache"]
@@ -69,6 +85,8 @@ class CacheStats:
         rows_pulled: Rows pulled over the wire.
         rows_pushed: Gradient rows pushed over the wire (after summing per id).
         flushes: Pushes of deferred gradients.
+        rows_validated: Cached rows whose version went to the server for validation (each
+            costs 8 bytes of version beside its id, instead of a row coming back).
     """
 
     rows_requested: int = 0
@@ -76,6 +94,7 @@ class CacheStats:
     rows_pulled: int = 0
     rows_pushed: int = 0
     flushes: int = 0
+    rows_validated: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -85,43 +104,54 @@ class CacheStats:
 
 @dataclass
 class _TableCache:
-    """One table's cached rows, sorted by id, with the clock each was pulled at; and its
-    deferred gradients (per clock, not yet summed)."""
+    """One table's cached rows, sorted by id, with the version of each; and its deferred
+    gradients (per clock, not yet summed)."""
 
     ids: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     rows: np.ndarray | None = None
-    fetched: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    versions: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     pending: list[tuple[npt.NDArray[np.int64], np.ndarray]] = field(default_factory=list)
     oldest_pending: int | None = None
 
-    def lookup(self, uniq: npt.NDArray[np.int64], clock: int, s: int) -> npt.NDArray[np.int64]:
-        """Positions of ``uniq`` (sorted, distinct) among the cached ids whose rows are still
-        within the bound; -1 where not."""
+    def lookup(self, uniq: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Positions of ``uniq`` (sorted, distinct) among the cached ids; -1 where absent."""
         n = self.ids.shape[0]
         if n == 0:
             return np.full(uniq.shape[0], -1, np.int64)
         pos = np.searchsorted(self.ids, uniq)
         pos_c = np.minimum(pos, n - 1)
-        ok = (pos < n) & (self.ids[pos_c] == uniq) & (clock - self.fetched[pos_c] <= s)
+        ok = (pos < n) & (self.ids[pos_c] == uniq)
         return np.where(ok, pos_c, -1)
 
-    def store(self, new_ids: npt.NDArray[np.int64], new_rows: np.ndarray, clock: int) -> None:
-        """Insert or refresh rows (``new_ids`` sorted, distinct)."""
+    def store(
+        self, new_ids: npt.NDArray[np.int64], new_rows: np.ndarray, versions: npt.NDArray[np.int64]
+    ) -> None:
+        """Insert or replace rows (``new_ids`` sorted, distinct) with their versions; rows of
+        an unknown version (-1) are not kept."""
+        known = versions >= 0
+        new_ids, new_rows, versions = new_ids[known], new_rows[known], versions[known]
         if self.rows is None or self.ids.shape[0] == 0:
             self.ids = new_ids.copy()
             self.rows = np.array(new_rows)
-            self.fetched = np.full(new_ids.shape[0], clock, np.int64)
+            self.versions = versions.copy()
             return
         keep = ~np.isin(self.ids, new_ids, assume_unique=True)
         ids = np.concatenate([self.ids[keep], new_ids])
         rows = np.concatenate([self.rows[keep], new_rows])
-        fetched = np.concatenate([self.fetched[keep], np.full(new_ids.shape[0], clock, np.int64)])
+        vers = np.concatenate([self.versions[keep], versions])
         order = np.argsort(ids, kind="stable")
-        self.ids, self.rows, self.fetched = ids[order], rows[order], fetched[order]
+        self.ids, self.rows, self.versions = ids[order], rows[order], vers[order]
+
+    def clear(self) -> None:
+        """Drop every cached row (deferred gradients stay)."""
+        self.ids = np.zeros(0, np.int64)
+        self.rows = None
+        self.versions = np.zeros(0, np.int64)
 
     def apply_sgd(self, ids: npt.NDArray[np.int64], grads: np.ndarray, lr: float) -> None:
         """``w -= lr * g`` on the cached copies of ``ids`` (sorted, distinct) that are held,
-        in float32, rounded once to the rows' dtype (as the server's sgd rule)."""
+        in float32, rounded once to the rows' dtype (as the server's sgd rule), and their
+        versions advanced by one (the push the server applied)."""
         assert self.rows is not None
         n = self.ids.shape[0]
         pos = np.minimum(np.searchsorted(self.ids, ids), n - 1)
@@ -130,13 +160,7 @@ class _TableCache:
         w = self.rows[at].astype(np.float32)
         w -= np.float32(lr) * np.asarray(grads, np.float32)[held]
         self.rows[at] = w.astype(self.rows.dtype)
-
-    def drop(self, mask: npt.NDArray[np.bool_]) -> None:
-        keep = ~mask
-        self.ids = self.ids[keep]
-        self.fetched = self.fetched[keep]
-        if self.rows is not None:
-            self.rows = self.rows[keep]
+        self.versions[at] += 1
 
 
 def _coalesce(
@@ -170,8 +194,9 @@ class RowCache:
         self.staleness = staleness
         self.stats = CacheStats()
         self._tables: dict[str, _TableCache] = {}
-        #: table -> lr of an sgd table (flushed sums applied to the cached copies), None for
-        #: another rule; learned from the server's Status at the first flush of a table.
+        #: table -> lr of an sgd table (asp or ssp, no frequency filter: flushed sums are
+        #: applied to the cached copies), None otherwise; learned from the server's Status at
+        #: the first flush of a table.
         self._sgd_lr: dict[str, float | None] = {}
         #: table -> [rows requested, rows hit] not yet reported to the server (the counts
         #: travel with the cache's next pull of the table: Status' cache hit rate).
@@ -190,8 +215,8 @@ class RowCache:
     async def pull_rows_many(
         self, ids: Mapping[str, Any] | KeyedIds, **kw: Any
     ) -> dict[str, np.ndarray]:
-        """As the client's ``pull_rows_many``: rows within the bound from the cache, the others
-        pulled in one request per shard and cached."""
+        """As the client's ``pull_rows_many``: one version-validated request per shard; rows
+        within the bound served from the cache, the others sent by the server and cached."""
         arrays = check_ids_many(ids)
         s = self.staleness
         if s == 0:  # exact: every distinct row pulled now, nothing kept
@@ -203,44 +228,39 @@ class RowCache:
                 self.stats.rows_requested += int(u.shape[0])
                 self.stats.rows_pulled += int(u.shape[0])
             return {t: np.asarray(got[t])[inv.reshape(-1)] for t, (_, inv) in split.items()}
-        clock = self.clock_value
+        held: dict[str, npt.NDArray[np.int64]] = {}
         plans = {}
-        missing: dict[str, npt.NDArray[np.int64]] = {}
         for t, a in arrays.items():
             uniq, inverse = np.unique(a, return_inverse=True)
             cache = self._tables.setdefault(t, _TableCache())
-            pos = cache.lookup(uniq, clock, s)
-            miss = pos < 0
-            plans[t] = (uniq, inverse, pos, miss)
-            self.stats.rows_requested += int(uniq.shape[0])
-            self.stats.rows_hit += int(uniq.shape[0] - miss.sum())
-            self._count(t, int(uniq.shape[0]), int(uniq.shape[0] - miss.sum()))
-            if miss.any() or uniq.shape[0] == 0:
-                missing[t] = uniq[miss]
-        pulled: dict[str, np.ndarray] = {}
-        if missing:
-            pulled = await self._pull(missing, kw)
+            pos = cache.lookup(uniq)
+            held[t] = np.full(uniq.shape[0], -1, np.int64)
+            held[t][pos >= 0] = cache.versions[pos[pos >= 0]]
+            plans[t] = (uniq, inverse, pos)
+        # (the server counts a validated read's requested and hit rows itself: no report)
+        answers: dict[str, ValidatedRows] = await self.client.pull_rows_validated(
+            {t: plan[0] for t, plan in plans.items()}, held, max_version_lag=s, **kw
+        )
         out: dict[str, np.ndarray] = {}
-        for t, (uniq, inverse, pos, miss) in plans.items():
+        for t, (uniq, inverse, pos) in plans.items():
             cache = self._tables[t]
-            if t in pulled:
-                fresh = np.asarray(pulled[t])
-                self.stats.rows_pulled += int(fresh.shape[0])
-                cache_rows = cache.rows
-                dim, dtype = fresh.shape[1], fresh.dtype
-            else:
-                cache_rows = cache.rows
-                assert cache_rows is not None
-                dim, dtype = cache_rows.shape[1], cache_rows.dtype
-                fresh = np.zeros((0, dim), dtype)
-            rows = np.empty((uniq.shape[0], dim), dtype)
-            hit = ~miss
-            if hit.any():
-                assert cache_rows is not None
-                rows[hit] = cache_rows[pos[hit]]
-            rows[miss] = fresh
-            if fresh.shape[0]:
-                cache.store(uniq[miss], fresh, clock)
+            answer = answers[t]
+            sent = answer.resent
+            fresh = np.asarray(answer.rows)
+            rows = np.empty((uniq.shape[0], fresh.shape[1]), fresh.dtype)
+            kept = ~sent
+            if kept.any():
+                assert cache.rows is not None and bool((pos[kept] >= 0).all())
+                rows[kept] = cache.rows[pos[kept]]
+            rows[sent] = fresh
+            if answer.epoch_changed:  # held rows of another epoch: keep none of them
+                cache.clear()
+            cache.store(uniq[sent], fresh, answer.versions)
+            n, hit = int(uniq.shape[0]), int(kept.sum())
+            self.stats.rows_requested += n
+            self.stats.rows_hit += hit
+            self.stats.rows_pulled += n - hit
+            self.stats.rows_validated += int((pos >= 0).sum())
             out[t] = rows[inverse.reshape(-1)]
         return out
 
@@ -299,14 +319,17 @@ class RowCache:
             return
         status = await self.client.status()
         for info in status.tables:
-            rule = rows_wire.spec_from_proto(info.spec).rule
-            self._sgd_lr[info.spec.name] = float(rule.lr) if rule.kind == "sgd" else None
+            spec = rows_wire.spec_from_proto(info.spec)
+            local = spec.rule.kind == "sgd" and spec.consistency != "bsp" and spec.min_pushes <= 1
+            self._sgd_lr[spec.name] = float(spec.rule.lr) if local else None
         for t in tables:
             self._sgd_lr.setdefault(t, None)
 
     async def flush(self) -> dict[str, RowPushAck]:
         """Push every deferred gradient now (one several-table request per shard); the cached
-        rows of the pushed ids stay, an sgd table's with the pushed sum applied."""
+        rows of the pushed ids stay, an sgd table's with the pushed sum applied and their
+        versions advanced by one (only when the server applied it: not queued, nothing
+        filtered)."""
         ids: dict[str, npt.NDArray[np.int64]] = {}
         grads: dict[str, np.ndarray] = {}
         for t, cache in self._tables.items():
@@ -323,14 +346,16 @@ class RowCache:
             cache.oldest_pending = None
             self.stats.rows_pushed += int(u.shape[0])
             lr = self._sgd_lr.get(t)
-            if lr is not None and cache.rows is not None and cache.ids.shape[0]:
+            ack = acks[t]
+            applied_once = not ack.queued and ack.filtered == 0
+            if lr is not None and applied_once and cache.rows is not None and cache.ids.shape[0]:
                 cache.apply_sgd(u, grads[t], lr)
         return acks
 
     # ------------------------------------------------------------------ clock
     async def clock(self) -> int:
         """End the iteration: push deferred gradients that reached the bound (those of clock
-        p at the clock ending p + s), drop rows past it, then the client's ``clock``."""
+        p at the clock ending p + s), then the client's ``clock``."""
         ending = self.clock_value
         s = self.staleness
         # Every deferred gradient goes in one flush (the oldest decides), so none waits past
@@ -341,7 +366,4 @@ class RowCache:
         ):
             await self.flush()
         new_clock: int = await self.client.clock()
-        for cache in self._tables.values():
-            if cache.ids.shape[0]:
-                cache.drop(new_clock - cache.fetched > s)
         return new_clock

@@ -65,7 +65,7 @@ from paramserver.worker_client.client import (
     cast_gradients,
     progress_of,
 )
-from paramserver.worker_client.embedding import RowPushAck, ShardedTables
+from paramserver.worker_client.embedding import RowPushAck, ShardedTables, ValidatedRows
 from paramserver.worker_client.keyed import KeyedIds
 from paramserver.worker_client.options import PullOptions, PushOptions, PushPullOptions
 
@@ -561,6 +561,26 @@ class ShardedWorkerClient:
         :meth:`WorkerClient.pull_rows_many`; ``cache_counts`` go to one shard)."""
         return await ShardedTables(self.shards, self._fan_out).pull_rows_many(
             ids, timeout_s=timeout_s, observer=observer, cache_counts=cache_counts
+        )
+
+    async def pull_rows_validated(
+        self,
+        ids: Mapping[str, Any],
+        held: Mapping[str, Any],
+        *,
+        max_version_lag: int,
+        timeout_s: float | None = None,
+        cache_counts: Mapping[str, tuple[int, int]] | None = None,
+    ) -> dict[str, ValidatedRows]:
+        """Version-validated rows of several tables, one request per shard, all shards
+        concurrently (see :meth:`WorkerClient.pull_rows_validated`; ``cache_counts`` go to
+        one shard)."""
+        return await ShardedTables(self.shards, self._fan_out).pull_rows_validated(
+            ids,
+            held,
+            max_version_lag=max_version_lag,
+            timeout_s=timeout_s,
+            cache_counts=cache_counts,
         )
 
     async def push_rows_many(

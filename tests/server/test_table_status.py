@@ -51,9 +51,9 @@ async def test_status_cli_and_dashboard_show_the_table_figures() -> None:
             await w.clock()
             await w.push_rows("exp", [7], np.ones((1, 2), np.float32))  # sweep: 5, 6 expire
             cache = RowCache(w, staleness=2)
-            await cache.pull_rows("emb", ids[:50])  # 50 requested, 0 hit (reported now)
-            await cache.pull_rows("emb", ids[:50])  # 50 requested, 50 hit (held back)
-            await cache.pull_rows("emb", ids[:120])  # 120, 50 hit: pulls 70, reports all
+            await cache.pull_rows("emb", ids[:50])  # 50 requested, 0 hit (all sent)
+            await cache.pull_rows("emb", ids[:50])  # 50 requested, 50 hit (not re-sent)
+            await cache.pull_rows("emb", ids[:120])  # 120, 50 hit: 70 re-sent
             st = await w.status()
         tables = {t.spec.name: t for t in st.tables}
         emb, filt, exp = tables["emb"], tables["filt"], tables["exp"]

@@ -50,9 +50,10 @@ async def test_staleness_zero_is_bit_for_bit_no_cache() -> None:
 
 
 async def test_reads_and_deferred_pushes_stay_within_the_bound() -> None:
-    """sgd lr 0.5, gradient 1.0 on id 3 every clock, s = 2: reads at clocks 0..2 are the row
-    pulled at clock 0; the gradients of clocks 0..2 reach the server at the clock ending 2;
-    the read at clock 3 is pulled again and holds all three."""
+    """sgd lr 0.5, gradient 1.0 on id 3 every clock, s = 2, one worker: the gradients of
+    clocks 0..2 reach the server at the clock ending 2 and are applied to the cached copy
+    (its version advanced with the server's), so every read after the first is validated,
+    not re-sent, and equals the server's row."""
     s, lr = 2, 0.5
     init = initial_rows(7, np.array([3]), 4, INIT)[0]
     async with running_server(consistency="asp") as d:
@@ -72,8 +73,9 @@ async def test_reads_and_deferred_pushes_stay_within_the_bound() -> None:
             server = (await obs.pull_rows("emb", [3], observer=True))[0]
     # clocks 0..2 flushed at the end of 2, clocks 3..5 at the end of 5
     np.testing.assert_allclose(server, init - np.float32(lr * 6), rtol=1e-6)
-    assert cache.stats.rows_pulled == 2 and cache.stats.rows_hit == 4
-    assert cache.stats.flushes == 2 and cache.stats.hit_rate == pytest.approx(4 / 6)
+    assert cache.stats.rows_pulled == 1 and cache.stats.rows_hit == 5
+    assert cache.stats.rows_validated == 5
+    assert cache.stats.flushes == 2 and cache.stats.hit_rate == pytest.approx(5 / 6)
 
 
 async def test_other_workers_updates_show_within_s_clocks() -> None:
