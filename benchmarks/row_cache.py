@@ -12,9 +12,12 @@ per sample (summed per id by the server), push, clock. Test metric: mean squared
 Bayes optimum is the noise variance, 0.01; ids too rare to have been trained keep their error
 ``|w*|^2 ~ 1``, which is why the test MSE sits above it).
 
-Reported per staleness s: ``rows_pulled`` (distinct rows pulled over the wire, all workers),
-``rows_requested`` (distinct rows the workers read), ``hit_rate``, ``rows_pushed``, ``wall_s``
-and ``test_mse``; then ``pulled_ratio_s2`` (rows pulled at s = 2 / at s = 0; target <= 0.5) and
+Reported per staleness s: ``rows_pulled`` (distinct rows sent over the wire, all workers),
+``rows_requested`` (distinct rows the workers read), ``hit_rate``, ``rows_validated`` (cached
+rows whose version the cache sent for validation), ``payload_bytes`` (ids, versions, rows and
+bitmaps both ways), ``rows_pushed``, ``wall_s`` and ``test_mse``; then ``pulled_ratio_s2``
+(rows pulled at s = 2 / at s = 0; target <= 0.5), ``payload_bytes_ratio_s2`` (the same for
+``payload_bytes``) and
 ``mse_rel_diff_s2`` (|MSE(s=2) - MSE(s=0)| / MSE(s=0); target <= 0.01), and
 ``pulled_ratio_s2_vs_ids_sent`` (rows pulled at s = 2 / the ids a plain ``pull_rows`` of every
 batch would send, duplicates included). Run for Zipf(1.05) (the issue's workload) and, for
@@ -96,10 +99,24 @@ async def _run(
         "rows_requested": requested,
         "rows_pulled": sum(x.rows_pulled for x in st),
         "hit_rate": round(hits / requested, 4) if requested else 0.0,
+        "rows_validated": sum(x.rows_validated for x in st),
+        # row payload bytes both ways: ids (8 B) out; rows (4 * DIM B) back; with s >= 1 also
+        # a held version (8 B) out per cached id and a version (8 B) back per row sent, plus
+        # the resent bitmap (1 bit an id)
+        "payload_bytes": _payload_bytes(st, s),
         "rows_pushed": sum(x.rows_pushed for x in st),
         "wall_s": round(wall, 3),
         "test_mse": round(mse, 6),
     }
+
+
+def _payload_bytes(stats: list[Any], s: int) -> int:
+    req = sum(x.rows_requested for x in stats)
+    pulled = sum(x.rows_pulled for x in stats)
+    if s == 0:
+        return 8 * req + 4 * DIM * pulled
+    validated = sum(x.rows_validated for x in stats)
+    return 8 * req + 8 * validated + (4 * DIM + 8) * pulled + (req + 7) // 8
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 "benchmark": "row_cache_summary",
                 "zipf": alpha,
                 "pulled_ratio_s2": round(s2["rows_pulled"] / base["rows_pulled"], 4),
+                "payload_bytes_ratio_s2": round(s2["payload_bytes"] / base["payload_bytes"], 4),
                 "pulled_ratio_s2_vs_ids_sent": round(
                     s2["rows_pulled"] / (args.workers * steps * batch), 4
                 ),
