@@ -188,9 +188,14 @@ class SyncWorkerClient(Closing):
         *,
         timeout_s: float | None = None,
         observer: bool = False,
+        cache_counts: Mapping[str, tuple[int, int]] | None = None,
     ) -> dict[str, np.ndarray]:
         """:meth:`WorkerClient.pull_rows_many`, blocking: ``{table: rows}``."""
-        return self._run(self.client.pull_rows_many(ids, timeout_s=timeout_s, observer=observer))
+        return self._run(
+            self.client.pull_rows_many(
+                ids, timeout_s=timeout_s, observer=observer, cache_counts=cache_counts
+            )
+        )
 
     def push_rows_many(
         self,
