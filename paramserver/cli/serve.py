@@ -46,6 +46,51 @@ async def run_daemon(
     )
 
 
+def _ordinal_placement(args: argparse.Namespace) -> dict[str, Any]:
+    """``--ordinal N`` (a StatefulSet pod's ordinal, with ``--replicas R``): this server is
+    replica ``N % R`` of shard ``N // R``, and its replicas are that shard's group in
+    ``--shard-addresses`` (``a|b,c|d``: each shard's replicas joined by ``|``). Empty without
+    ``--ordinal``.
+
+    Raises:
+        InvalidArgument: ``--ordinal`` beside ``--shard-index``, ``--replica-index`` or
+            ``--replica-addresses``, or a shard map whose groups do not name R replicas
+            (INVALID_ARGUMENT).
+    """
+    from paramserver.errors import InvalidArgument
+    from paramserver.protocol.addresses import REPLICA_SEPARATOR, parse_addresses
+
+    ordinal = getattr(args, "ordinal", None)
+    if ordinal is None:
+        return {}
+    given = [f for f in ("shard_index", "replica_index", "replica_addresses") if getattr(args, f)]
+    if given:
+        raise InvalidArgument(
+            f"--ordinal sets {', '.join('--' + f.replace('_', '-') for f in given)}: give one"
+        )
+    replicas = args.replicas or 1
+    if ordinal < 0:
+        raise InvalidArgument(f"--ordinal must be >= 0, got {ordinal}")
+    if not args.shard_addresses:
+        raise InvalidArgument("--ordinal needs --shard-addresses (each shard's replicas a|b)")
+    groups = [g.split(REPLICA_SEPARATOR) for g in parse_addresses(args.shard_addresses)]
+    shard, replica = divmod(ordinal, replicas)
+    if shard >= len(groups):
+        raise InvalidArgument(
+            f"--ordinal {ordinal} with --replicas {replicas} is shard {shard}, but "
+            f"--shard-addresses names {len(groups)} shards"
+        )
+    if len(groups[shard]) != replicas:
+        raise InvalidArgument(
+            f"--shard-addresses names {len(groups[shard])} replicas of shard {shard}, "
+            f"--replicas says {replicas}"
+        )
+    out: dict[str, Any] = {"shard_index": shard}
+    if replicas > 1:
+        out |= {"replica_index": replica, "replica_addresses": ",".join(groups[shard])}
+    return out
+
+
 def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConfig:
     """The :class:`ServerConfig` of parsed ``paramserver serve`` flags over ``env``'s
     ``PARAMSERVER_*`` variables (what ``serve`` runs; launchers that host a shard in-process,
@@ -106,6 +151,7 @@ def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
         "election_endpoints": args.election_endpoints,
         "election_prefix": args.election_prefix,
         "election_ttl_s": args.election_ttl_s,
+        **_ordinal_placement(args),
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "metrics_token_file": args.metrics_token_file,
@@ -337,6 +383,13 @@ def add_subcommands(sub: Any) -> None:
         "holds it durably",
     )
     rep.add_argument("--replica-index", type=int, help="this replica's index (0-based)")
+    rep.add_argument(
+        "--ordinal",
+        type=int,
+        help="a StatefulSet pod's ordinal N: with --replicas R this server is replica N %% R "
+        "of shard N // R, its replicas that shard's group in --shard-addresses (a|b,c|d); "
+        "instead of --shard-index, --replica-index and --replica-addresses",
+    )
     rep.add_argument(
         "--replica-addresses",
         help="host:port,host:port,... of every replica of this shard in index order",

@@ -175,8 +175,10 @@ def test_shards_workers_and_rank_servers_agree(values: Path) -> None:
     pod = shards["spec"]["template"]
     (c,) = pod["spec"]["containers"]
     f = flags(c["args"])
-    replicas = shards["spec"]["replicas"]
-    assert replicas == v["shards"]["replicas"]
+    copies = v["shards"]["replication"]["replicasPerShard"]  # replicas of each shard
+    replicas = v["shards"]["replicas"]  # shards
+    pods = shards["spec"]["replicas"]
+    assert pods == replicas * copies
 
     # Stable addresses: pod <sts>-<i> of a headless Service is <sts>-<i>.<svc>.<ns>.svc.<domain>.
     assert svc["spec"]["clusterIP"] == "None"
@@ -184,11 +186,14 @@ def test_shards_workers_and_rank_servers_agree(values: Path) -> None:
     assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert shards["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     port = int(f["port"])
-    expected = [
-        f"{shards['metadata']['name']}-{i}.{svc['metadata']['name']}.{NAMESPACE}.svc."
+    pod_addresses = [
+        f"{shards['metadata']['name']}-{n}.{svc['metadata']['name']}.{NAMESPACE}.svc."
         f"{v['clusterDomain']}:{port}"
-        for i in range(replicas)
+        for n in range(pods)
     ]
+    # shard i: its pods i * copies .. i * copies + copies - 1, joined by "|"
+    groups = [pod_addresses[i * copies : (i + 1) * copies] for i in range(replicas)]
+    expected = ["|".join(g) for g in groups]
     assert f["shard-addresses"].split(",") == expected
 
     # Ports agree: flag, container port, Service port (by name), probes.
@@ -202,7 +207,9 @@ def test_shards_workers_and_rank_servers_agree(values: Path) -> None:
         kinds.add(kind)
         assert probe_port == port
         assert service in ("", "paramserver.api.v1.ParameterServer")
-    assert probe_port_and_service(c["readinessProbe"])[1] == "paramserver.api.v1.ParameterServer"
+    # With replicas only the primary serves the service: every replica is ready when it answers.
+    ready_service = "" if copies > 1 else "paramserver.api.v1.ParameterServer"
+    assert probe_port_and_service(c["readinessProbe"])[1] == ready_service
     assert kinds == ({"exec"} if v["tls"]["enabled"] else {"grpc"})
     if v["shards"]["metricsPort"]:
         assert int(f["metrics-port"]) == v["shards"]["metricsPort"]
@@ -210,8 +217,13 @@ def test_shards_workers_and_rank_servers_agree(values: Path) -> None:
     else:
         assert "metrics-port" not in f
 
-    # Shard index from the pod ordinal; state on the pod's own volume.
-    assert f["shard-index"] == "$(SHARD_INDEX)"
+    # Shard (and replica) index from the pod ordinal; state on the pod's own volume.
+    if copies > 1:
+        assert f["ordinal"] == "$(SHARD_INDEX)" and "shard-index" not in f
+        assert int(f["replicas"]) == copies
+        assert f["election-endpoints"] == v["shards"]["replication"]["etcdEndpoints"]
+    else:
+        assert f["shard-index"] == "$(SHARD_INDEX)"
     assert env_field(c, "SHARD_INDEX") == "metadata.labels['apps.kubernetes.io/pod-index']"
     (claim,) = shards["spec"]["volumeClaimTemplates"]
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
@@ -224,15 +236,20 @@ def test_shards_workers_and_rank_servers_agree(values: Path) -> None:
     assert pod["spec"]["terminationGracePeriodSeconds"] > float(f["grace-s"])
     assert f["consistency"] == v["consistency"]
 
-    # The rendered command line is what `paramserver serve` accepts, for every shard index.
-    for i in range(replicas):
-        argv = [a.replace("$(SHARD_INDEX)", str(i)) for a in c["args"]]
+    # The rendered command line is what `paramserver serve` accepts, for every pod: pod n is
+    # replica n % copies of shard n // copies, with its shard's pods as its replicas.
+    for n in range(pods):
+        argv = [a.replace("$(SHARD_INDEX)", str(n)) for a in c["args"]]
         args = build_parser().parse_args(argv)
         assert args.command == "serve"
         if not v["tls"]["enabled"] and not v["auth"]["enabled"]:  # needs the files
             config = serve_config(args, {})
-            assert config.shard_index == i
+            assert config.shard_index == n // copies
             assert list(parse_addresses(config.shard_addresses)) == expected
+            if copies > 1:
+                assert config.replica_index == n % copies
+                assert list(config.replica_address_list) == groups[n // copies]
+                assert pod_addresses[n] in config.replica_address_list
 
     jobs = by_kind(objs, "Job")
     if v["workers"]["enabled"]:

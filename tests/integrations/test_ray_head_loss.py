@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import pytest
 
 pytest.importorskip("ray", reason="the Ray tests need Ray: pip install 'paramserver[ray]'")
 
+from tests.harness.processes import ScriptProcess
 from tests.harness.ray_cluster import HEAD_IP, LocalRayCluster
 from tests.harness.timing import scaled
 
@@ -28,9 +27,9 @@ def test_head_loss_ends_the_job_with_a_failed_result(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     with LocalRayCluster(env, nodes=2) as cluster:
-        run_env = {**env, **cluster.auth_env, "RAY_USAGE_STATS_ENABLED": "0"}
-        cmd = [
-            sys.executable,
+        run_env = {**cluster.auth_env, "RAY_USAGE_STATS_ENABLED": "0"}
+        run_env["PYTHONPATH"] = env["PYTHONPATH"]
+        argv = [
             "-m",
             "paramserver",
             "--log-level",
@@ -40,23 +39,17 @@ def test_head_loss_ends_the_job_with_a_failed_result(tmp_path: Path) -> None:
             *("--state-dir", str(tmp_path / "state"), "--epochs", "400"),
             *("--slow-factor", "3", "--head-timeout-s", "5", "--timeout-s", "600"),
         ]
-        proc = subprocess.Popen(
-            cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        try:
+        with ScriptProcess(tmp_path, "ray-launch", argv, env=run_env) as proc:
             # the job is under way once the shards serve (the driver logs nothing at WARNING
             # until then): give it time to start, then lose the head
             time.sleep(scaled(25.0))
-            assert proc.poll() is None, proc.communicate()
+            assert proc.proc.poll() is None, proc.stderr()
             cluster.kill_node(HEAD_IP)
             t_kill = time.monotonic()
-            out, err = proc.communicate(timeout=scaled(120.0))
+            out, err = proc.communicate(timeout_s=120.0)
             took = time.monotonic() - t_kill
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    assert proc.returncode == 1, (out, err)
+            code = proc.proc.returncode
+    assert code == 1, (out, err)
     result = json.loads(out.strip().splitlines()[-1])
     assert result["ok"] is False
     assert "Ray head" in result["error"], result

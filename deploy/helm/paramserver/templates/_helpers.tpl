@@ -31,9 +31,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/* host:port of shard i (dict "root" $ "index" i). */}}
-{{- define "paramserver.shardAddress" -}}
+{{- define "paramserver.podAddress" -}}
 {{- $root := .root -}}
 {{- printf "%s-shard-%d.%s.%s.svc.%s:%d" (include "paramserver.fullname" $root) (int .index) (include "paramserver.shardService" $root) $root.Release.Namespace $root.Values.clusterDomain (int $root.Values.shards.port) -}}
+{{- end -}}
+
+{{/* Shard .index's address: its pod, or with replicas every replica's pod joined by "|"
+     (pod n is replica n % R of shard n / R); clients reach the primary. */}}
+{{- define "paramserver.shardAddress" -}}
+{{- $root := .root -}}
+{{- $r := int $root.Values.shards.replication.replicasPerShard -}}
+{{- $out := list -}}
+{{- range $k := until $r -}}
+{{- $out = append $out (include "paramserver.podAddress" (dict "root" $root "index" (add (mul (int $.index) $r) $k))) -}}
+{{- end -}}
+{{- join "|" $out -}}
 {{- end -}}
 
 {{/* Every shard's address in shard order, comma-separated (--shard-addresses). */}}
