@@ -63,7 +63,11 @@ def _ordinal_placement(args: argparse.Namespace) -> dict[str, Any]:
     ordinal = getattr(args, "ordinal", None)
     if ordinal is None:
         return {}
-    given = [f for f in ("shard_index", "replica_index", "replica_addresses") if getattr(args, f)]
+    given = [
+        f
+        for f in ("shard_index", "replica_index", "replica_addresses")
+        if getattr(args, f) is not None
+    ]
     if given:
         raise InvalidArgument(
             f"--ordinal sets {', '.join('--' + f.replace('_', '-') for f in given)}: give one"
