@@ -92,6 +92,7 @@ RPC_ROLES: Mapping[str, Role] = MappingProxyType(
         _PS + "PushRows": Role.WORKER,
         _PS + "PullRowsMany": Role.WORKER,
         _PS + "PushRowsMany": Role.WORKER,
+        _PS + "PushPullRows": Role.WORKER,
         _PS + "Pull": Role.WORKER,
         _PS + "Clock": Role.WORKER,
         _PS + "Session": Role.WORKER,  # persistent push/pull/clock stream (the worker fast path)

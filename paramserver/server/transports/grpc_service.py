@@ -307,6 +307,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return await self.table_rpcs.push_rows(request_iterator)
 
     @grpc_errors
+    async def PushPullRows(
+        self, request_iterator: AsyncIterator[Any], context: ServicerContext
+    ) -> AsyncIterator[Any]:
+        async for msg in self.table_rpcs.push_pull_rows(request_iterator):
+            yield msg
+
+    @grpc_errors
     async def PullRowsMany(
         self, request_iterator: AsyncIterator[Any], context: ServicerContext
     ) -> AsyncIterator[Any]:

@@ -379,43 +379,55 @@ class SessionService:
         await shard.pull_snapshots_into(keys, dsts)
 
     async def _rows(self, session: _Session, req: pb.SessionRows, out: pb.SessionRowsDone) -> None:
-        """An embedding-table row pull or push (the servicer's table handlers decide)."""
+        """An embedding-table row pull, push, or push-then-pull (a push carrying "pull_ids";
+        the servicer's table handlers decide)."""
         rpcs = self.table_rpcs
         header = req.header
         keys = list(req.tensors.keys)
-        if not req.push and keys == ["ids", "grads"]:
+        if not req.push and keys[1:2] == ["grads"]:
             raise MalformedStream(
                 f"table {header.table!r}: a row pull (SessionRows with push = false) carries "
                 "no grads"
             )
-        if keys != (["ids", "grads"] if req.push else ["ids"]):
+        allowed = (["ids", "grads"], ["ids", "grads", "pull_ids"]) if req.push else (["ids"],)
+        if keys not in allowed:
             raise MalformedStream(
-                "SessionRows tensors must be keyed 'ids' (and, on a push, 'grads'), in order"
+                "SessionRows tensors must be keyed 'ids' (and, on a push, 'grads', then "
+                "optionally 'pull_ids'), in order"
             )
         ticket = InflightTicket(self.shard.engine.backpressure)
+        pull = None
         try:
             if req.push:
                 ticket.enter(header.worker_id)
             arrays: dict[str, np.ndarray] = {}
             # (a fresh copy of inline bytes: a table may keep the arrays past this request)
             self._decode(session, req.tensors, ticket, arrays, reuse=False)
+            for key in ("ids", "pull_ids"):
+                got = arrays.get(key)
+                if got is not None and (got.dtype != np.int64 or got.ndim != 1):
+                    raise InvalidArgument(
+                        f"table {header.table!r}: {key} must be int64 (n,), got {got.dtype} "
+                        f"{tuple(got.shape)}"
+                    )
             ids = arrays["ids"]
-            if ids.dtype != np.int64 or ids.ndim != 1:
-                raise InvalidArgument(
-                    f"table {header.table!r}: ids must be int64 (n,), got {ids.dtype} "
-                    f"{tuple(ids.shape)}"
-                )
             if req.push:
+                if "pull_ids" in arrays:  # a push-then-pull: its pull checked before the push
+                    pull = rpcs.check_pull(rpcs.pull_header(header), arrays["pull_ids"])
                 grads = arrays["grads"]
                 h = tpb.RowsHeader()
                 h.CopyFrom(header)
                 h.num_ids = ids.shape[0]
                 h.dim = grads.shape[1] if grads.ndim == 2 else 0
                 out.pushed.CopyFrom(await rpcs.push_decoded(h, ids, grads))
-                return
+                if pull is None:
+                    return
         finally:
             ticket.release()
-        info, rows = await rpcs.pull_decoded(header, ids)
+        if pull is not None:
+            info, rows = await rpcs.pull_checked(pull)
+        else:
+            info, rows = await rpcs.pull_decoded(header, ids)
         out.info.CopyFrom(info)
         needed = shm.align_up(int(rows.nbytes))
         mapping = session.mapping

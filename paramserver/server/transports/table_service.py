@@ -1,5 +1,5 @@
-"""Embedding-table RPCs of a shard (InitTable, PullRows, PushRows, and PullRowsMany /
-PushRowsMany over several tables): decode, call, encode.
+"""Embedding-table RPCs of a shard (InitTable, PullRows, PushRows, PushPullRows, and
+PullRowsMany / PushRowsMany over several tables): decode, call, encode.
 
 Kept apart from the dense push path. A shard serves only the ids it owns: a pull or push with
 an id of another shard (``hash64(table, id) mod S``, :func:`check_owned`) is refused
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,10 +41,20 @@ from paramserver.server.engine import LogFn, ServerEngine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RATE_WINDOW_S", "TableRates", "TableRpcs", "table_infos"]
+__all__ = ["RATE_WINDOW_S", "PullChecked", "TableRates", "TableRpcs", "table_infos"]
 
 #: Expiry sweeps of a table run at most this often (seconds), after a push.
 EXPIRY_SWEEP_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PullChecked:
+    """A row pull that passed its checks (:meth:`TableRpcs.check_pull`): its header, table
+    and validated int64 ids."""
+
+    header: Any
+    table: EmbeddingTable
+    ids: np.ndarray
 
 
 class TableRpcs:
@@ -161,9 +172,22 @@ class TableRpcs:
     async def pull_decoded(self, header: Any, ids: np.ndarray) -> tuple[Any, np.ndarray]:
         """A row pull of decoded ``ids`` (every transport shares it): checks, the table's
         consistency wait, then the rows. Returns (PullRowsInfo, rows (n, dim))."""
+        return await self.pull_checked(self.check_pull(header, ids))
+
+    def check_pull(self, header: Any, ids: np.ndarray) -> PullChecked:
+        """A row pull's checks alone (identity, limits, ids, ownership; changes nothing).
+
+        Raises:
+            The pull's refusals, as :meth:`pull_decoded` raises them.
+        """
         check_worker_identity(header.worker_id)
         table = self._check_header(header, push=False, n=int(ids.shape[0]))
-        checked = self._check_ids(table, ids)
+        return PullChecked(header, table, self._check_ids(table, ids))
+
+    async def pull_checked(self, pull: PullChecked) -> tuple[Any, np.ndarray]:
+        """A checked row pull (:meth:`check_pull`): the table's consistency wait, then the
+        rows. Returns (PullRowsInfo, rows (n, dim))."""
+        header, table, checked = pull.header, pull.table, pull.ids
         await self._wait_rows(header.worker_id, table.spec.name, int(header.timeout_ms))
         self.rates.note(self.engine.now(), table)
         rows = table.pull(checked)
@@ -229,6 +253,60 @@ class TableRpcs:
             applied=r.applied,
             filtered=r.filtered,
             staleness=outcome.staleness,
+        )
+
+    # ------------------------------------------------------------------ PushPullRows
+    async def push_pull_rows(self, request_iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """PushPullRows: the push's ids and rows, then the pull's ids; one info (the push's
+        result and the pull's) and the pulled rows."""
+        fused, it = await self._read(request_iterator)
+        header = fused.push
+        table = self._check_header(header, push=True)
+        where = f"table {table.spec.name!r}"
+        if header.dtype == tensor_pb2.DTYPE_UNSPECIFIED:
+            raise InvalidArgument(
+                f"{where}: a PushPullRows header needs the gradient rows' dtype (FLOAT32 or the "
+                "table's dtype), got DTYPE_UNSPECIFIED"
+            )
+        dtype = tensor.dtype_from_wire(header.dtype, where)
+        table.check_grad_dtype(dtype)
+        pull_n = int(fused.pull_num_ids)
+        self._check_header(header, push=False, n=pull_n)  # the pull's limits, before its ids
+        both = rows_wire.SegmentsReceiver(
+            [
+                rows_wire.RowsReceiver(where, int(header.num_ids), table.spec.dim, dtype),
+                rows_wire.RowsReceiver(where, pull_n, 0, np.dtype(np.float32)),
+            ]
+        )
+        async for msg in it:
+            if msg.WhichOneof("body") != "chunk":
+                raise MalformedStream(f"{where}: a second header in one PushPullRows stream")
+            both.feed(msg.chunk)
+        (ids, grads), (pull_ids, _) = both.finish()
+        pushed, info, rows = await self.push_pull_decoded(header, ids, grads, pull_ids)
+        yield tpb.PushPullRowsResponse(info=tpb.PushPullRowsInfo(pushed=pushed, pulled=info))
+        for chunk in rows_wire.chunk_rows(None, rows):
+            yield tpb.PushPullRowsResponse(chunk=chunk)
+
+    async def push_pull_decoded(
+        self, header: Any, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray
+    ) -> tuple[Any, Any, np.ndarray]:
+        """A row push, then a row pull of the same table (every transport shares it): the
+        pull's checks first (a refusal changes nothing), then the push exactly as
+        :meth:`push_decoded` (refused: nothing applied, nothing pulled), then the pull
+        exactly as :meth:`pull_decoded` (its wait from ``header.timeout_ms``), reading the
+        rows after the push. Returns (PushRowsResponse, PullRowsInfo, rows (m, dim))."""
+        pull = self.check_pull(self.pull_header(header), pull_ids)
+        pushed = await self.push_decoded(header, ids, grads)
+        info, rows = await self.pull_checked(pull)
+        return pushed, info, rows
+
+    @staticmethod
+    def pull_header(push: Any) -> Any:
+        """The pull's ``RowsHeader`` of a push-then-pull whose push header is ``push``: the
+        same table and worker, the wait of ``push.timeout_ms``."""
+        return tpb.RowsHeader(
+            table=push.table, worker_id=push.worker_id, timeout_ms=push.timeout_ms
         )
 
     # ------------------------------------------------------------------ several tables
