@@ -302,6 +302,18 @@ class ClusterWorkerClient(AsyncClosing):
         """:meth:`WorkerClient.push_rows` (split by shard, one request id)."""
         return await self._api.push_rows(table, ids, grads, timeout_s=timeout_s)
 
+    async def push_pull_rows(
+        self,
+        table: str,
+        push_ids: Any,
+        grads: Any,
+        pull_ids: Any,
+        *,
+        timeout_s: float | None = None,
+    ) -> np.ndarray:
+        """:meth:`WorkerClient.push_pull_rows` (one call per shard, one request id)."""
+        return await self._api.push_pull_rows(table, push_ids, grads, pull_ids, timeout_s=timeout_s)
+
     async def pull_rows_many(
         self,
         ids: Mapping[str, Any] | KeyedIds,

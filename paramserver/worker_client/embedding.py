@@ -1,4 +1,5 @@
-"""Embedding-table calls of the worker client: ``init_table``, ``pull_rows``, ``push_rows``.
+"""Embedding-table calls of the worker client: ``init_table``, ``pull_rows``, ``push_rows``,
+``push_pull_rows``.
 
 :class:`TableClientMixin` gives :class:`~paramserver.worker_client.client.WorkerClient` the
 calls on one shard: over the client's persistent Session when it is free (ids, gradients and
@@ -15,6 +16,7 @@ Usage::
         await ps.init_table(TableSpec("users", 32, rule=TableRule("adagrad", lr=0.05)))
         rows = await ps.pull_rows("users", ids)          # (len(ids), 32)
         await ps.push_rows("users", ids, grads)          # duplicate ids summed server-side
+        rows = await ps.push_pull_rows("users", ids, grads, next_ids)  # both, one round trip
 """
 
 from __future__ import annotations
@@ -325,6 +327,76 @@ class TableClientMixin:
         resp = await me._member_call(attempt, "push_rows", _PUSH_RETRYABLE)
         return _ack(resp)
 
+    async def push_pull_rows(
+        self,
+        table: str,
+        push_ids: Any,
+        grads: Any,
+        pull_ids: Any,
+        *,
+        timeout_s: float | None = None,
+    ) -> np.ndarray:
+        """Push gradient rows, then pull rows of the same table, in one round trip: the
+        pipelined step that pushes batch r-1's gradients and pulls batch r's rows.
+
+        Exactly :meth:`push_rows` followed by :meth:`pull_rows`: the push is applied once
+        (a retry carries the same request id and is answered as a duplicate), then the pull
+        waits as the table's consistency requires and reads the rows after the push. The pull
+        ids are checked first: when the push or the pull ids are refused, nothing is applied
+        and no rows are returned (the refusal is raised). A pull refused after the push was
+        applied (its consistency wait running out: WaitTimeout) raises with the push applied.
+
+        Args:
+            table: Table name.
+            push_ids: 1-D integer ids of the gradient rows, shape (n,); duplicates summed.
+            grads: (n, dim) float32 (or the table's dtype) gradient rows.
+            pull_ids: 1-D integer ids to pull, shape (m,); duplicates allowed.
+            timeout_s: Deadline of the pull's consistency wait (default: the client's).
+
+        Returns:
+            A new (m, dim) array of the table's storage dtype, in ``pull_ids``' order.
+
+        Raises:
+            As :meth:`push_rows` and :meth:`pull_rows`.
+        """
+        arr = check_ids(push_ids)
+        rows = check_rows(grads, arr.shape[0])
+        pull = check_ids(pull_ids)
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        return (await self._push_pull_rows_as(table, arr, rows, pull, request_id, timeout_s))[1]
+
+    async def _push_pull_rows_as(
+        self,
+        table: str,
+        arr: npt.NDArray[np.int64],
+        rows: np.ndarray,
+        pull: npt.NDArray[np.int64],
+        request_id: int,
+        timeout_s: float | None,
+    ) -> tuple[RowPushAck, np.ndarray]:
+        """:meth:`push_pull_rows` with a given request id: (the push's ack, the rows)."""
+        batch = RowPush(arr, rows)  # the stream's chunks encoded once, re-sent on retry
+        me: Any = self  # a WorkerClient: the one deadline rule of every pull, its retry funnel
+        wait_ms, deadline_s = me._pull_deadlines(timeout_s)
+
+        async def attempt() -> tuple[tpb.PushRowsResponse, np.ndarray]:
+            header = tpb.RowsHeader(
+                table=table,
+                worker_id=self.worker_id,
+                request_id=request_id,
+                clock=self.clock_value,
+                timeout_ms=wait_ms,
+            )
+            return await self.transports.send(
+                lambda t: t.push_pull_rows(header, batch, pull, deadline_s)
+            )
+
+        resp, out = await me._member_call(attempt, "push_pull_rows")
+        if out.shape[0] != pull.shape[0]:
+            raise MalformedStream(f"table {table!r}: {out.shape[0]} rows for {pull.shape[0]} ids")
+        return _ack(resp), out
+
     async def pull_rows_many(
         self,
         ids: Mapping[str, Any] | KeyedIds,
@@ -562,6 +634,14 @@ class TableClientMixin:
         return {t: _ack(r) for t, r in zip(tables, resp.tables, strict=True)}
 
 
+async def _rows_of(call: Awaitable[tuple[RowPushAck, np.ndarray]]) -> np.ndarray:
+    return (await call)[1]
+
+
+async def _no_rows(call: Awaitable[RowPushAck]) -> None:
+    await call
+
+
 async def read_rows_many(stream: Any, tables: list[str]) -> dict[str, np.ndarray]:
     """The rows of a ``PullRowsMany`` reply stream: ``{table: (num_ids, dim)}``.
 
@@ -676,6 +756,44 @@ class ShardedTables:
         if not calls:
             return _sum_acks(())
         return _sum_acks((await self.fan_out(calls)).values())
+
+    async def push_pull_rows(
+        self,
+        table: str,
+        push_ids: Any,
+        grads: Any,
+        pull_ids: Any,
+        request_id: int,
+        timeout_s: float | None = None,
+    ) -> np.ndarray:
+        """Push ids and pull ids split by shard; one call per shard, all concurrently: a
+        push-then-pull on a shard with both, a push or a pull on one with either (so each
+        shard sees exactly what push_rows then pull_rows would send it); the rows in
+        ``pull_ids``' order. Every shard's push carries ``request_id``."""
+        arr = check_ids(push_ids)
+        rows = check_rows(grads, arr.shape[0])
+        pull = check_ids(pull_ids)
+        pushes = self.split(table, arr)
+        pulls = self.split(table, pull)
+        calls: dict[int, Awaitable[Any]] = {}
+        for i, shard in enumerate(self.shards):
+            p, q = pushes[i], pulls[i]
+            if p.shape[0] and q.shape[0]:
+                calls[i] = _rows_of(
+                    shard._push_pull_rows_as(table, arr[p], rows[p], pull[q], request_id, timeout_s)
+                )
+            elif p.shape[0]:
+                calls[i] = _no_rows(shard._push_rows_as(table, arr[p], rows[p], request_id, None))
+            elif q.shape[0]:
+                calls[i] = shard.pull_rows(table, pull[q], timeout_s=timeout_s)
+        got = {i: r for i, r in (await self.fan_out(calls)).items() if r is not None}
+        if not got:  # no ids to pull: ask one shard for the table's dim and dtype
+            return np.asarray(await self.shards[0].pull_rows(table, pull, timeout_s=timeout_s))
+        first = next(iter(got.values()))
+        out = np.empty((pull.shape[0], first.shape[1]), first.dtype)
+        for i, block in got.items():
+            out[pulls[i]] = block
+        return out
 
     async def pull_rows_many(
         self, ids: Mapping[str, Any] | KeyedIds, **kw: Any

@@ -549,6 +549,24 @@ class ShardedWorkerClient:
             table, ids, grads, request_id
         )
 
+    async def push_pull_rows(
+        self,
+        table: str,
+        push_ids: Any,
+        grads: Any,
+        pull_ids: Any,
+        *,
+        timeout_s: float | None = None,
+    ) -> np.ndarray:
+        """Gradient rows pushed, then rows pulled, one call per shard, all shards
+        concurrently, one request id for all shards; rows in ``pull_ids``' order (see
+        :meth:`WorkerClient.push_pull_rows`)."""
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        return await ShardedTables(self.shards, self._fan_out).push_pull_rows(
+            table, push_ids, grads, pull_ids, request_id, timeout_s
+        )
+
     async def pull_rows_many(
         self,
         ids: Mapping[str, Any] | KeyedIds,

@@ -49,6 +49,7 @@ METHODS = (
     "init_table",
     "pull_rows",
     "push_rows",
+    "push_pull_rows",
     "pull_rows_many",
     "push_rows_many",
     "status",
@@ -94,6 +95,16 @@ class ParameterClient(Protocol):
     async def push_rows(
         self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
     ) -> RowPushAck: ...
+
+    async def push_pull_rows(
+        self,
+        table: str,
+        push_ids: Any,
+        grads: Any,
+        pull_ids: Any,
+        *,
+        timeout_s: float | None = None,
+    ) -> np.ndarray: ...
 
     async def pull_rows_many(
         self,
@@ -155,6 +166,16 @@ class SyncParameterClient(Protocol):
     def push_rows(
         self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
     ) -> RowPushAck: ...
+
+    def push_pull_rows(
+        self,
+        table: str,
+        push_ids: Any,
+        grads: Any,
+        pull_ids: Any,
+        *,
+        timeout_s: float | None = None,
+    ) -> np.ndarray: ...
 
     def pull_rows_many(
         self,

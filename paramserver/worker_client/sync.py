@@ -182,6 +182,21 @@ class SyncWorkerClient(Closing):
         """:meth:`WorkerClient.push_rows`, blocking."""
         return self._run(self.client.push_rows(table, ids, grads, timeout_s=timeout_s))
 
+    def push_pull_rows(
+        self,
+        table: str,
+        push_ids: Any,
+        grads: Any,
+        pull_ids: Any,
+        *,
+        timeout_s: float | None = None,
+    ) -> np.ndarray:
+        """:meth:`WorkerClient.push_pull_rows`, blocking: (len(pull_ids), dim) rows in the
+        pull ids' order."""
+        return self._run(
+            self.client.push_pull_rows(table, push_ids, grads, pull_ids, timeout_s=timeout_s)
+        )
+
     def pull_rows_many(
         self,
         ids: Mapping[str, Any] | KeyedIds,

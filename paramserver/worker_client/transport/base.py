@@ -1,7 +1,7 @@
 """The one interface every way of reaching a shard implements, and the choice between them.
 
-A worker client's data-plane requests (push, pull, push_pull, row pull, row push) travel by a
-:class:`Transport`:
+A worker client's data-plane requests (push, pull, push_pull, row pull, row push, row
+push-then-pull) travel by a :class:`Transport`:
 
 - :class:`~paramserver.worker_client.transport.streams.StreamTransport`: one chunked gRPC
   ``Push`` / ``Pull`` / ``PushRows`` / ``PullRows`` stream per request; carries every request
@@ -173,6 +173,19 @@ class Transport(Protocol):
         self, header: tpb.RowsHeader, rows: RowPush, deadline_s: float
     ) -> tpb.PushRowsResponse | Declined:
         """Push gradient rows; the server's response."""
+
+    async def push_pull_rows(
+        self,
+        header: tpb.RowsHeader,
+        rows: RowPush,
+        pull_ids: npt.NDArray[np.int64],
+        deadline_s: float,
+    ) -> tuple[tpb.PushRowsResponse, np.ndarray] | Declined:
+        """Push gradient rows, then pull the rows of ``pull_ids`` (int64 (m,)) of the same
+        table after the push (``header.timeout_ms``: the pull's wait); the push's response
+        and a (m, dim) array. Declined: nothing of the push was sent, or (the rows found
+        too large for this transport only once the push was applied) the push was applied
+        and carrying the request again with its request id is answered as a duplicate."""
 
 
 class Transports:

@@ -565,17 +565,36 @@ class SessionTransport:
             return got
         return got[0].pushed
 
+    async def push_pull_rows(
+        self,
+        header: tpb.RowsHeader,
+        rows: RowPush,
+        pull_ids: npt.NDArray[np.int64],
+        deadline_s: float,
+    ) -> tuple[tpb.PushRowsResponse, np.ndarray] | Declined:
+        """A row push, then a row pull of the same table, in one request (tensors "ids",
+        "grads", "pull_ids"): the push's response and a fresh (m, dim) array of the rows."""
+        got = await self._rows(header, rows.ids, rows.grads, deadline_s, pull_ids)
+        if isinstance(got, Declined):
+            return got
+        done, pulled = got
+        self.row_bytes[header.table] = int(done.info.dim) * pulled.dtype.itemsize
+        return done.pushed, pulled
+
     async def _rows(
         self,
         header: tpb.RowsHeader,
         ids: np.ndarray,
         grads: np.ndarray | None,
         deadline_s: float,
+        pull_ids: np.ndarray | None = None,
     ) -> tuple[pb.SessionRowsDone, np.ndarray] | Declined:
-        """One row pull (``grads`` None) or push: ``header`` is the ``RowsHeader`` (table,
-        worker id, request id, clock, timeout), ``ids`` int64 (n,), ``grads`` (n, dim).
-        Returns the ``SessionRowsDone`` and, for a pull, its rows decoded into a fresh
-        array (for a push, ``ids``)."""
+        """One row pull (``grads`` None), push, or push-then-pull (``grads`` and
+        ``pull_ids``): ``header`` is the ``RowsHeader`` (table, worker id, request id, clock,
+        timeout), ``ids`` int64 (n,), ``grads`` (n, dim), ``pull_ids`` int64 (m,). Returns
+        the ``SessionRowsDone`` and, for a pull, its rows decoded into a fresh array (for a
+        push, ``ids``). A push-then-pull whose rows fit neither inline nor the pull region
+        has its push applied; its rows are then pulled by a plain row pull."""
         async with self._lock, self._deadline(deadline_s):
             declined = await self._ensure_open(header.worker_id)
             if declined is not None:
@@ -585,29 +604,48 @@ class SessionTransport:
             msg.header.CopyFrom(header)
             msg.push = grads is not None
             arrays = {"ids": ids} if grads is None else {"ids": ids, "grads": grads}
+            if grads is not None and pull_ids is not None:
+                arrays["pull_ids"] = pull_ids
+            pulled_ids = ids if grads is None else pull_ids
             keys, values = list(arrays), list(arrays.values())
             need = batch_bytes(a.nbytes for a in values)
             row_bytes = self.row_bytes.get(header.table)
-            pull_bytes = 0 if grads is not None or row_bytes is None else ids.shape[0] * row_bytes
+            pull_bytes = (
+                0 if pulled_ids is None or row_bytes is None else pulled_ids.shape[0] * row_bytes
+            )
             big = need > SMALL_INLINE_BYTES or pull_bytes > SMALL_INLINE_BYTES
             if big and await self._ensure_segment(need, pull_bytes):
                 self._place_in_segment(msg.tensors, keys, values)
-            elif need <= self.max_inline_bytes:
+            elif need <= self.max_inline_bytes and pull_bytes <= self.max_inline_bytes:
                 pack_slot_batch(msg.tensors, keys, values)
             else:
-                return Declined(f"row request of {need} bytes without shared memory")
+                return Declined(
+                    f"row request of {max(need, pull_bytes)} bytes without shared memory"
+                )
             done = (await self._roundtrip(request)).rows
-            if grads is not None:
+            if pulled_ids is None:
                 return done, ids
             if done.needed_bytes:  # a pull changes nothing: ask again with a bigger region
                 if not await self._ensure_segment(need, done.needed_bytes):
+                    # (a push-then-pull's push was applied: the streams pull the rows)
                     return Declined(f"row pull of {done.needed_bytes} bytes without shared memory")
-                if not msg.tensors.HasField("data"):  # the ids again: the segment may be new
+                if grads is not None:  # a push-then-pull: its push stands; pull the rows alone
+                    pushed = done.pushed
+                    msg.push = False
+                    msg.ClearField("tensors")
+                    keys, values = ["ids"], [pulled_ids]
+                    pack_slot_batch(msg.tensors, keys, values)
+                    if pulled_ids.nbytes > SMALL_INLINE_BYTES:
+                        msg.ClearField("tensors")
+                        self._place_in_segment(msg.tensors, keys, values)
+                elif not msg.tensors.HasField("data"):  # the ids again: the segment may be new
                     msg.ClearField("tensors")
                     self._place_in_segment(msg.tensors, keys, values)
                 done = (await self._roundtrip(request)).rows
                 if done.needed_bytes:
                     return Declined(f"row pull of {done.needed_bytes} bytes still does not fit")
+                if grads is not None:
+                    done.pushed.CopyFrom(pushed)
             return done, self._pulled_rows(done.tensors)
 
     def _place_in_segment(

@@ -1,8 +1,8 @@
 """The chunked gRPC streams of the ``ParameterServer`` service as a :class:`Transport`.
 
 One call per request: ``Push`` (tensor frames, any size, compressed gradients too), ``Pull``
-(frames reassembled into the client's recycled pull buffers), ``PushRows`` / ``PullRows``
-(chunked as ``tables.proto`` describes). It never declines a request.
+(frames reassembled into the client's recycled pull buffers), ``PushRows`` / ``PullRows`` /
+``PushPullRows`` (chunked as ``tables.proto`` describes). It never declines a request.
 """
 
 from __future__ import annotations
@@ -142,6 +142,34 @@ class StreamTransport:
         resp: tpb.PushRowsResponse = await self._stub().PushRows(requests(), timeout=deadline_s)
         return resp
 
+    async def push_pull_rows(
+        self,
+        header: tpb.RowsHeader,
+        rows: RowPush,
+        pull_ids: npt.NDArray[np.int64],
+        deadline_s: float,
+    ) -> tuple[tpb.PushRowsResponse, np.ndarray]:
+        """A row push, then a row pull, over one PushPullRows stream (the push's chunks, then
+        the pull's ids)."""
+        fused = tpb.PushPullRowsHeader(pull_num_ids=int(pull_ids.shape[0]))
+        full = fused.push
+        full.CopyFrom(header)
+        full.num_ids = int(rows.ids.shape[0])
+        full.dtype = tensor.dtype_to_wire(rows.grads.dtype)
+        full.dim = int(rows.grads.shape[1])
+        chunks = rows.chunks
+
+        def requests() -> Iterator[tpb.PushPullRowsRequest]:
+            yield tpb.PushPullRowsRequest(header=fused)
+            for chunk in chunks:
+                yield tpb.PushPullRowsRequest(chunk=chunk)
+            for chunk in rows_wire.chunk_rows(pull_ids, None):
+                yield tpb.PushPullRowsRequest(chunk=chunk)
+
+        stream = self._stub().PushPullRows(requests(), timeout=deadline_s)
+        info, got = await _read_rows_reply(stream, header.table, "PushPullRowsInfo")
+        return info.pushed, got
+
 
 async def read_rows(stream: AsyncIterator[Any], table: str) -> np.ndarray:
     """The rows of a ``PullRows`` reply stream: (num_ids, dim) of the table's dtype.
@@ -149,23 +177,39 @@ async def read_rows(stream: AsyncIterator[Any], table: str) -> np.ndarray:
     Raises:
         MalformedStream: info missing, repeated or after rows; rows that do not add up.
     """
+    return (await _read_rows_reply(stream, table, "PullRowsInfo"))[1]
+
+
+async def _read_rows_reply(
+    stream: AsyncIterator[Any], table: str, info_name: str
+) -> tuple[Any, np.ndarray]:
+    """A ``PullRows`` or ``PushPullRows`` reply stream: its info message (a ``PullRowsInfo``,
+    or a ``PushPullRowsInfo`` whose ``pulled`` describes the rows) and the rows, (num_ids,
+    dim) of the table's dtype.
+
+    Raises:
+        MalformedStream: info missing, repeated or after rows; rows that do not add up.
+    """
     receiver: rows_wire.RowsReceiver | None = None
+    first: Any = None
     async for msg in stream:
         which = msg.WhichOneof("body")
         if which == "info":
             if receiver is not None:
-                raise MalformedStream(f"table {table!r}: a second PullRowsInfo")
-            dtype = tensor.dtype_from_wire(msg.info.dtype, table)
+                raise MalformedStream(f"table {table!r}: a second {info_name}")
+            first = msg.info
+            info = first.pulled if info_name == "PushPullRowsInfo" else first
+            dtype = tensor.dtype_from_wire(info.dtype, table)
             receiver = rows_wire.RowsReceiver(
-                f"table {table!r}", int(msg.info.num_ids), int(msg.info.dim), dtype, with_ids=False
+                f"table {table!r}", int(info.num_ids), int(info.dim), dtype, with_ids=False
             )
         elif receiver is None:
-            raise MalformedStream(f"table {table!r}: rows before the PullRowsInfo")
+            raise MalformedStream(f"table {table!r}: rows before the {info_name}")
         else:
             receiver.feed(msg.chunk)
     if receiver is None:
-        raise MalformedStream(f"table {table!r}: empty PullRows reply")
-    return receiver.finish()[1]
+        raise MalformedStream(f"table {table!r}: empty reply without a {info_name}")
+    return first, receiver.finish()[1]
 
 
 async def _watch_refusal(call: Any, refused: asyncio.Event) -> None:
