@@ -27,8 +27,9 @@ second of the slowest worker):
 - ``paramserver``: ``paramserver serve --consistency asp``, a table (sgd, default uniform
   initializer) and W worker processes calling ``pull_rows`` then ``push_rows`` over the client's
   Session (same-host shared memory on); ``paramserver-net``: the same over the plain gRPC
-  streams (``session=False``: shared memory off, as between hosts). Where the client has
-  ``pull_push_rows``, ``paramserver-fused`` pulls batch r and pushes batch r-1 in one call.
+  streams (``session=False``: shared memory off, as between hosts). ``paramserver-fused`` and
+  ``paramserver-net-fused`` push batch r-1 and pull batch r in one ``push_pull_rows`` call
+  per round (the first round a pull alone, then a last push alone).
   The server's CPU seconds over the phase are reported (``server_cpu_s``).
 - ``torch_rpc``: PyTorch's "parameter server with distributed RPC" pattern: rank 0 holds the
   (10M, dim) tensor (pushes under a lock: ``index_add_`` from the RPC thread pool is not atomic);
@@ -187,7 +188,7 @@ def _ps_worker(
                     if prev is None:
                         rows = await ps.pull_rows(TABLE, ids)
                     else:
-                        rows, _ = await ps.pull_push_rows(TABLE, ids, prev, grads)
+                        rows = await ps.push_pull_rows(TABLE, prev, grads, ids)
                     assert rows.shape == (BATCH, dim)
                     prev = ids
                 await ps.push_rows(TABLE, prev, grads)
@@ -504,7 +505,7 @@ def _table_size_bytes(ps: Any) -> int:
 def _has_fused() -> bool:
     from paramserver.worker_client.client import WorkerClient
 
-    return hasattr(WorkerClient, "pull_push_rows")
+    return hasattr(WorkerClient, "push_pull_rows")
 
 
 RUNNERS: dict[str, Callable[[int, int, int], tuple[float, dict[str, Any]]]] = {
@@ -543,7 +544,7 @@ def main() -> int:
         for s in ("paramserver-fused", "paramserver-net-fused"):
             if s in systems:
                 systems.remove(s)
-                emit(system=s, skipped="the client has no pull_push_rows")
+                emit(system=s, skipped="the client has no push_pull_rows")
     dims = [int(x) for x in args.dims.split(",")]
     ws = [int(x) for x in args.workers.split(",")]
     emit(phase="host", cpus=os.cpu_count(), load_avg=os.getloadavg(), rounds=args.rounds,

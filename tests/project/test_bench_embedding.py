@@ -13,7 +13,7 @@ import pytest
 from tests.harness.processes import ScriptProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-SYSTEMS = ["numpy", "paramserver", "paramserver-net"]
+SYSTEMS = ["numpy", "paramserver", "paramserver-fused", "paramserver-net", "paramserver-net-fused"]
 if importlib.util.find_spec("torch") is not None:
     SYSTEMS.append("torch_rpc_fused")
 
