@@ -30,13 +30,13 @@ __all__ = [
 
 Array: TypeAlias = npt.NDArray[Any]
 
-_BFLOAT16: Final[np.dtype[Any]] = np.dtype(ml_dtypes.bfloat16)
-_HALF_DTYPES: Final[frozenset[np.dtype[Any]]] = frozenset({np.dtype(np.float16), _BFLOAT16})
-FLOAT_DTYPES: Final[frozenset[np.dtype[Any]]] = _HALF_DTYPES | {
+_BFLOAT16: Final[np.dtype[np.generic]] = np.dtype(ml_dtypes.bfloat16)
+_HALF_DTYPES: Final[frozenset[np.dtype[np.generic]]] = frozenset({np.dtype(np.float16), _BFLOAT16})
+FLOAT_DTYPES: Final[frozenset[np.dtype[np.generic]]] = _HALF_DTYPES | {
     np.dtype(np.float32),
     np.dtype(np.float64),
 }
-_SUPPORTED_DTYPES: Final[frozenset[np.dtype[Any]]] = FLOAT_DTYPES | {
+_SUPPORTED_DTYPES: Final[frozenset[np.dtype[np.generic]]] = FLOAT_DTYPES | {
     np.dtype(np.int32),
     np.dtype(np.int64),
 }
@@ -124,7 +124,7 @@ class AggregatedGradient:
     worker_ids: tuple[str, ...]
 
 
-def accumulation_dtype(dtypes: Iterable[np.dtype[Any]]) -> np.dtype[Any]:
+def accumulation_dtype(dtypes: Iterable[np.dtype[np.generic]]) -> np.dtype[np.generic]:
     """Dtype gradients of the given dtypes are accumulated (and returned) in.
 
     Args:

@@ -67,7 +67,7 @@ __all__ = [
 
 Array: TypeAlias = npt.NDArray[Any]
 
-FLOAT_DTYPES: Final[tuple[np.dtype[Any], ...]] = (
+FLOAT_DTYPES: Final[tuple[np.dtype[np.generic], ...]] = (
     np.dtype(np.float16),
     np.dtype(ml_dtypes.bfloat16),
     np.dtype(np.float32),
@@ -258,7 +258,7 @@ class UpdateRule:
         return cls(kind, nesterov=nesterov, **numbers_)
 
 
-def compute_dtype(rule: UpdateRule, dtype: np.dtype[Any]) -> np.dtype[Any] | None:
+def compute_dtype(rule: UpdateRule, dtype: np.dtype[np.generic]) -> np.dtype[np.generic] | None:
     """The dtype in which ``rule`` computes for a parameter of ``dtype``.
 
     Args:
@@ -305,7 +305,9 @@ def init_state(rule: UpdateRule, param: Array) -> dict[str, Array]:
     }
 
 
-def _state_spec(rule: UpdateRule, param: Array) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]]:
+def _state_spec(
+    rule: UpdateRule, param: Array
+) -> dict[str, tuple[np.dtype[np.generic], tuple[int, ...]]]:
     """Name -> (dtype, shape) of the state :func:`init_state` creates, without allocating it."""
     dtype = compute_dtype(rule, param.dtype)
     if dtype is None or (rule.kind == "sgd" and rule.momentum == 0):
@@ -348,7 +350,7 @@ BLOCK_ELEMENTS: Final = 1 << 17
 _THREAD = threading.local()
 
 
-def thread_workspace(dtype: np.dtype[Any]) -> Workspace:
+def thread_workspace(dtype: np.dtype[np.generic]) -> Workspace:
     """The calling thread's workspace of ``dtype`` (:data:`BLOCK_ELEMENTS` per buffer, at most
     four buffers: created on first use, reused by every key's update on this thread).
 
@@ -356,7 +358,7 @@ def thread_workspace(dtype: np.dtype[Any]) -> Workspace:
     the offload pool are a handful of threads, so the scratch stays a few MiB however many keys
     a shard holds (per key it was up to four blocks for each key of a block or more).
     """
-    spaces: dict[np.dtype[Any], Workspace] | None = getattr(_THREAD, "spaces", None)
+    spaces: dict[np.dtype[np.generic], Workspace] | None = getattr(_THREAD, "spaces", None)
     if spaces is None:
         spaces = _THREAD.spaces = {}
     space = spaces.get(dtype)
@@ -379,7 +381,7 @@ class Workspace:
 
     __slots__ = ("buffers", "dtype", "size")
 
-    def __init__(self, dtype: np.dtype[Any], size: int) -> None:
+    def __init__(self, dtype: np.dtype[np.generic], size: int) -> None:
         self.dtype = dtype
         self.size = size
         self.buffers: list[Array] = []
@@ -695,7 +697,7 @@ def _apply_whole(
     param: Array,
     grad: Array,
     state: dict[str, Array],
-    dtype: np.dtype[Any],
+    dtype: np.dtype[np.generic],
     t: int,
 ) -> None:
     """The update on whole (possibly strided) arrays, with temporaries of ``param``'s shape."""

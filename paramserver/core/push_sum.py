@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -32,7 +32,7 @@ from paramserver.errors import InvalidArgument
 
 __all__ = ["Directory", "GossipRound", "PushSumMessage", "PushSumNode"]
 
-Array: TypeAlias = npt.NDArray[Any]
+Array: TypeAlias = npt.NDArray[np.float64]
 Directory: TypeAlias = Callable[[str], Sequence[str]]
 """Returns the current peers of a node (other live nodes), e.g. ``optimizer.peers_of``."""
 

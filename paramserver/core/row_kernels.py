@@ -25,6 +25,7 @@ from typing import Any, TypeVar, cast
 
 import numba
 import numpy as np
+import numpy.typing as npt
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -70,8 +71,16 @@ INIT_OTHER = 2  # computed by the caller (normal): the kernel reports the missin
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+# The arrays the kernels take (numba compiles one specialization per argument type; these
+# are the types the callers pass).
+_I64s = npt.NDArray[np.int64]
+_F32s = npt.NDArray[np.float32]
+_F64s = npt.NDArray[np.float64]
+_U8s = npt.NDArray[np.uint8]
+_Int = int | np.int64
 
-def _jit(**extra: Any) -> Callable[[_F], _F]:
+
+def _jit(**extra: object) -> Callable[[_F], _F]:
     """``numba.njit`` with the GIL released and the machine code cached on disk."""
     return cast(Callable[[_F], _F], numba.njit(nogil=True, cache=True, **extra))
 
@@ -90,7 +99,7 @@ _voidptr = intrinsic(_voidptr_typer)
 
 
 @_jit(inline="always")
-def _mix(x: Any) -> Any:
+def _mix(x: np.uint64) -> np.uint64:
     """SplitMix64's finalizer of a uint64 (Steele et al. 2014)."""
     z = x + _GOLDEN
     z = (z ^ (z >> _S30)) * _M1
@@ -99,39 +108,43 @@ def _mix(x: Any) -> Any:
 
 
 @_jit(inline="always")
-def _f32_row(addrs: Any, shift: Any, r: Any, width: Any) -> Any:
+def _f32_row(addrs: _I64s, shift: int, r: _Int, width: int) -> _F32s:
     mask = (np.int64(1) << shift) - 1
     ptr = addrs[r >> shift] + (r & mask) * width * 4
-    return numba.carray(_voidptr(ptr), (width,), np.float32)
+    row: _F32s = numba.carray(_voidptr(ptr), (width,), np.float32)
+    return row
 
 
 @_jit(inline="always")
-def _i64_row(addrs: Any, shift: int, r: int) -> Any:
+def _i64_row(addrs: _I64s, shift: int, r: _Int) -> _I64s:
     mask = (np.int64(1) << shift) - 1
-    return numba.carray(_voidptr(addrs[r >> shift] + (r & mask) * 8), (1,), np.int64)
+    cell: _I64s = numba.carray(_voidptr(addrs[r >> shift] + (r & mask) * 8), (1,), np.int64)
+    return cell
 
 
 @_jit(inline="always")
-def _f64_row(addrs: Any, shift: int, r: int) -> Any:
+def _f64_row(addrs: _I64s, shift: int, r: _Int) -> _F64s:
     mask = (np.int64(1) << shift) - 1
-    return numba.carray(_voidptr(addrs[r >> shift] + (r & mask) * 8), (1,), np.float64)
+    cell: _F64s = numba.carray(_voidptr(addrs[r >> shift] + (r & mask) * 8), (1,), np.float64)
+    return cell
 
 
 @_jit(inline="always")
-def _u8_row(addrs: Any, shift: int, r: int, row_bytes: int) -> Any:
+def _u8_row(addrs: _I64s, shift: int, r: _Int, row_bytes: int) -> _U8s:
     mask = (np.int64(1) << shift) - 1
     ptr = addrs[r >> shift] + (r & mask) * row_bytes
-    return numba.carray(_voidptr(ptr), (row_bytes,), np.uint8)
+    row: _U8s = numba.carray(_voidptr(ptr), (row_bytes,), np.uint8)
+    return row
 
 
 # ------------------------------------------------------------------------------ id index
 @_jit(inline="always")
-def _slot(key: Any, mask: Any) -> Any:
+def _slot(key: _Int, mask: int) -> np.int64:
     return np.int64(_mix(np.uint64(key)) & np.uint64(mask))
 
 
 @_jit()
-def index_lookup(slots: Any, ids: Any, out: Any) -> None:
+def index_lookup(slots: _I64s, ids: _I64s, out: _I64s) -> None:
     """``out[i]`` = the value of ``ids[i]`` in the index ``slots`` ((cap, 2) int64: key,
     value; cap a power of two), or -1 when absent."""
     mask = slots.shape[0] - 1
@@ -150,7 +163,7 @@ def index_lookup(slots: Any, ids: Any, out: Any) -> None:
 
 
 @_jit()
-def index_insert(slots: Any, ids: Any, vals: Any) -> None:
+def index_insert(slots: _I64s, ids: _I64s, vals: _I64s) -> None:
     """Insert distinct absent ``ids`` with ``vals`` (the caller keeps the load below 1)."""
     mask = slots.shape[0] - 1
     for i in range(ids.shape[0]):
@@ -162,7 +175,9 @@ def index_insert(slots: Any, ids: Any, vals: Any) -> None:
 
 
 @_jit()
-def index_find_or_add(slots: Any, ids: Any, next_val: int, out: Any, created: Any) -> int:
+def index_find_or_add(
+    slots: _I64s, ids: _I64s, next_val: int, out: _I64s, created: npt.NDArray[np.bool_]
+) -> int:
     """For distinct ``ids``: ``out[i]`` = the value of a present id; an absent one is added
     with the next value from ``next_val`` on (``created[i]`` True). Returns how many were
     added (room for all of them is the caller's)."""
@@ -189,7 +204,7 @@ def index_find_or_add(slots: Any, ids: Any, next_val: int, out: Any, created: An
 
 
 @_jit()
-def index_rehash(old: Any, new: Any) -> None:
+def index_rehash(old: _I64s, new: _I64s) -> None:
     """Move every entry of the index ``old`` into the empty index ``new``."""
     mask = new.shape[0] - 1
     for j in range(old.shape[0]):
@@ -205,7 +220,7 @@ def index_rehash(old: Any, new: Any) -> None:
 
 # ------------------------------------------------------------------------------ initial rows
 @_jit(inline="always")
-def _uniform_into(seed_key: Any, key_id: int, scale: float, out: Any) -> None:
+def _uniform_into(seed_key: np.uint64, key_id: _Int, scale: float, out: _F32s) -> None:
     key = _mix(np.uint64(key_id) ^ seed_key)
     for j in range(out.shape[0]):
         bits = _mix(key + np.uint64(j + 1) * _GOLDEN)
@@ -214,7 +229,7 @@ def _uniform_into(seed_key: Any, key_id: int, scale: float, out: Any) -> None:
 
 
 @_jit()
-def uniform_rows(seed_key: Any, ids: Any, scale: float, out: Any) -> None:
+def uniform_rows(seed_key: np.uint64, ids: _I64s, scale: float, out: _F32s) -> None:
     """The uniform initial rows of ``ids`` into float32 ``out`` (n, dim): word ``k`` of id
     ``i`` is ``splitmix64(key_i + (k + 1) * golden)``, ``key_i = splitmix64(uint64(i) xor
     seed_key)``, the value ``float32((2u - 1) * scale)`` with ``u`` its top 53 bits."""
@@ -223,7 +238,7 @@ def uniform_rows(seed_key: Any, ids: Any, scale: float, out: Any) -> None:
 
 
 @_jit()
-def normal_words(seed_key: Any, ids: Any, out: Any) -> None:
+def normal_words(seed_key: np.uint64, ids: _I64s, out: _F64s) -> None:
     """The uniform variates ``u`` (float64 (n, 2 dim)) the normal initializer's Box-Muller
     transform takes (the transform itself stays in numpy, whose transcendental functions the
     contract's values were computed with)."""
@@ -237,15 +252,15 @@ def normal_words(seed_key: Any, ids: Any, out: Any) -> None:
 # ------------------------------------------------------------------------------ rows
 @_jit()
 def pull_f32(
-    slots: Any,
-    addrs: Any,
+    slots: _I64s,
+    addrs: _I64s,
     shift: int,
-    ids: Any,
-    seed_key: Any,
+    ids: _I64s,
+    seed_key: np.uint64,
     scale: float,
     init: int,
-    out: Any,
-    missing: Any,
+    out: _F32s,
+    missing: _I64s,
 ) -> int:
     """Rows of ``ids`` of a float32 table into ``out`` (n, dim): stored rows copied, others
     their initial row (zeros/uniform here; INIT_OTHER: listed in ``missing`` for the caller).
@@ -282,12 +297,12 @@ def pull_f32(
 
 @_jit()
 def create_rows_f32(
-    addrs: Any,
+    addrs: _I64s,
     shift: int,
     dim: int,
-    rows: Any,
-    ids: Any,
-    seed_key: Any,
+    rows: _I64s,
+    ids: _I64s,
+    seed_key: np.uint64,
     scale: float,
     init: int,
 ) -> None:
@@ -303,7 +318,7 @@ def create_rows_f32(
 
 
 @_jit()
-def gather_f32(addrs: Any, shift: int, rows: Any, out: Any) -> None:
+def gather_f32(addrs: _I64s, shift: int, rows: _I64s, out: _F32s) -> None:
     """``out[i] = field[rows[i]]`` for a float32 field of width ``out.shape[1]``."""
     width = out.shape[1]
     for i in range(rows.shape[0]):
@@ -313,7 +328,7 @@ def gather_f32(addrs: Any, shift: int, rows: Any, out: Any) -> None:
 
 
 @_jit()
-def gather_bytes(addrs: Any, shift: int, rows: Any, out: Any) -> None:
+def gather_bytes(addrs: _I64s, shift: int, rows: _I64s, out: _U8s) -> None:
     """``out[i] = field[rows[i]]`` as raw bytes (``out`` uint8 (n, row_bytes))."""
     row_bytes = out.shape[1]
     for i in range(rows.shape[0]):
@@ -323,7 +338,7 @@ def gather_bytes(addrs: Any, shift: int, rows: Any, out: Any) -> None:
 
 
 @_jit()
-def scatter_bytes(addrs: Any, shift: int, rows: Any, src: Any) -> None:
+def scatter_bytes(addrs: _I64s, shift: int, rows: _I64s, src: _U8s) -> None:
     """``field[rows[i]] = src[i]`` as raw bytes (``src`` uint8 (n, row_bytes))."""
     row_bytes = src.shape[1]
     for i in range(rows.shape[0]):
@@ -333,7 +348,7 @@ def scatter_bytes(addrs: Any, shift: int, rows: Any, src: Any) -> None:
 
 
 @_jit()
-def fill_bytes(addrs: Any, shift: int, start: int, stop: int, pattern: Any) -> None:
+def fill_bytes(addrs: _I64s, shift: int, start: int, stop: int, pattern: _U8s) -> None:
     """``field[r] = pattern`` (uint8 (row_bytes,)) for rows ``start <= r < stop``."""
     row_bytes = pattern.shape[0]
     for r in range(start, stop):
@@ -343,7 +358,9 @@ def fill_bytes(addrs: Any, shift: int, start: int, stop: int, pattern: Any) -> N
 
 
 @_jit()
-def stamp(clock_addrs: Any, s_addrs: Any, shift: int, rows: Any, clock: int, now_s: float) -> None:
+def stamp(
+    clock_addrs: _I64s, s_addrs: _I64s, shift: int, rows: _I64s, clock: int, now_s: float
+) -> None:
     """Record the clock and time of a push on ``rows`` (expiry bookkeeping)."""
     for i in range(rows.shape[0]):
         _i64_row(clock_addrs, shift, rows[i])[0] = clock
@@ -352,7 +369,7 @@ def stamp(clock_addrs: Any, s_addrs: Any, shift: int, rows: Any, clock: int, now
 
 # ------------------------------------------------------------------------------ coalesce
 @_jit()
-def coalesce_first(ids: Any, grads: Any, uniq: Any, sums: Any) -> int:
+def coalesce_first(ids: _I64s, grads: _F32s, uniq: _I64s, sums: _F32s) -> int:
     """Sum the float32 rows of duplicate ids in the caller's order: ``uniq[:m]`` the distinct
     ids in order of first occurrence, ``sums[:m]`` their sums; returns m."""
     n = ids.shape[0]
@@ -385,7 +402,7 @@ def coalesce_first(ids: Any, grads: Any, uniq: Any, sums: Any) -> int:
 
 # ------------------------------------------------------------------------------ rules
 @_jit()
-def apply_sgd(addrs: Any, shift: int, rows: Any, g: Any, lr: Any) -> None:
+def apply_sgd(addrs: _I64s, shift: int, rows: _I64s, g: _F32s, lr: np.float32) -> None:
     """``w -= lr * g`` on the float32 rows ``rows`` (lr float32)."""
     dim = g.shape[1]
     for i in range(rows.shape[0]):
@@ -396,7 +413,13 @@ def apply_sgd(addrs: Any, shift: int, rows: Any, g: Any, lr: Any) -> None:
 
 @_jit()
 def apply_adagrad(
-    addrs: Any, acc_addrs: Any, shift: int, rows: Any, g: Any, lr: Any, eps: Any
+    addrs: _I64s,
+    acc_addrs: _I64s,
+    shift: int,
+    rows: _I64s,
+    g: _F32s,
+    lr: np.float32,
+    eps: np.float32,
 ) -> None:
     """Element-wise adagrad (torch.optim.Adagrad; Duchi et al. 2011), float32."""
     dim = g.shape[1]
@@ -411,7 +434,13 @@ def apply_adagrad(
 
 @_jit()
 def apply_rowwise_adagrad(
-    addrs: Any, acc_addrs: Any, shift: int, rows: Any, g: Any, lr: Any, eps: Any
+    addrs: _I64s,
+    acc_addrs: _I64s,
+    shift: int,
+    rows: _I64s,
+    g: _F32s,
+    lr: np.float32,
+    eps: np.float32,
 ) -> None:
     """Row-wise adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): one accumulator per row, the mean
     of the squared gradient over the row, float32."""
@@ -431,17 +460,17 @@ def apply_rowwise_adagrad(
 
 @_jit()
 def apply_adam(
-    addrs: Any,
-    m_addrs: Any,
-    v_addrs: Any,
-    steps_addrs: Any,
+    addrs: _I64s,
+    m_addrs: _I64s,
+    v_addrs: _I64s,
+    steps_addrs: _I64s,
     shift: int,
-    rows: Any,
-    g: Any,
+    rows: _I64s,
+    g: _F32s,
     lr: float,
     beta1: float,
     beta2: float,
-    eps: Any,
+    eps: np.float32,
 ) -> None:
     """Lazy adam (torch.optim.SparseAdam's arithmetic, the step counted per row), float32."""
     dim = g.shape[1]

@@ -12,20 +12,40 @@ float32 whatever the storage dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from types import ModuleType
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
+from paramserver.core.row_store import RowArena
 from paramserver.protocol.table_spec import F32, TABLE_RULE_KINDS, TableRule
 
 __all__ = ["ROW_RULES", "Fields", "Kernel", "RowRule"]
 
 #: (shape per row, dtype, value of a new row) of each per-row field.
-Fields = dict[str, tuple[tuple[int, ...], np.dtype[Any], float]]
-Kernel = Any  # a compiled apply of core.row_kernels (numba dispatcher)
+Fields = dict[str, tuple[tuple[int, ...], np.dtype[np.generic], float]]
+#: The compiled kernels: the module :mod:`paramserver.core.row_kernels` (numba dispatchers).
+Kernel = ModuleType
+#: The float32 apply of a rule: kernels, the table's per-row fields, its chunk shift, the
+#: coalesced rows' slots (m,) and their float32 gradients (m, dim).
+KernelApply = Callable[
+    [
+        Kernel,
+        Mapping[str, RowArena],
+        int,
+        npt.NDArray[np.int64],
+        npt.NDArray[np.float32],
+        TableRule,
+    ],
+    None,
+]
+#: The same arithmetic in numpy on gathered float32 rows, their gradients and their state.
+StepApply = Callable[
+    [npt.NDArray[np.float32], npt.NDArray[np.float32], dict[str, np.ndarray], TableRule], None
+]
 
 
 @dataclass(frozen=True)
@@ -47,32 +67,48 @@ class RowRule:
 
     name: str
     state: Callable[[TableRule, int], Fields]
-    kernel: Callable[
-        [Kernel, Any, int, npt.NDArray[np.int64], npt.NDArray[np.float32], TableRule], None
-    ]
-    step: Callable[
-        [npt.NDArray[np.float32], npt.NDArray[np.float32], dict[str, np.ndarray], TableRule], None
-    ]
+    kernel: KernelApply
+    step: StepApply
     source: str
 
 
-def _sgd_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
+def _sgd_step(
+    w: npt.NDArray[np.float32],
+    g: npt.NDArray[np.float32],
+    state: dict[str, np.ndarray],
+    r: TableRule,
+) -> None:
     w -= np.float32(r.lr) * g
 
 
-def _adagrad_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
+def _adagrad_step(
+    w: npt.NDArray[np.float32],
+    g: npt.NDArray[np.float32],
+    state: dict[str, np.ndarray],
+    r: TableRule,
+) -> None:
     acc = state["acc"]
     acc += g * g
     w -= np.float32(r.lr) * g / (np.sqrt(acc) + np.float32(r.eps))
 
 
-def _rowwise_adagrad_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
+def _rowwise_adagrad_step(
+    w: npt.NDArray[np.float32],
+    g: npt.NDArray[np.float32],
+    state: dict[str, np.ndarray],
+    r: TableRule,
+) -> None:
     acc_row = state["acc"]
     acc_row += np.mean(g * g, axis=1, dtype=F32)
     w -= np.float32(r.lr) * g / (np.sqrt(acc_row) + np.float32(r.eps))[:, None]
 
 
-def _adam_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> None:
+def _adam_step(
+    w: npt.NDArray[np.float32],
+    g: npt.NDArray[np.float32],
+    state: dict[str, np.ndarray],
+    r: TableRule,
+) -> None:
     """Lazy adam: torch.optim.SparseAdam's arithmetic, the step counted per row."""
     steps = state["steps"]
     steps += 1
@@ -85,10 +121,17 @@ def _adam_step(w: Any, g: Any, state: dict[str, np.ndarray], r: TableRule) -> No
     w -= step_size[:, None] * (m / (np.sqrt(v) + np.float32(r.eps)))
 
 
-def _accumulator_kernel(name: str) -> Callable[..., None]:
+def _accumulator_kernel(name: str) -> KernelApply:
     """The float32 apply of an adagrad kind: ``row_kernels.<name>`` over rows and ``acc``."""
 
-    def kernel(k: Kernel, a: Any, shift: int, where: Any, g: Any, r: TableRule) -> None:
+    def kernel(
+        k: Kernel,
+        a: Mapping[str, RowArena],
+        shift: int,
+        where: npt.NDArray[np.int64],
+        g: npt.NDArray[np.float32],
+        r: TableRule,
+    ) -> None:
         getattr(k, name)(
             a["rows"].addrs, a["acc"].addrs, shift, where, g, np.float32(r.lr), np.float32(r.eps)
         )
@@ -96,7 +139,14 @@ def _accumulator_kernel(name: str) -> Callable[..., None]:
     return kernel
 
 
-def _adam_kernel(k: Kernel, a: Any, shift: int, where: Any, g: Any, r: TableRule) -> None:
+def _adam_kernel(
+    k: Kernel,
+    a: Mapping[str, RowArena],
+    shift: int,
+    where: npt.NDArray[np.int64],
+    g: npt.NDArray[np.float32],
+    r: TableRule,
+) -> None:
     k.apply_adam(
         a["rows"].addrs,
         a["m"].addrs,

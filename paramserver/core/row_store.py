@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -56,7 +56,7 @@ def seed_key(seed: int) -> np.uint64:
     return np.uint64(splitmix64(np.array([seed % (1 << 64)], np.uint64))[0])
 
 
-def ids64(ids: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+def ids64(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 
@@ -190,7 +190,9 @@ class RowArena:
         fill: The value of a new row (written by :meth:`fill` for the rows a push creates).
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], shift: int, fill: float):
+    def __init__(
+        self, shape: tuple[int, ...], dtype: np.dtype[np.generic], shift: int, fill: float
+    ):
         self.shape = shape
         self.dtype = np.dtype(dtype)
         self.shift = shift
@@ -229,7 +231,7 @@ class RowArena:
 
 
 def coalesce_first(
-    ids: npt.NDArray[np.int64], grads: npt.NDArray[Any]
+    ids: npt.NDArray[np.int64], grads: npt.ArrayLike
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
     """Distinct ids in order of first occurrence and their float32 sums (caller's order)."""
     g = np.ascontiguousarray(grads, np.float32)
@@ -243,7 +245,7 @@ def coalesce_first(
 
 
 def coalesce(
-    ids: npt.NDArray[np.int64], grads: npt.NDArray[Any]
+    ids: npt.NDArray[np.int64], grads: npt.ArrayLike
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
     """Sum the gradient rows of duplicate ids (as ``torch.Tensor.coalesce``).
 

@@ -29,9 +29,10 @@ import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
+import numpy.typing as npt
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.core.store import SUPPORTED_DTYPES
@@ -76,7 +77,7 @@ _SLICE_RE: Final = re.compile(r"^(?P<key>.+)@slice(?P<index>\d+)/(?P<count>\d+)$
 _LAYOUT_FORMAT: Final = 1
 
 # Stable dtype codes of the layout tensor (never renumber).
-_DTYPE_CODES: Final[tuple[np.dtype[Any], ...]] = SUPPORTED_DTYPES  # append only
+_DTYPE_CODES: Final[tuple[np.dtype[np.generic], ...]] = SUPPORTED_DTYPES  # append only
 
 
 def key_hash(key: str) -> int:
@@ -147,7 +148,7 @@ class TensorLayout:
     """
 
     key: str
-    dtype: np.dtype[Any]
+    dtype: np.dtype[np.generic]
     shape: tuple[int, ...]
     slice_elems: int = 0
 
@@ -198,7 +199,7 @@ class TensorLayout:
 
 
 def plan_layout(
-    key: str, dtype: Any, shape: Iterable[int], slice_bytes: int = DEFAULT_SLICE_BYTES
+    key: str, dtype: npt.DTypeLike, shape: Iterable[int], slice_bytes: int = DEFAULT_SLICE_BYTES
 ) -> TensorLayout:
     """The layout of a tensor: sliced iff its byte size exceeds ``slice_bytes``.
 
@@ -328,7 +329,7 @@ class ShardMap:
     def num_shards(self) -> int:
         return len(self.addresses)
 
-    def layout(self, key: str, dtype: Any, shape: Iterable[int]) -> TensorLayout:
+    def layout(self, key: str, dtype: npt.DTypeLike, shape: Iterable[int]) -> TensorLayout:
         """Layout of a new key under this map's slice size."""
         return plan_layout(key, dtype, shape, self.slice_bytes)
 

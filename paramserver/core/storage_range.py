@@ -8,7 +8,7 @@ alike, and :func:`range_refusal` is the one refusal (VALUE_OUT_OF_RANGE) both ra
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
 import ml_dtypes
 import numpy as np
@@ -19,16 +19,21 @@ from paramserver.errors import ValueOutOfRange
 __all__ = ["HALF_DTYPES", "overflow_mask", "range_refusal", "storage_range"]
 
 #: float16 and bfloat16: stored narrower than they are computed (range-checked updates).
-HALF_DTYPES: Final[tuple[np.dtype[Any], ...]] = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+HALF_DTYPES: Final[tuple[np.dtype[np.generic], ...]] = (
+    np.dtype(np.float16),
+    np.dtype(ml_dtypes.bfloat16),
+)
 
 
-def storage_range(dtype: np.dtype[Any]) -> float:
+def storage_range(dtype: np.dtype[np.generic]) -> float:
     """Largest finite magnitude of a floating storage ``dtype`` (65504 for float16)."""
     return float(ml_dtypes.finfo(dtype).max)  # type: ignore[no-untyped-call]
 
 
 def overflow_mask(
-    result: npt.NDArray[Any], dtype: np.dtype[Any], inputs_finite: npt.NDArray[np.bool_]
+    result: npt.NDArray[np.generic],
+    dtype: np.dtype[np.generic],
+    inputs_finite: npt.NDArray[np.bool_],
 ) -> npt.NDArray[np.bool_]:
     """Where storing an update's ``result`` as ``dtype`` would give a non-finite element although
     the update's inputs were finite: the one definition of an overflowing update, for dense keys
@@ -53,7 +58,7 @@ def overflow_mask(
 
 
 def range_refusal(
-    subject: str, rule_kind: str, bad: int, dtype: np.dtype[Any], detail: str = ""
+    subject: str, rule_kind: str, bad: int, dtype: np.dtype[np.generic], detail: str = ""
 ) -> ValueOutOfRange:
     """The refusal of an update that would put ``bad`` elements outside ``dtype``'s range.
 

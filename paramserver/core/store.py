@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeAlias
+from typing import Final, TypeAlias
 
 import ml_dtypes
 import numpy as np
@@ -52,9 +52,9 @@ __all__ = [
 ]
 
 # A numpy scalar (what numpy reductions return for ``()`` shapes) is taken as a 0-d array.
-ArrayOrScalar: TypeAlias = "Array | np.generic[Any]"
+ArrayOrScalar: TypeAlias = "Array | np.generic"
 
-SUPPORTED_DTYPES: Final[tuple[np.dtype[Any], ...]] = (
+SUPPORTED_DTYPES: Final[tuple[np.dtype[np.generic], ...]] = (
     np.dtype(np.float16),
     np.dtype(ml_dtypes.bfloat16),
     np.dtype(np.float32),
@@ -62,7 +62,7 @@ SUPPORTED_DTYPES: Final[tuple[np.dtype[Any], ...]] = (
     np.dtype(np.int32),
     np.dtype(np.int64),
 )
-_DTYPES_BY_NAME: Final[dict[str, np.dtype[Any]]] = {str(d): d for d in SUPPORTED_DTYPES}
+_DTYPES_BY_NAME: Final[dict[str, np.dtype[np.generic]]] = {str(d): d for d in SUPPORTED_DTYPES}
 _PARAM_PREFIX: Final = "param/"
 _STATE_PREFIX: Final = "state/"
 
@@ -492,7 +492,7 @@ class ParameterStore:
         store = cls()
         used: set[str] = set()
 
-        def take(name: str, key: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Array:
+        def take(name: str, key: str, dtype: np.dtype[np.generic], shape: tuple[int, ...]) -> Array:
             array = tensors.get(name)
             if not isinstance(array, np.ndarray):
                 raise InvalidArgument(f"checkpoint of key {key!r} lacks tensor {name!r}")

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -196,10 +196,10 @@ class EmbeddingTable:
         self.version_epoch = new_version_epoch()
 
     # ------------------------------------------------------------------ storage
-    def _fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any], float]]:
+    def _fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[np.generic], float]]:
         """Every per-row field a checkpoint holds: (shape, dtype, new-row value)."""
         s, d = self.spec, self.spec.dim
-        out: dict[str, tuple[tuple[int, ...], np.dtype[Any], float]] = {
+        out: dict[str, tuple[tuple[int, ...], np.dtype[np.generic], float]] = {
             "rows": ((d,), s.np_dtype, 0.0),
             _VERSION: ((), np.dtype(np.int64), 0.0),
             "last_clock": ((), np.dtype(np.int64), 0.0),
@@ -213,7 +213,7 @@ class EmbeddingTable:
         """Whether rows keep their last push's clock and time (only a table with expiry)."""
         return bool(self.spec.expiry_clocks or self.spec.expiry_s)
 
-    def _stored_fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any], float]]:
+    def _stored_fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[np.generic], float]]:
         fields = self._fields()
         if not self.tracks_pushes:
             for name in _BOOKKEEPING:
@@ -317,7 +317,7 @@ class EmbeddingTable:
                     )
         return out
 
-    def check_grad_dtype(self, dtype: np.dtype[Any]) -> None:
+    def check_grad_dtype(self, dtype: np.dtype[np.generic]) -> None:
         """Refuse gradient rows of a dtype other than float32 or the storage dtype.
 
         Raises:
