@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 
 from paramserver.core.tables import TableRule, TableSpec
-from paramserver.errors import DimensionMismatch, DTypeMismatch, InvalidArgument, TableNotFound
+from paramserver.errors import (
+    DimensionMismatch,
+    DTypeMismatch,
+    InvalidArgument,
+    TableNotFound,
+    Unavailable,
+)
+from paramserver.server.transports.table_service import TableRpcs
 from paramserver.worker_client import connect, connect_sync
 from paramserver.worker_client.transport.session_stream import SessionTransport
 from tests.harness import running_cluster, running_server
@@ -208,3 +215,38 @@ async def test_the_blocking_client_fuses_too() -> None:
 
         got, want, _ = await asyncio.to_thread(run)
         assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("transport", ["streams", "session-inline", "session-shm"])
+async def test_a_fused_call_whose_answer_is_lost_is_retried_and_applied_once(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server applies the push, then its answer is lost (UNAVAILABLE, as a dropped link
+    reads): the client's retry funnel sends the call again with the same request id, the
+    shard answers it as a duplicate and pulls."""
+    real = TableRpcs.push_decoded
+    seen: list[int] = []
+
+    async def lose_first_answer(self: TableRpcs, header: Any, ids: Any, grads: Any) -> Any:
+        got = await real(self, header, ids, grads)
+        seen.append(int(header.request_id))
+        if len(seen) == 1:
+            raise Unavailable("the answer was lost on the way back")
+        return got
+
+    rng = np.random.default_rng(9)
+    everything = np.arange(UNIVERSE, dtype=np.int64)
+    async with running_server(consistency="asp") as d:
+        async with connect(d.address, "w", discover=False, **TRANSPORTS[transport]) as w:
+            await w.init_table(_spec("emb"))
+            oracle = Oracle(await w.pull_rows("emb", everything))
+            push, grads, pull = _step(rng, 2000)
+            monkeypatch.setattr(TableRpcs, "push_decoded", lose_first_answer)
+            got = await w.push_pull_rows("emb", push, grads, pull)
+            monkeypatch.undo()
+            oracle.push(push, grads)
+            assert len(seen) == 2 and seen[0] == seen[1]  # sent twice, one request id
+            assert got.tobytes() == oracle.pull(pull).tobytes()
+            assert (await w.pull_rows("emb", everything)).tobytes() == oracle.w.tobytes()
+            info = (await w.status()).tables[0]
+            assert info.pushes == 1 and info.rows_pushed == np.unique(push).shape[0]
