@@ -49,7 +49,9 @@ row and the table's Status ``size_bytes`` per row beside it, and the issue's bou
 Usage: ``python benchmarks/embedding.py [--quick] [--systems numpy,paramserver,...]
 [--dims 64,128] [--workers 1,2] [--rounds 256] [--memory-rows 1000000,10000000]``.
 ``--quick`` (dim 64, W=1, 8 rounds, 20,000 memory rows) is small enough for a test, which runs
-its correctness check only. Prints one JSON line per measurement. Everything runs on 127.0.0.1.
+its correctness check only. ``EMBEDDING_BENCH_BATCH=512`` runs batches of 512 ids instead of
+8,192 (where per-call costs weigh more). Prints one JSON line per measurement. Everything runs
+on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ from typing import Any
 import numpy as np
 
 NUM_IDS = 10_000_000
-BATCH = 8192
+#: Ids per batch; the environment variable ``EMBEDDING_BENCH_BATCH`` sets another (every
+#: process of the run reads it, so workers and the verification agree).
+BATCH = int(os.environ.get("EMBEDDING_BENCH_BATCH", "8192"))
 LR = 0.5
 TOLERANCE = 0.05
 VERIFY_CHUNK = 1 << 18
