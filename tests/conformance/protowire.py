@@ -256,3 +256,33 @@ class ProtoTables:
                 yield tbl.PushRowsRequest(chunk=chunk)
 
         return await self.stub.PushRows(requests(), timeout=30)
+
+    async def push_pull_rows(
+        self,
+        header: tbl.PushPullRowsHeader,
+        push: list[tbl.RowsChunk],
+        pull: list[tbl.RowsChunk],
+    ) -> tuple[tbl.PushPullRowsInfo, np.ndarray]:
+        """A PushPullRows call (the header, the push's chunks, then the pull's): the reply's
+        info and the pulled rows' bit patterns (num_ids, dim), checking the reply's frame
+        rules (AssertionError otherwise)."""
+
+        def requests() -> Iterator[tbl.PushPullRowsRequest]:
+            yield tbl.PushPullRowsRequest(header=header)
+            for chunk in [*push, *pull]:
+                yield tbl.PushPullRowsRequest(chunk=chunk)
+
+        info: tbl.PushPullRowsInfo | None = None
+        data: list[bytes] = []
+        async for msg in self.stub.PushPullRows(requests(), timeout=30):
+            if msg.WhichOneof("body") == "info":
+                assert info is None, "PushPullRowsInfo must come first and once"
+                info = msg.info
+            else:
+                assert info is not None, "PushPullRowsInfo must come before the rows"
+                assert not msg.chunk.ids, "reply chunks carry rows only"
+                data.append(msg.chunk.rows)
+        assert info is not None
+        pulled = info.pulled
+        bits = np.frombuffer(b"".join(data), ROW_BITS[pulled.dtype])
+        return info, bits.reshape(int(pulled.num_ids), int(pulled.dim))

@@ -393,3 +393,59 @@ async def test_empty_requests_and_queued_pushes_answer_per_the_contract(channel:
     )
     ack = await tables.push_rows(header, row_chunks(ids, np.ones((5, 4), np.float32)))
     assert ack.queued and (ack.distinct, ack.applied, ack.filtered) == (3, 0, 0)
+
+
+async def test_push_pull_rows_is_a_push_then_a_pull(channel: Any) -> None:
+    """PushPullRows (tables.proto): the push's chunks, then the pull's ids; the rows read
+    after the push; a refused push answers no rows and changes nothing."""
+    tables = ProtoTables(channel)
+    w = ProtoWorker(channel)
+    await w.register()
+    name = _name("fused")
+    lr = 0.5
+    await tables.init_table(
+        _spec(name, rule=tbl.TableRule(kind=tbl.TABLE_RULE_KIND_SGD, lr=lr), seed=4)
+    )
+    push_ids = np.array([7, 3, 7, 11, 3, 3], np.int64)
+    grads = (np.arange(24, dtype=np.float32).reshape(6, 4) - 12) / np.float32(16)
+    pull_ids = np.array([3, 5, 7, 11, 3], np.int64)
+    _, before = await tables.pull_rows(
+        tbl.RowsHeader(table=name, num_ids=12), row_chunks(range(12))
+    )
+    want = before.view(np.float32).copy()
+    sums = np.zeros((12, 4), np.float32)  # duplicates summed (exact: sixteenths), rule once
+    np.add.at(sums, push_ids, grads)
+    for i in np.unique(push_ids):
+        want[i] = want[i] - np.float32(lr) * sums[i]
+    header = tbl.PushPullRowsHeader(
+        push=tbl.RowsHeader(
+            table=name,
+            worker_id=w.worker_id,
+            request_id=1,
+            num_ids=push_ids.shape[0],
+            dtype=tpb.DTYPE_FLOAT32,
+            dim=4,
+        ),
+        pull_num_ids=pull_ids.shape[0],
+    )
+    info, bits = await tables.push_pull_rows(
+        header, row_chunks(push_ids, grads, per_chunk=4), row_chunks(pull_ids, per_chunk=2)
+    )
+    assert not info.pushed.duplicate and info.pushed.distinct == 3 and info.pushed.applied == 3
+    assert (info.pulled.dtype, info.pulled.dim, info.pulled.num_ids) == (tpb.DTYPE_FLOAT32, 4, 5)
+    assert bits.view(np.float32).tobytes() == want[pull_ids].tobytes()
+    # the same request again: a duplicate, applied once, the same rows
+    info, again = await tables.push_pull_rows(
+        header, row_chunks(push_ids, grads), row_chunks(pull_ids)
+    )
+    assert info.pushed.duplicate and again.tobytes() == bits.tobytes()
+    # a refused push: no rows, nothing applied
+    header.push.request_id, header.push.dim = 2, 8
+    err = await _refused(
+        tables.push_pull_rows(
+            header, row_chunks(push_ids, np.ones((6, 8), np.float32)), row_chunks(pull_ids)
+        )
+    )
+    _expect(err, grpc.StatusCode.INVALID_ARGUMENT, "DimensionMismatch", repr(name))
+    _, after = await tables.pull_rows(tbl.RowsHeader(table=name, num_ids=12), row_chunks(range(12)))
+    assert after.view(np.float32).tobytes() == want.tobytes()
