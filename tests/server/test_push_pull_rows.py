@@ -250,3 +250,35 @@ async def test_a_fused_call_whose_answer_is_lost_is_retried_and_applied_once(
             assert (await w.pull_rows("emb", everything)).tobytes() == oracle.w.tobytes()
             info = (await w.status()).tables[0]
             assert info.pushes == 1 and info.rows_pushed == np.unique(push).shape[0]
+
+
+@pytest.mark.parametrize("transport", ["session-inline", "session-shm"])
+async def test_rows_too_large_for_the_answer_come_anyway_and_the_push_counts_once(
+    transport: str,
+) -> None:
+    """A table's first call is a fused one whose rows do not fit where the client guessed
+    (its row size unknown yet): with shared memory the region grows and the rows are pulled
+    alone; without it, rows over the inline limit go by the streams, whose resend of the push
+    is a duplicate. Either way the push is applied once."""
+    rng = np.random.default_rng(13)
+    async with running_server(consistency="asp") as d:
+        async with connect(d.address, "w", discover=False, **TRANSPORTS[transport]) as w:
+            await w.init_table(_spec("emb"))
+            push, grads, _ = _step(rng, 100)
+            pull = rng.integers(0, UNIVERSE, 24_000).astype(np.int64)  # 1.5 MB of rows
+            by_streams = _count_stream_calls(w)
+            got = await w.push_pull_rows("emb", push, grads, pull)
+            assert by_streams == [0 if TRANSPORTS[transport]["shared_memory"] else 1]
+            # the same table in a second client that only reads, after one push of ours
+            async with connect(d.address, "r", register=False, session=False) as r:
+                everything = await r.pull_rows("emb", np.arange(UNIVERSE))
+            info = (await w.status()).tables[0]
+            assert info.pushes == 1 and info.rows_pushed == np.unique(push).shape[0]
+            assert got.tobytes() == everything[pull].tobytes()
+            # and the rows moved: the pushed ids differ from their initial rows
+            async with connect(d.address, "r2", register=False, session=False) as r:
+                await r.init_table(_spec("fresh"))
+                initial = await r.pull_rows("fresh", np.arange(UNIVERSE))
+            oracle = Oracle(initial)
+            oracle.push(push, grads)
+            assert everything.tobytes() == oracle.w.tobytes()
