@@ -16,9 +16,9 @@ import json
 import re
 import socket
 from collections.abc import Iterable
-from typing import Any
 
 from paramserver.errors import InvalidArgument
+from paramserver.protocol.keepalive import ChannelOption
 
 __all__ = ["PS_SERVICE", "channel_target", "parse_address", "parse_addresses", "parse_server"]
 
@@ -95,7 +95,7 @@ def parse_server(text: str, what: str = "address") -> str:
     )
 
 
-def channel_target(address: str) -> tuple[str, list[tuple[str, Any]]]:
+def channel_target(address: str) -> tuple[str, list[ChannelOption]]:
     """The gRPC target and channel options of ``address``.
 
     A plain ``host:port`` is its own target. A replicated shard's ``"h0:p0|h1:p1"`` becomes

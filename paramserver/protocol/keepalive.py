@@ -29,13 +29,14 @@ keepalive guide (https://grpc.io/docs/guides/keepalive/ and ``doc/keepalive.md``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final, TypeAlias
 
 __all__ = [
     "CLIENT_KEEPALIVE_OPTIONS",
     "CLIENT_PING_INTERVAL_MS",
     "MIN_CLIENT_PING_INTERVAL_MS",
     "SERVER_KEEPALIVE_OPTIONS",
+    "ChannelOption",
     "with_keepalive",
 ]
 
@@ -44,6 +45,9 @@ MIN_CLIENT_PING_INTERVAL_MS: Final = 5_000
 
 #: Interval (ms) at which the product's own clients ping a connection while it is idle.
 CLIENT_PING_INTERVAL_MS: Final = 20_000
+
+#: One gRPC channel argument: its name and its value (C-core takes ints and strings).
+ChannelOption: TypeAlias = tuple[str, int | str]
 
 SERVER_KEEPALIVE_OPTIONS: Final[tuple[tuple[str, int], ...]] = (
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
@@ -64,8 +68,8 @@ CLIENT_KEEPALIVE_OPTIONS: Final[tuple[tuple[str, int], ...]] = (
 
 
 def with_keepalive(
-    options: Sequence[tuple[str, Any]], defaults: Sequence[tuple[str, Any]]
-) -> list[tuple[str, Any]]:
+    options: Sequence[ChannelOption], defaults: Sequence[ChannelOption]
+) -> list[ChannelOption]:
     """``options`` plus each of ``defaults`` whose name ``options`` does not set."""
     given = {name for name, _ in options}
     return [*options, *(o for o in defaults if o[0] not in given)]

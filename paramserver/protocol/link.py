@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any
+from typing import Generic, TypeVar
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from paramserver.errors import MalformedStream
 
 #: Bytes of the length prefix of every frame.
 HEADER_BYTES = 4
 _HEADER = HEADER_BYTES
+
+_M = TypeVar("_M", bound=Message)
 
 
 def available() -> bool:
@@ -31,7 +33,7 @@ def socket_address(address: str) -> str:
     return "\0" + address[1:] if address.startswith("@") else address
 
 
-class FrameReader:
+class FrameReader(Generic[_M]):
     """Splits a byte stream into length-prefixed protobuf messages.
 
     Args:
@@ -42,12 +44,12 @@ class FrameReader:
 
     __slots__ = ("_buf", "_parse", "max_frame_bytes")
 
-    def __init__(self, message: Any, max_frame_bytes: int) -> None:
+    def __init__(self, message: type[_M], max_frame_bytes: int) -> None:
         self._buf = bytearray()
         self.max_frame_bytes = max_frame_bytes
         self._parse = message.FromString
 
-    def feed(self, data: bytes, max_messages: int | None = None) -> list[Any]:
+    def feed(self, data: bytes, max_messages: int | None = None) -> list[_M]:
         """Messages completed by ``data``, in order: at most ``max_messages`` (the bytes of
         the rest stay buffered; ``feed(b"")`` parses on).
 
@@ -61,7 +63,7 @@ class FrameReader:
             if len(data) == _HEADER + n and n <= limit and max_messages != 0:
                 return [self._decode(memoryview(data)[_HEADER:])]
         buf += data
-        out: list[Any] = []
+        out: list[_M] = []
         start = 0
         end = len(buf)
         with memoryview(buf) as view:
@@ -83,14 +85,14 @@ class FrameReader:
         """Bytes received and not yet returned as messages."""
         return len(self._buf)
 
-    def _decode(self, view: memoryview) -> Any:
+    def _decode(self, view: memoryview) -> _M:
         try:
-            return self._parse(view)
+            return self._parse(view)  # type: ignore[arg-type]  # upb parses any buffer
         except DecodeError as exc:
             raise MalformedStream(f"local-link frame is not a valid message: {exc}") from None
 
 
-def write_frame(transport: asyncio.WriteTransport, msg: Any) -> None:
+def write_frame(transport: asyncio.WriteTransport, msg: Message) -> None:
     """Send one message with its 4-byte little-endian length."""
     body = msg.SerializeToString()
     transport.writelines((len(body).to_bytes(_HEADER, "little"), body))

@@ -54,7 +54,7 @@ MAX_INLINE_BYTES = (1 << 20) - (32 << 10)
 RegionView = Callable[[int, int, Any, tuple[int, ...]], np.ndarray]
 
 #: One slot of a ``SlotBatch``: (key, dtype, shape, offset_bytes, size_bytes).
-SlotEntry = tuple[str, np.dtype[Any], tuple[int, ...], int, int]
+SlotEntry = tuple[str, np.dtype[np.generic], tuple[int, ...], int, int]
 
 
 def batch_bytes(sizes: Iterable[int]) -> int:
@@ -360,7 +360,7 @@ _SPAN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 def slot_span(
     entries: list[SlotEntry], memo: dict[str, Any] | None = None
-) -> tuple[int, int, np.dtype[Any]] | None:
+) -> tuple[int, int, np.dtype[np.generic]] | None:
     """``(start, end, dtype)``: the bytes ``[start, end)`` of the region that every slot of
     ``entries`` lies in, when all share one float32 or float64 dtype, start at a multiple of
     its size, and the span is at most twice their payload (little padding); else None.
@@ -372,7 +372,7 @@ def slot_span(
     last = memo.get("span") if memo is not None else None
     if last is not None and last[0] is entries:
         return last[1]  # type: ignore[no-any-return]
-    result: tuple[int, int, np.dtype[Any]] | None = None
+    result: tuple[int, int, np.dtype[np.generic]] | None = None
     dtype = entries[0][1] if entries else None
     if dtype in _SPAN_DTYPES and all(e[1] == dtype for e in entries):
         assert dtype is not None

@@ -116,7 +116,11 @@ class Region:
     name: str
 
     def view(
-        self, offset_bytes: int, size_bytes: int, dtype: np.dtype[Any], shape: tuple[int, ...]
+        self,
+        offset_bytes: int,
+        size_bytes: int,
+        dtype: np.dtype[np.generic],
+        shape: tuple[int, ...],
     ) -> np.ndarray:
         """An ndarray over ``[offset_bytes, offset_bytes + size_bytes)`` of this region.
 

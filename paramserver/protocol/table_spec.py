@@ -24,7 +24,7 @@ from paramserver.protocol.limits import MAX_TABLE_DIM, check_table_name, shown
 
 F32 = np.dtype(np.float32)
 
-TABLE_DTYPES: Final[dict[str, np.dtype[Any]]] = {
+TABLE_DTYPES: Final[dict[str, np.dtype[np.generic]]] = {
     "float32": F32,
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -259,7 +259,7 @@ class TableSpec:
             raise InvalidArgument(f"{where}: min_pushes must be >= 1, got {self.min_pushes}")
 
     @property
-    def np_dtype(self) -> np.dtype[Any]:
+    def np_dtype(self) -> np.dtype[np.generic]:
         """The storage dtype as a numpy dtype."""
         return TABLE_DTYPES[self.dtype]
 

@@ -18,9 +18,9 @@ Used as the gRPC (de)serializers of ``ParameterServer.Push`` (requests) and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from paramserver.api.v1 import tensor_pb2
 from paramserver.errors import MalformedStream
@@ -34,6 +34,9 @@ __all__ = [
     "serialize",
     "tolerant",
 ]
+
+_M = TypeVar("_M", bound=Message)
+_T = TypeVar("_T")
 
 # Wire types and tags (field_number << 3 | wire_type) of the fields used here.
 _VARINT, _LEN = 0, 2
@@ -140,7 +143,7 @@ def _parse_frame(view: memoryview, pos: int, end: int) -> RawFrame | None:
     return frame
 
 
-def deserializer(message_type: Any) -> Callable[[bytes], Any]:
+def deserializer(message_type: type[_M]) -> Callable[[bytes], Any]:
     """The request/response deserializer of a stream of ``message_type`` (``PushRequest`` or
     ``PullResponse``): plain frame messages come back as :class:`RawFrameMessage`, anything
     else as ``message_type`` parsed by protobuf.
@@ -150,7 +153,7 @@ def deserializer(message_type: Any) -> Callable[[bytes], Any]:
     """
     parse = message_type.FromString
 
-    def deserialize(data: bytes) -> Any:
+    def deserialize(data: bytes) -> Any:  # _M, or a RawFrameMessage standing in for one
         if not data or data[0] != _BODY_FRAME_TAG:
             return parse(data)
         view = memoryview(data)
@@ -180,19 +183,21 @@ class Undecodable:
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> NoReturn:
         if name.startswith("__"):  # protocol probes (hasattr(x, "__aiter__")) stay probes
             raise AttributeError(name)
         raise MalformedStream(f"request message does not decode: {self.reason}")
 
 
-def tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def tolerant(
+    deserialize: Callable[[bytes], _T] | None,
+) -> Callable[[bytes], _T | Undecodable] | None:
     """``deserialize`` returning :class:`Undecodable` instead of raising ``DecodeError``."""
     if deserialize is None:
         return None
     inner = deserialize
 
-    def decode(data: bytes) -> Any:
+    def decode(data: bytes) -> _T | Undecodable:
         try:
             return inner(data)
         except DecodeError as exc:
@@ -201,12 +206,12 @@ def tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     return decode
 
 
-def serialize(message: Any) -> bytes:
+def serialize(message: Message | bytes) -> bytes:
     """The serializer of a stream that carries both generated messages and wire bytes from
     :func:`frame_messages`."""
     if isinstance(message, bytes):
         return message
-    return message.SerializeToString()  # type: ignore[no-any-return]
+    return message.SerializeToString()
 
 
 def frame_messages(

@@ -52,7 +52,11 @@ import grpc
 
 from paramserver.errors import InvalidArgument, Unavailable
 from paramserver.protocol.addresses import channel_target
-from paramserver.protocol.keepalive import CLIENT_KEEPALIVE_OPTIONS, with_keepalive
+from paramserver.protocol.keepalive import (
+    CLIENT_KEEPALIVE_OPTIONS,
+    ChannelOption,
+    with_keepalive,
+)
 from paramserver.security.tokens import (
     Role,
     TokenAuthInterceptor,
@@ -510,7 +514,7 @@ def peer_security(
 def open_channel(
     address: str,
     security: ClientSecurity | None = None,
-    options: Sequence[tuple[str, Any]] = (),
+    options: Sequence[ChannelOption] = (),
 ) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to ``address`` as ``security`` says: secure (TLS / mutual TLS,
     token as call credentials), plain text with the token added by an interceptor (loopback

@@ -16,17 +16,17 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from paramserver.closing import AsyncClosing
-from paramserver.protocol.keepalive import SERVER_KEEPALIVE_OPTIONS
+from paramserver.protocol.keepalive import SERVER_KEEPALIVE_OPTIONS, ChannelOption
 from paramserver.security.tls import ServerSecurity, bind
 
 __all__ = [
@@ -39,6 +39,8 @@ __all__ = [
     "start_grpc_server",
     "write_atomic",
 ]
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +153,7 @@ async def start_grpc_server(
     *,
     service_names: Sequence[str] = (),
     security: ServerSecurity | None = None,
-    interceptors: Sequence[Any] = (),
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     max_receive_message_bytes: int | None = None,
     health_and_reflection: bool = True,
     on_failure: Callable[[], Awaitable[None]] | None = None,
@@ -177,7 +179,7 @@ async def start_grpc_server(
     Raises:
         Unavailable: (UNAVAILABLE) the address is in use or not on this machine.
     """
-    options: list[tuple[str, Any]] = [("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS]
+    options: list[ChannelOption] = [("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS]
     if max_receive_message_bytes is not None:
         options.insert(0, ("grpc.max_receive_message_length", max_receive_message_bytes))
     server = grpc.aio.server(interceptors=list(interceptors) or None, options=options)
@@ -272,7 +274,7 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def run_loop(main: Any, *, use_uvloop: bool = True) -> Any:
+def run_loop(main: Coroutine[object, object, _T], *, use_uvloop: bool = True) -> _T:
     """Run a coroutine on uvloop when installed and asked for, else on the default loop."""
     if use_uvloop:
         try:
