@@ -17,7 +17,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, Unpack
+from typing import Protocol, TypedDict, Unpack
 
 import numpy as np
 
@@ -77,6 +77,18 @@ class ShardSettings(Protocol):
     def table_memory_bytes(self) -> int: ...
 
 
+class ObserverState(TypedDict, total=False):
+    """What a checkpoint keeps of an observer (its ``"observations"``, JSON).
+
+    Attributes:
+        barrier: Per worker name, ``[wait_s, lag_s, steps]``: its BSP barrier totals.
+        clocked_at: Per open BSP step (as a string), worker name -> unix seconds it clocked.
+    """
+
+    barrier: dict[str, list[float]]
+    clocked_at: dict[str, dict[str, float]]
+
+
 class CoreObserver:
     """Hooks the pure core calls; every method is a no-op here (the default observer)."""
 
@@ -104,11 +116,11 @@ class CoreObserver:
         """Write-ahead-log replay: what follows happened at wall-clock time ``unix_s`` (the
         record's); None ends the replay (time is the observer's own clock again)."""
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> ObserverState:
         """What a checkpoint keeps of the observations (JSON-able); nothing here."""
         return {}
 
-    def restore(self, state: Mapping[str, Any]) -> None:
+    def restore(self, state: ObserverState) -> None:
         """Take back :meth:`state` from a checkpoint (an empty mapping: nothing saved)."""
 
 

@@ -50,7 +50,7 @@ from safetensors.numpy import load_file, save_file
 
 from paramserver.core.aggregation import GradientUpdate
 from paramserver.core.consistency import WorkerRecord
-from paramserver.core.shard import NameProgress, PushResult, ServerCore
+from paramserver.core.shard import NameProgress, ObserverState, PushResult, ServerCore
 from paramserver.core.store import ParameterStore
 from paramserver.errors import ParamServerError
 from paramserver.server.checkpoint_cut import shard_manifest
@@ -361,7 +361,8 @@ class CheckpointManager:
             str(name): NameProgress(int(steps), int(clock))
             for name, (steps, clock) in (manifest.get("progress") or {}).items()
         }
-        core.observer.restore(manifest.get("observations") or {})
+        observations: ObserverState = manifest.get("observations") or ObserverState()
+        core.observer.restore(observations)
         queue = manifest.get("bsp_queue") or {"updates": [], "release_after_step": {}}
         core.restore_bsp_queue(
             [

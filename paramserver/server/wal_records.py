@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 
@@ -190,17 +190,19 @@ class RecordType:
 
     Attributes:
         body: The ``WalRecord`` oneof field.
-        replay: Re-applies one record's body through the core method that applied it live.
+        replay: Re-applies one record (its ``body`` field) through the core method that
+            applied it live.
         batched: Consecutive records of this type are applied together by ``replay`` itself
             (a lease sweep's evictions); every other type first flushes them.
     """
 
     body: str
-    replay: Callable[[_Replay, Any], None]
+    replay: Callable[[_Replay, wal_pb.WalRecord], None]
     batched: bool = False
 
 
-def _replay_register(r: _Replay, body: Any) -> None:
+def _replay_register(r: _Replay, record: wal_pb.WalRecord) -> None:
+    body = record.register
     rec = r.core.register(
         body.worker_name,
         r.now,
@@ -216,7 +218,8 @@ def _replay_register(r: _Replay, body: Any) -> None:
         )
 
 
-def _replay_depart(r: _Replay, body: Any) -> None:
+def _replay_depart(r: _Replay, record: wal_pb.WalRecord) -> None:
+    body = record.depart
     if body.why == "evicted":
         r.evictions.append(body.worker_id)
     else:
@@ -224,11 +227,13 @@ def _replay_depart(r: _Replay, body: Any) -> None:
         r.core.leave(body.worker_id)
 
 
-def _replay_init(r: _Replay, body: Any) -> None:
+def _replay_init(r: _Replay, record: wal_pb.WalRecord) -> None:
+    body = record.init
     r.core.init(tensors_from_wal(list(body.tensors)), UpdateRule.from_proto(body.rule))
 
 
-def _replay_push(r: _Replay, body: Any) -> None:
+def _replay_push(r: _Replay, record: wal_pb.WalRecord) -> None:
+    body = record.push
     r.core.push(
         body.worker_id,
         body.request_id,
@@ -240,15 +245,18 @@ def _replay_push(r: _Replay, body: Any) -> None:
     )
 
 
-def _replay_clock(r: _Replay, body: Any) -> None:
+def _replay_clock(r: _Replay, record: wal_pb.WalRecord) -> None:
+    body = record.clock
     r.core.clock(body.worker_id, body.clock)
 
 
-def _replay_init_table(r: _Replay, body: Any) -> None:
+def _replay_init_table(r: _Replay, record: wal_pb.WalRecord) -> None:
+    body = record.init_table
     r.core.tables.init(spec_from_proto(body.spec))
 
 
-def _replay_push_rows(r: _Replay, body: Any) -> None:
+def _replay_push_rows(r: _Replay, record: wal_pb.WalRecord) -> None:
+    body = record.push_rows
     (grads,) = tensors_from_wal([body.grads]).values()
     ids = np.frombuffer(body.ids, "<i8").astype(np.int64)
     tables = r.core.tables
@@ -258,7 +266,8 @@ def _replay_push_rows(r: _Replay, body: Any) -> None:
     tables.commit(prepared, now_s=body.now_s)
 
 
-def _replay_expire_rows(r: _Replay, body: Any) -> None:
+def _replay_expire_rows(r: _Replay, record: wal_pb.WalRecord) -> None:
+    body = record.expire_rows
     r.core.tables.get(body.table).expire(now_s=body.now_s, clock=int(body.clock))
 
 
@@ -317,7 +326,7 @@ def replay_into(
                 state.flush_evictions()
             observer.replaying_at(record.unix_s or started_unix_s)
             try:
-                kind.replay(state, getattr(record, kind.body))
+                kind.replay(state, record)
             except WalError:
                 raise
             except ParamServerError as exc:

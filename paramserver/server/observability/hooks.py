@@ -43,11 +43,11 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
-from paramserver.core.shard import CoreObserver
+from paramserver.core.shard import CoreObserver, ObserverState
 from paramserver.serving.metrics import CURRENT_RPC
 
 __all__ = [
@@ -215,7 +215,7 @@ class ShardObservations(CoreObserver):
         self._replay_at = unix_s
 
     # ------------------------------------------------------------------ durable part
-    def state(self) -> dict[str, Any]:
+    def state(self) -> ObserverState:
         """The barrier totals per worker name and the clock times of the BSP steps still
         open (JSON-able; a checkpoint's ``"observations"``)."""
         return {
@@ -225,7 +225,7 @@ class ShardObservations(CoreObserver):
             },
         }
 
-    def restore(self, state: Mapping[str, Any]) -> None:
+    def restore(self, state: ObserverState) -> None:
         self.barrier = {
             str(n): BarrierTotals(float(wait), float(lag), int(steps))
             for n, (wait, lag, steps) in state.get("barrier", {}).items()
@@ -270,11 +270,19 @@ class ServingHooks:
         """``nbytes`` of key ``key`` were snapshotted for a reader."""
 
 
+class _Served(Protocol):
+    """What a decorated seam's owner has: the engine whose ``hooks`` it reports to."""
+
+    @property
+    def engine(self) -> object: ...
+
+
 P = ParamSpec("P")
 T = TypeVar("T")
+S = TypeVar("S", bound=_Served)
 
 
-def _hooks(owner: Any) -> ServingHooks:
+def _hooks(owner: _Served) -> ServingHooks:
     hooks = getattr(owner.engine, "hooks", None)
     return hooks if isinstance(hooks, ServingHooks) else _NOOP
 
@@ -283,14 +291,14 @@ _NOOP = ServingHooks()
 
 
 def _timed(
-    fn: Callable[Concatenate[Any, P], Awaitable[T]],
-    report: Callable[[ServingHooks, T | None, Mapping[str, Any], float, bool], None],
-) -> Callable[Concatenate[Any, P], Awaitable[T]]:
+    fn: Callable[Concatenate[S, P], Awaitable[T]],
+    report: Callable[[ServingHooks, T | None, Mapping[str, object], float, bool], None],
+) -> Callable[Concatenate[S, P], Awaitable[T]]:
     """``fn`` timed: ``report(hooks, result or None, kwargs, seconds, ok)`` after every call
     (failed ones too) while the owner's hooks are enabled; nothing is timed otherwise."""
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, *args: P.args, **kwargs: P.kwargs) -> T:
+    async def wrapper(self: S, *args: P.args, **kwargs: P.kwargs) -> T:
         hooks = _hooks(self)
         if not hooks.enabled:
             return await fn(self, *args, **kwargs)
@@ -308,7 +316,7 @@ def _timed(
 
 
 def _report_push(
-    hooks: ServingHooks, _result: object, kwargs: Mapping[str, Any], seconds: float, ok: bool
+    hooks: ServingHooks, _result: object, kwargs: Mapping[str, object], seconds: float, ok: bool
 ) -> None:
     grads = kwargs.get("grads")
     hooks.pushed(CURRENT_RPC.get(), grads if isinstance(grads, Mapping) else {}, seconds, ok)
@@ -321,27 +329,27 @@ def _report_admit(
 
 
 def observed_push(
-    fn: Callable[Concatenate[Any, P], Awaitable[T]],
-) -> Callable[Concatenate[Any, P], Awaitable[T]]:
+    fn: Callable[Concatenate[S, P], Awaitable[T]],
+) -> Callable[Concatenate[S, P], Awaitable[T]]:
     """Decorate the servicer's ``apply_push`` seam: bytes and latency of every push."""
     return _timed(fn, _report_push)
 
 
 def observed_admit(
-    fn: Callable[Concatenate[Any, P], Awaitable[list[str]]],
-) -> Callable[Concatenate[Any, P], Awaitable[list[str]]]:
+    fn: Callable[Concatenate[S, P], Awaitable[list[str]]],
+) -> Callable[Concatenate[S, P], Awaitable[list[str]]]:
     """Decorate the servicer's ``admit_pull`` seam: one pull, and its consistency wait."""
     return _timed(fn, _report_admit)
 
 
 def observed_snapshot(
-    fn: Callable[Concatenate[Any, P], Awaitable[T]],
-) -> Callable[Concatenate[Any, P], Awaitable[T]]:
+    fn: Callable[Concatenate[S, P], Awaitable[T]],
+) -> Callable[Concatenate[S, P], Awaitable[T]]:
     """Decorate the servicer's one-key pull seams (``pull_frame_bytes``): bytes pulled per key
     (the result's ``nbytes``, or its length when it is raw bytes)."""
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, *args: P.args, **kwargs: P.kwargs) -> T:
+    async def wrapper(self: S, *args: P.args, **kwargs: P.kwargs) -> T:
         hooks = _hooks(self)
         result = await fn(self, *args, **kwargs)
         if hooks.enabled:
@@ -354,14 +362,14 @@ def observed_snapshot(
 
 
 def observed_snapshots(
-    fn: Callable[Concatenate[Any, P], Awaitable[list[bytes]]],
-) -> Callable[Concatenate[Any, P], Awaitable[list[bytes]]]:
+    fn: Callable[Concatenate[S, P], Awaitable[list[bytes]]],
+) -> Callable[Concatenate[S, P], Awaitable[list[bytes]]]:
     """Decorate a servicer seam that pulls several keys' raw bytes at once (its first
     argument the keys, its result their bytes in order): bytes pulled per key, as
     :func:`observed_snapshot` reports each."""
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, *args: P.args, **kwargs: P.kwargs) -> list[bytes]:
+    async def wrapper(self: S, *args: P.args, **kwargs: P.kwargs) -> list[bytes]:
         hooks = _hooks(self)
         result = await fn(self, *args, **kwargs)
         if hooks.enabled:
