@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
+import numpy as np
 import numpy.typing as npt
 
 from paramserver.core.aggregation import (
@@ -305,7 +306,7 @@ class ReductionCoordinator:
         worker_id: str,
         step: int,
         request_id: int,
-        gradients: Mapping[str, npt.NDArray[Any]],
+        gradients: Mapping[str, npt.NDArray[np.generic]],
         num_samples: int,
         now: float,
     ) -> Ticket:
@@ -416,7 +417,7 @@ class ReductionCoordinator:
         worker_id: str,
         step: int,
         request_id: int,
-        gradients: Mapping[str, npt.NDArray[Any]],
+        gradients: Mapping[str, npt.NDArray[np.generic]],
     ) -> Ticket | None:
         """A ticket answered with a closed step's aggregate for a late worker, or None."""
         strategy = self.strategy

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Unpack
 
 import grpc
+import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import reduction_pb2 as pb
@@ -247,11 +248,11 @@ class ReductionClient(ServiceSession["pb_grpc.ReductionServiceAsyncStub"]):
     async def reduce(
         self,
         step: int | None,
-        grads: Mapping[str, npt.NDArray[Any]],
+        grads: Mapping[str, npt.NDArray[np.generic]],
         *,
         num_samples: int = 1,
         timeout_s: float | None = None,
-    ) -> dict[str, npt.NDArray[Any]]:
+    ) -> dict[str, npt.NDArray[np.generic]]:
         """Submit gradients for a step and wait for the step's aggregate.
 
         Args:
@@ -308,7 +309,7 @@ class ReductionClient(ServiceSession["pb_grpc.ReductionServiceAsyncStub"]):
                 for frame in tensor.encode_frames(key, value, _SEND_CHUNK_BYTES):
                     yield pb.ReduceRequest(frame=frame)
 
-        async def attempt() -> tuple[pb.ReduceResult, dict[str, npt.NDArray[Any]]]:
+        async def attempt() -> tuple[pb.ReduceResult, dict[str, npt.NDArray[np.generic]]]:
             call = self.stub.Reduce(messages(), timeout=wait_s + self.rpc_timeout_s)
             result, out = await tensor.read_headed_stream(
                 call, head="result", what="reduce answer", head_first=False

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import grpc
 import numpy as np
@@ -257,7 +257,7 @@ class ReductionEngine(LeaseReaperBase[ReductionSettings]):
 
 async def _read_reduce(
     request_iterator: AsyncIterator[pb.ReduceRequest], max_tensor_bytes: int | None
-) -> tuple[pb.ReduceHeader, dict[str, npt.NDArray[Any]]]:
+) -> tuple[pb.ReduceHeader, dict[str, npt.NDArray[np.generic]]]:
     header, gradients = await tensor.read_headed_stream(
         request_iterator, head="header", what="reduce stream", max_tensor_bytes=max_tensor_bytes
     )

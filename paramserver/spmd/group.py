@@ -666,7 +666,7 @@ class SpmdParallelWorkers(RankGroup):
         rank: int,
         tier: Tier | str,
         block_ids: Sequence[int],
-        data: bytes | bytearray | memoryview | npt.NDArray[Any],
+        data: bytes | bytearray | memoryview | npt.NDArray[np.generic],
         *,
         timeout_s: float | None = None,
     ) -> int:
@@ -700,7 +700,7 @@ class SpmdParallelWorkers(RankGroup):
         block_ids: Sequence[int],
         *,
         timeout_s: float | None = None,
-    ) -> npt.NDArray[Any]:
+    ) -> npt.NDArray[np.generic]:
         """Read blocks of one rank's tier.
 
         Returns:

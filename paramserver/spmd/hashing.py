@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -146,7 +145,7 @@ def sequence_hashes(
 
 
 def content_hash(
-    data: bytes | bytearray | memoryview | npt.NDArray[Any], parent_hash: int | None = None
+    data: bytes | bytearray | memoryview | npt.NDArray[np.generic], parent_hash: int | None = None
 ) -> int:
     """Sequence hash of a block known only by its contents (domain-separated from token hashes).
 
@@ -191,7 +190,7 @@ def content_hash(
     return _digest(b"A", parent_hash, elements.nbytes, bytes(header), elements)
 
 
-def _canonical_array(arr: npt.NDArray[Any]) -> tuple[bytes, memoryview]:
+def _canonical_array(arr: npt.NDArray[np.generic]) -> tuple[bytes, memoryview]:
     """(dtype name, little-endian C-order element bytes) of ``arr``."""
     dtype = arr.dtype
     extension = dtype.type.__module__.startswith("ml_dtypes")

@@ -149,7 +149,7 @@ class HostPool(BlockPool):
         np.frombuffer(self._buf, dtype=np.uint8)[::4096] = 0
 
     @property
-    def array(self) -> npt.NDArray[Any]:
+    def array(self) -> npt.NDArray[np.generic]:
         """Typed numpy view of the whole pool (no copy)."""
         shape = (self.layout.num_blocks, *self.layout.block_shape)
         return np.ndarray(shape, dtype=self.layout.np_dtype, buffer=self._buf)

@@ -185,7 +185,7 @@ class RankClient(AsyncClosing):
         self,
         tier: Tier,
         block_ids: Sequence[int],
-        data: bytes | bytearray | memoryview | npt.NDArray[Any],
+        data: bytes | bytearray | memoryview | npt.NDArray[np.generic],
         *,
         timeout_s: float = 30.0,
         incarnation_id: str = "",
