@@ -345,6 +345,9 @@ class TableClientMixin:
         ids are checked first: when the push or the pull ids are refused, nothing is applied
         and no rows are returned (the refusal is raised). A pull refused after the push was
         applied (its consistency wait running out: WaitTimeout) raises with the push applied.
+        Retried as :meth:`pull_rows` is (a broken link, back-pressure); a call that runs past
+        its deadline (``timeout_s`` + ``rpc_timeout_s``) raises without a retry, its push
+        possibly applied.
 
         Args:
             table: Table name.
