@@ -18,11 +18,12 @@ from paramserver.errors import (
     InvalidArgument,
     TableNotFound,
     Unavailable,
+    WaitTimeout,
 )
 from paramserver.server.transports.table_service import TableRpcs
 from paramserver.worker_client import connect, connect_sync
 from paramserver.worker_client.transport.session_stream import SessionTransport
-from tests.harness import running_cluster, running_server
+from tests.harness import eventually, running_cluster, running_server
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -282,3 +283,43 @@ async def test_rows_too_large_for_the_answer_come_anyway_and_the_push_counts_onc
             oracle = Oracle(initial)
             oracle.push(push, grads)
             assert everything.tobytes() == oracle.w.tobytes()
+
+
+@pytest.mark.parametrize("transport", ["streams", "session-shm"])
+async def test_the_push_lands_at_once_and_the_pull_waits_as_pull_rows_does(
+    transport: str,
+) -> None:
+    """An ssp(0) table, worker a one clock ahead of b: a's fused call applies its push on
+    arrival, then its pull waits for b's clock (WaitTimeout when its wait runs out, the push
+    standing), and reads the rows after the push once b clocks."""
+    options = TRANSPORTS[transport]
+    spec = TableSpec("emb", DIM, rule=TableRule("sgd", lr=LR), seed=11, consistency="ssp")
+    rng = np.random.default_rng(17)
+    everything = np.arange(UNIVERSE, dtype=np.int64)
+    async with running_server(consistency="asp") as d:
+        async with (
+            connect(d.address, "a", **options) as a,
+            connect(d.address, "b", **options) as b,
+            connect(d.address, "watch", register=False, session=False) as watch,
+        ):
+            await a.init_table(spec)
+            oracle = Oracle(await watch.pull_rows("emb", everything))
+            await a.clock()  # a at 1, b at 0: a's pulls wait for b
+            push, grads, pull = _step(rng, 300)
+            with pytest.raises(WaitTimeout, match="table 'emb'"):
+                await a.push_pull_rows("emb", push, grads, pull, timeout_s=0.2)
+            oracle.push(push, grads)
+            assert (await watch.status()).tables[0].pushes == 1  # the push stands
+            push, grads, pull = _step(rng, 300)
+            call = asyncio.ensure_future(a.push_pull_rows("emb", push, grads, pull, timeout_s=30))
+            oracle.push(push, grads)
+
+            async def applied() -> bool:
+                return (await watch.status()).tables[0].pushes == 2
+
+            await eventually(applied, what="the second push applied while its pull waits")
+            assert not call.done()
+            await b.clock()
+            got = await asyncio.wait_for(call, 30)
+            assert got.tobytes() == oracle.pull(pull).tobytes()
+            assert (await watch.pull_rows("emb", everything)).tobytes() == oracle.w.tobytes()
