@@ -65,7 +65,7 @@ def free_base_port(count: int) -> int:
     raise RuntimeError("no free port range")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()  # a fresh cluster per test: each test loses one of its nodes
 def cluster() -> Iterator[LocalRayCluster]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
@@ -73,7 +73,9 @@ def cluster() -> Iterator[LocalRayCluster]:
     env |= {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
     env |= {"RAY_health_check_timeout_ms": "1000", "RAY_health_check_initial_delay_ms": "1000"}
     t0 = time.monotonic()
-    with LocalRayCluster(env, num_cpus=3, nodes=4, head_cpus=0, timeout_s=300) as c:
+    # 4 CPUs a node: the two nodes left after the loss hold every replica, the lost one
+    # placed again, and every worker task, retried ones included.
+    with LocalRayCluster(env, num_cpus=4, nodes=4, head_cpus=0, timeout_s=300) as c:
         saved = {k: os.environ.get(k) for k in c.auth_env}
         os.environ.update(c.auth_env)
         ray.init(address=c.address, log_to_driver=False)
