@@ -65,9 +65,10 @@ from paramserver.worker_client.client import (
     cast_gradients,
     progress_of,
 )
-from paramserver.worker_client.embedding import RowPushAck, ShardedTables, ValidatedRows
+from paramserver.worker_client.embedding import RowPushAck, ValidatedRows
 from paramserver.worker_client.keyed import KeyedIds
 from paramserver.worker_client.options import PullOptions, PushOptions, PushPullOptions
+from paramserver.worker_client.sharded_tables import ShardedTables
 
 __all__ = ["ShardedWorkerClient", "merge_views"]
 
