@@ -152,14 +152,17 @@ def _read_file(path: str, what: str) -> bytes:
 
 
 def _warn_if_shared(path: str, what: str) -> None:
-    """A secret readable by group or others is worth a warning (not a refusal: secrets mounted
-    by orchestrators are often 0444 inside a private container)."""
+    """A secret readable by others, or by a group this process is not in, is worth a warning
+    (not a refusal: secrets mounted by orchestrators are often 0444 inside a private
+    container). Readable by this process's own group is not: Kubernetes mounts a 0400 Secret
+    as 0440 owned by the pod's ``fsGroup``, a group of the pod's own processes."""
     try:
-        mode = os.stat(path).st_mode
+        st = os.stat(path)
     except OSError:
         return
-    if mode & (stat.S_IRGRP | stat.S_IROTH):
-        logger.warning("%s %s is readable by group/others; chmod 600 it", what, path)
+    mine = {os.getegid(), *os.getgroups()}
+    if st.st_mode & stat.S_IROTH or (st.st_mode & stat.S_IRGRP and st.st_gid not in mine):
+        logger.warning("%s %s is readable by other users; chmod 600 it", what, path)
 
 
 def _check_metadata_token(token: str, where: str) -> None:
