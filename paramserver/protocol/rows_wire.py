@@ -10,7 +10,7 @@ field). Receiving is ``numpy.frombuffer`` per chunk and one concatenation: no pe
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -50,7 +50,19 @@ _CONS = {
 }
 
 
-def _to_wire(names: dict[int, str]) -> dict[str, int]:
+_Code = TypeVar("_Code", bound=int)
+
+#: The optional ``TableRule`` fields (unset: the rule's default).
+_RULE_FLOATS: tuple[Literal["lr", "eps", "beta1", "beta2", "initial_accumulator"], ...] = (
+    "lr",
+    "eps",
+    "beta1",
+    "beta2",
+    "initial_accumulator",
+)
+
+
+def _to_wire(names: dict[_Code, str]) -> dict[str, _Code]:
     """The inverse of a wire enum -> name table (UNSPECIFIED, value 0, is never written)."""
     return {name: code for code, name in names.items() if code != 0}
 
@@ -60,7 +72,7 @@ _INITS_PB = _to_wire(_INITS)
 _CONS_PB = _to_wire(_CONS)
 
 
-def spec_to_proto(spec: TableSpec) -> Any:
+def spec_to_proto(spec: TableSpec) -> tpb.TableSpec:
     """A :class:`TableSpec` as a ``tables_pb2.TableSpec`` (every value explicit)."""
     r = spec.rule
     msg = tpb.TableSpec(
@@ -89,7 +101,7 @@ def spec_to_proto(spec: TableSpec) -> Any:
     return msg
 
 
-def spec_from_proto(msg: Any) -> TableSpec:
+def spec_from_proto(msg: tpb.TableSpec) -> TableSpec:
     """A ``tables_pb2.TableSpec`` as a validated :class:`TableSpec`.
 
     Raises:
@@ -102,10 +114,7 @@ def spec_from_proto(msg: Any) -> TableSpec:
     r = msg.rule
     if r.kind not in _RULES or msg.initializer not in _INITS or msg.consistency not in _CONS:
         raise MalformedStream(f"table {name!r}: unknown rule, initializer or consistency value")
-    rule_kw: dict[str, Any] = {"kind": _RULES[r.kind]}
-    for f in ("lr", "eps", "beta1", "beta2", "initial_accumulator"):
-        if r.HasField(f):
-            rule_kw[f] = getattr(r, f)
+    rule_kw = {f: float(getattr(r, f)) for f in _RULE_FLOATS if r.HasField(f)}
     init = Initializer(
         _INITS[msg.initializer], msg.init_scale if msg.HasField("init_scale") else 0.01
     )
@@ -113,7 +122,7 @@ def spec_from_proto(msg: Any) -> TableSpec:
         name=name,
         dim=int(msg.dim),
         dtype=dtype,
-        rule=TableRule(**rule_kw),
+        rule=TableRule(_RULES[r.kind], **rule_kw),
         initializer=init,
         seed=int(msg.seed),
         num_embeddings=int(msg.num_embeddings) if msg.HasField("num_embeddings") else None,
@@ -136,7 +145,7 @@ def chunk_rows(
     *,
     chunk_bytes: int = tensor.DEFAULT_CHUNK_BYTES,
     versions: npt.NDArray[np.int64] | None = None,
-) -> Iterator[Any]:
+) -> Iterator[tpb.RowsChunk]:
     """``RowsChunk`` messages of ids and/or rows (little-endian bytes), in order.
 
     Args:
@@ -191,7 +200,7 @@ class RowsReceiver:
         what: str,
         num_ids: int,
         dim: int,
-        dtype: np.dtype[Any],
+        dtype: np.dtype[np.generic],
         *,
         with_ids: bool = True,
         with_versions: bool = False,
@@ -210,7 +219,7 @@ class RowsReceiver:
         self.versions: npt.NDArray[np.int64] = np.zeros(0, np.int64)
         self.received = 0
 
-    def feed(self, chunk: Any) -> None:
+    def feed(self, chunk: tpb.RowsChunk) -> None:
         if self.with_ids and not self.dim and chunk.rows:
             raise MalformedStream(
                 f"{self.what}: a chunk of a PullRows request carries {len(chunk.rows)} row "
@@ -306,7 +315,7 @@ class SegmentsReceiver:
             self._at += 1
         raise MalformedStream("a chunk after every segment's announced ids")
 
-    def feed(self, chunk: Any) -> None:
+    def feed(self, chunk: tpb.RowsChunk) -> None:
         self._current().feed(chunk)
 
     def finish(self) -> list[tuple[npt.NDArray[np.int64], np.ndarray]]:
