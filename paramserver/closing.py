@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 
 class Closing:
@@ -59,7 +59,7 @@ class AsyncClosing:
         await self.close()
 
 
-async def cancelled(task: asyncio.Task[Any] | None) -> None:
+async def cancelled(task: asyncio.Task[object] | None) -> None:
     """Cancel ``task`` (when there is one) and wait until it has ended (its CancelledError is
     absorbed; any other exception it ends with is raised)."""
     if task is not None:
