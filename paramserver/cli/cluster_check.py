@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paramserver.cli.flags import add_client_security_flags
+from paramserver.cli.flags import Subcommands, add_client_security_flags
 from paramserver.cli.server_arg import add_server_arguments, server_address
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def _cmd_cluster_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def add_subcommands(sub: Any) -> None:
+def add_subcommands(sub: Subcommands) -> None:
     """Register ``cluster-check``."""
     p = sub.add_parser(
         "cluster-check",

@@ -12,14 +12,23 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TypeAlias
 
 __all__ = [
+    "FlagTarget",
+    "Subcommands",
     "add_client_security_flags",
     "add_metrics_flags",
     "add_server_security_flags",
     "deferred",
 ]
+
+#: What a command module's ``add_subcommands(sub)`` gets: the ``paramserver`` parser's
+#: subparsers (``sub.add_parser(NAME, ...)``).
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+#: Where flags are added: a parser or one of its argument groups.
+FlagTarget: TypeAlias = argparse._ActionsContainer
 
 
 def deferred(module: str, function: str) -> Callable[[argparse.Namespace], int]:
@@ -34,7 +43,7 @@ def deferred(module: str, function: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def add_server_security_flags(parser: argparse.ArgumentParser | Any) -> None:
+def add_server_security_flags(parser: FlagTarget) -> None:
     """``--tls-cert/--tls-key/--tls-ca/--auth-tokens`` on a server command."""
     g = parser.add_argument_group("security (flags win over PARAMSERVER_TLS_* / _AUTH_TOKENS)")
     g.add_argument("--tls-cert", help="PEM certificate this server presents (turns TLS on)")
@@ -46,7 +55,7 @@ def add_server_security_flags(parser: argparse.ArgumentParser | Any) -> None:
     )
 
 
-def add_client_security_flags(parser: argparse.ArgumentParser | Any, *, tls: bool = True) -> None:
+def add_client_security_flags(parser: FlagTarget, *, tls: bool = True) -> None:
     """``--tls-ca/--tls-cert/--tls-key/--tls-server-name/--token-file`` on a client command
     (``tls=False``: only the token flag, for commands that take the TLS flags as a server)."""
     g = parser.add_argument_group("client security (flags win over PARAMSERVER_TLS_* / _TOKEN)")
@@ -60,7 +69,7 @@ def add_client_security_flags(parser: argparse.ArgumentParser | Any, *, tls: boo
     )
 
 
-def add_metrics_flags(parser: argparse.ArgumentParser | Any) -> None:
+def add_metrics_flags(parser: FlagTarget) -> None:
     """``--metrics-port/--metrics-host/--metrics-token-file/--metrics-tls-cert/--metrics-tls-key``
     (the fields of :class:`~paramserver.security.http_access.MetricsEndpointConfig`) on a
     daemon's command or argument group."""

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from paramserver.cli.flags import add_client_security_flags
+from paramserver.cli.flags import Subcommands, add_client_security_flags
 from paramserver.cli.server_arg import add_server_arguments
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def add_subcommands(sub: Any) -> None:
+def add_subcommands(sub: Subcommands) -> None:
     """Register ``health``."""
     h = sub.add_parser("health", help="gRPC health check of a server; exit 0 iff SERVING")
     add_server_arguments(h)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+
+from paramserver.cli.flags import Subcommands
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
@@ -33,7 +34,7 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_subcommands(sub: Any) -> None:
+def add_subcommands(sub: Subcommands) -> None:
     """Register ``reshard``."""
     p = sub.add_parser(
         "reshard",

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paramserver.cli.flags import (
+    Subcommands,
     add_client_security_flags,
     add_metrics_flags,
     add_server_security_flags,
@@ -75,7 +76,7 @@ logger = logging.getLogger(__name__)
 ENV_PREFIX = "PARAMSERVER_SPMD_"
 
 
-def add_subcommands(sub: Any) -> None:
+def add_subcommands(sub: Subcommands) -> None:
     """Register ``rank-server`` and ``spmd-demo`` on an argparse subparsers object."""
     rs = sub.add_parser(
         "rank-server",

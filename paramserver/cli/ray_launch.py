@@ -12,6 +12,7 @@ import shlex
 import sys
 from typing import Any
 
+from paramserver.cli.flags import Subcommands
 from paramserver.cli.training import add_model_flags
 
 
@@ -239,7 +240,7 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_subcommands(sub: Any) -> None:
+def add_subcommands(sub: Subcommands) -> None:
     """Register ``ray-launch``."""
     p = sub.add_parser(
         "ray-launch",

@@ -31,6 +31,8 @@ import threading
 import time
 from typing import IO, Any
 
+from paramserver.cli.flags import Subcommands
+
 #: Seconds a worker gets after a forwarded SIGINT/SIGTERM before it is killed.
 STOP_GRACE_S = 10.0
 
@@ -242,7 +244,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             signal.signal(s, handler)
 
 
-def add_subcommands(sub: Any) -> None:
+def add_subcommands(sub: Subcommands) -> None:
     """Register ``run``."""
     p = sub.add_parser(
         "run",

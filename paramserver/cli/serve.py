@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from paramserver.cli.flags import (
+    Subcommands,
     add_client_security_flags,
     add_metrics_flags,
     add_server_security_flags,
@@ -262,7 +263,7 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_subcommands(sub: Any) -> None:
+def add_subcommands(sub: Subcommands) -> None:
     """Register ``status``, ``checkpoint`` and ``serve`` on the ``paramserver`` command line."""
     st = sub.add_parser(
         "status", help="print a server's workers, clocks, stragglers and keys (table or JSON)"

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
-from paramserver.cli.flags import add_client_security_flags, deferred
+from paramserver.cli.flags import Subcommands, add_client_security_flags, deferred
 from paramserver.cli.server_arg import add_server_arguments
 
 __all__ = [
@@ -106,7 +105,7 @@ def _add_training_flags(p: argparse.ArgumentParser, *, epochs: int, framework: b
         )
 
 
-def add_subcommands(sub: Any) -> None:
+def add_subcommands(sub: Subcommands) -> None:
     """Register ``worker`` and ``demo``."""
     w = sub.add_parser(
         "worker",
@@ -243,7 +242,7 @@ def _add_demo_flags(d: argparse.ArgumentParser, *, workers: int, framework: bool
     _add_training_flags(d, epochs=10, framework=framework)
 
 
-def _add_movielens_flags(d: Any) -> None:
+def _add_movielens_flags(d: argparse.ArgumentParser) -> None:
     """Flags of the movielens demo (on ``paramserver demo``)."""
     g = d.add_argument_group("--model movielens")
     g.add_argument("--factors", type=int, default=16, help="latent factors k (default 16)")
