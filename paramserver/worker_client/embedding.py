@@ -21,9 +21,17 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import (
+    AsyncIterable,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Mapping,
+)
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
@@ -33,7 +41,7 @@ from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.core.tables import TableSpec
 from paramserver.errors import InvalidArgument, MalformedStream
 from paramserver.protocol import rows_wire, tensor
-from paramserver.worker_client.keyed import KeyedIds
+from paramserver.worker_client.keyed import KeyedIds, TableIds
 from paramserver.worker_client.retry import RETRYABLE
 from paramserver.worker_client.transport.base import RowPush, Transports
 
@@ -47,7 +55,14 @@ __all__ = [
     "check_rows_many",
 ]
 
+if TYPE_CHECKING:
+    from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+
 _PUSH_RETRYABLE = RETRYABLE | {grpc.StatusCode.DEADLINE_EXCEEDED}
+
+T = TypeVar("T")
+#: One try of a call (what the retry funnels run).
+_Attempt = Callable[[], Awaitable[T]]
 
 
 @dataclass(frozen=True)
@@ -95,7 +110,7 @@ class RowPushAck:
 ID_LIMIT = 1 << 63
 
 
-def check_ids(ids: Any) -> npt.NDArray[np.int64]:
+def check_ids(ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
     """The ids as a native int64 (n,) array.
 
     Ids are int64 on the wire and a valid id is >= 0, so an id of 2**63 or more (a uint64
@@ -119,7 +134,7 @@ def check_ids(ids: Any) -> npt.NDArray[np.int64]:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _refuse_large_id(ids: Any, start: int = 0) -> None:
+def _refuse_large_id(ids: Iterable[object], start: int = 0) -> None:
     """Raise InvalidArgument naming the first integer id >= 2**63 (or < -2**63) as the caller
     gave it, at its position counted from ``start``; return when there is none."""
     for position, value in enumerate(ids, start):
@@ -133,7 +148,7 @@ def _refuse_large_id(ids: Any, start: int = 0) -> None:
             )
 
 
-def check_rows(rows: Any, n: int) -> np.ndarray:
+def check_rows(rows: npt.ArrayLike, n: int) -> np.ndarray:
     """Gradient rows as a C-order (n, dim) float array (float32, float16 or bfloat16).
 
     Raises:
@@ -148,7 +163,7 @@ def check_rows(rows: Any, n: int) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def check_ids_many(ids: Mapping[str, Any] | KeyedIds) -> dict[str, npt.NDArray[np.int64]]:
+def check_ids_many(ids: TableIds) -> dict[str, npt.NDArray[np.int64]]:
     """``{table: ids}`` of a several-table call, each checked as :func:`check_ids`.
 
     Raises:
@@ -165,7 +180,7 @@ def check_ids_many(ids: Mapping[str, Any] | KeyedIds) -> dict[str, npt.NDArray[n
 
 
 def check_rows_many(
-    ids: Mapping[str, npt.NDArray[np.int64]], grads: Mapping[str, Any]
+    ids: Mapping[str, npt.NDArray[np.int64]], grads: Mapping[str, npt.ArrayLike]
 ) -> dict[str, np.ndarray]:
     """The gradient rows of every table of ``ids``, each checked as :func:`check_rows`.
 
@@ -186,7 +201,7 @@ def check_rows_many(
     return out
 
 
-def _ack(resp: Any) -> RowPushAck:
+def _ack(resp: tpb.PushRowsResponse) -> RowPushAck:
     return RowPushAck(
         duplicate=resp.duplicate,
         queued=resp.queued,
@@ -211,13 +226,25 @@ def _sum_acks(acks: Collection[RowPushAck]) -> RowPushAck:
 class TableClientMixin:
     """Table calls on one shard (mixed into ``WorkerClient``; uses its retry funnel)."""
 
-    stub: Any
+    stub: pb_grpc.ParameterServerAsyncStub
     transports: Transports
     worker_id: str
     clock_value: int
     rpc_timeout_s: float
     wait_timeout_s: float | None
     _next_request_id: int
+
+    if TYPE_CHECKING:  # WorkerClient's retry funnels and the one deadline rule of every pull
+
+        async def _call(
+            self, attempt: _Attempt[T], what: str, retryable: Collection[grpc.StatusCode] = ...
+        ) -> T: ...
+
+        async def _member_call(
+            self, attempt: _Attempt[T], what: str, retryable: Collection[grpc.StatusCode] = ...
+        ) -> T: ...
+
+        def _pull_deadlines(self, timeout_s: float | None) -> tuple[int, float]: ...
 
     async def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]:
         """Declare a table (first writer wins; the same declaration again is a no-op).
@@ -230,8 +257,7 @@ class TableClientMixin:
             AlreadyExists: the name is declared differently (ALREADY_EXISTS).
         """
         req = tpb.InitTableRequest(spec=rows_wire.spec_to_proto(spec))
-        me: Any = self  # a WorkerClient: its retry funnel
-        resp = await me._call(
+        resp = await self._call(
             lambda: self.stub.InitTable(req, timeout=self.rpc_timeout_s), "init_table"
         )
         return bool(resp.created), rows_wire.spec_from_proto(resp.spec)
@@ -239,7 +265,7 @@ class TableClientMixin:
     async def pull_rows(
         self,
         table: str,
-        ids: Any,
+        ids: npt.ArrayLike,
         *,
         timeout_s: float | None = None,
         observer: bool = False,
@@ -260,8 +286,7 @@ class TableClientMixin:
             (DEADLINE_EXCEEDED).
         """
         arr = check_ids(ids)
-        me: Any = self  # a WorkerClient: the one deadline rule of every pull, its retry funnel
-        wait_ms, deadline_s = me._pull_deadlines(timeout_s)
+        wait_ms, deadline_s = self._pull_deadlines(timeout_s)
 
         async def attempt() -> np.ndarray:
             header = tpb.RowsHeader(
@@ -273,15 +298,20 @@ class TableClientMixin:
             return await self.transports.send(lambda t: t.pull_rows(header, arr, deadline_s))
 
         if observer:
-            out: np.ndarray = await me._call(attempt, "pull_rows")
+            out: np.ndarray = await self._call(attempt, "pull_rows")
         else:
-            out = await me._member_call(attempt, "pull_rows")
+            out = await self._member_call(attempt, "pull_rows")
         if out.shape[0] != arr.shape[0]:
             raise MalformedStream(f"table {table!r}: {out.shape[0]} rows for {arr.shape[0]} ids")
         return out
 
     async def push_rows(
-        self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
+        self,
+        table: str,
+        ids: npt.ArrayLike,
+        grads: npt.ArrayLike,
+        *,
+        timeout_s: float | None = None,
     ) -> RowPushAck:
         """Push gradient rows of ``ids`` for the current clock (a retry is applied once).
 
@@ -322,16 +352,15 @@ class TableClientMixin:
             )
             return await self.transports.send(lambda t: t.push_rows(header, batch, deadline_s))
 
-        me: Any = self  # a WorkerClient: its retry funnel
-        resp = await me._member_call(attempt, "push_rows", _PUSH_RETRYABLE)
+        resp = await self._member_call(attempt, "push_rows", _PUSH_RETRYABLE)
         return _ack(resp)
 
     async def push_pull_rows(
         self,
         table: str,
-        push_ids: Any,
-        grads: Any,
-        pull_ids: Any,
+        push_ids: npt.ArrayLike,
+        grads: npt.ArrayLike,
+        pull_ids: npt.ArrayLike,
         *,
         timeout_s: float | None = None,
     ) -> np.ndarray:
@@ -379,8 +408,7 @@ class TableClientMixin:
     ) -> tuple[RowPushAck, np.ndarray]:
         """:meth:`push_pull_rows` with a given request id: (the push's ack, the rows)."""
         batch = RowPush(arr, rows)  # the stream's chunks encoded once, re-sent on retry
-        me: Any = self  # a WorkerClient: the one deadline rule of every pull, its retry funnel
-        wait_ms, deadline_s = me._pull_deadlines(timeout_s)
+        wait_ms, deadline_s = self._pull_deadlines(timeout_s)
 
         async def attempt() -> tuple[tpb.PushRowsResponse, np.ndarray]:
             header = tpb.RowsHeader(
@@ -394,14 +422,14 @@ class TableClientMixin:
                 lambda t: t.push_pull_rows(header, batch, pull, deadline_s)
             )
 
-        resp, out = await me._member_call(attempt, "push_pull_rows")
+        resp, out = await self._member_call(attempt, "push_pull_rows")
         if out.shape[0] != pull.shape[0]:
             raise MalformedStream(f"table {table!r}: {out.shape[0]} rows for {pull.shape[0]} ids")
         return _ack(resp), out
 
     async def pull_rows_many(
         self,
-        ids: Mapping[str, Any] | KeyedIds,
+        ids: TableIds,
         *,
         timeout_s: float | None = None,
         observer: bool = False,
@@ -425,40 +453,22 @@ class TableClientMixin:
             As :meth:`pull_rows`, naming the table.
         """
         arrays = check_ids_many(ids)
-        me: Any = self  # a WorkerClient: the one deadline rule of every pull, its retry funnel
-        wait_ms, deadline_s = me._pull_deadlines(timeout_s)
+        wait_ms, deadline_s = self._pull_deadlines(timeout_s)
         tables = list(arrays)
         counts = dict(cache_counts or {})
 
         async def attempt() -> dict[str, np.ndarray]:
-            header = tpb.RowsManyHeader(
-                worker_id="" if observer else self.worker_id,
-                timeout_ms=wait_ms,
-                segments=[
-                    tpb.RowsSegment(
-                        table=t,
-                        num_ids=arrays[t].shape[0],
-                        cache_rows_requested=counts.get(t, (0, 0))[0],
-                        cache_rows_hit=counts.get(t, (0, 0))[1],
-                    )
-                    for t in tables
-                ],
-            )
-
-            def requests() -> Iterator[tpb.PullRowsManyRequest]:
-                yield tpb.PullRowsManyRequest(header=header)
-                for t in tables:
-                    for chunk in rows_wire.chunk_rows(arrays[t], None):
-                        yield tpb.PullRowsManyRequest(chunk=chunk)
-
+            worker_id = "" if observer else self.worker_id
+            header = _pull_many_header(worker_id, wait_ms, arrays, counts)
+            requests = _pull_many_requests(header, arrays)
             return await read_rows_many(
-                self.stub.PullRowsMany(requests(), timeout=deadline_s), tables
+                self.stub.PullRowsMany(requests, timeout=deadline_s), tables
             )
 
         if observer:
-            out: dict[str, np.ndarray] = await me._call(attempt, "pull_rows_many")
+            out: dict[str, np.ndarray] = await self._call(attempt, "pull_rows_many")
         else:
-            out = await me._member_call(attempt, "pull_rows_many")
+            out = await self._member_call(attempt, "pull_rows_many")
         for t in tables:
             if out[t].shape[0] != arrays[t].shape[0]:
                 raise MalformedStream(
@@ -505,41 +515,21 @@ class TableClientMixin:
                     f"table {t!r}: {versions[t].shape[0]} held versions for "
                     f"{arrays[t].shape[0]} ids"
                 )
-        me: Any = self  # a WorkerClient: the one deadline rule of every pull, its retry funnel
-        wait_ms, deadline_s = me._pull_deadlines(timeout_s)
+        wait_ms, deadline_s = self._pull_deadlines(timeout_s)
         counts = dict(cache_counts or {})
         epochs: dict[str, int] = self.__dict__.setdefault("_row_version_epochs", {})
         sent_epochs = {t: epochs.get(t, 0) for t in tables}
 
-        async def attempt() -> tuple[list[Any], dict[str, np.ndarray], dict[str, np.ndarray]]:
-            header = tpb.RowsManyHeader(
-                worker_id=self.worker_id,
-                timeout_ms=wait_ms,
-                segments=[
-                    tpb.RowsSegment(
-                        table=t,
-                        num_ids=arrays[t].shape[0],
-                        cache_rows_requested=counts.get(t, (0, 0))[0],
-                        cache_rows_hit=counts.get(t, (0, 0))[1],
-                        row_versions=True,
-                        max_version_lag=max_version_lag,
-                        version_epoch=sent_epochs[t],
-                    )
-                    for t in tables
-                ],
+        async def attempt() -> _RowsManyReply:
+            header = _pull_many_header(
+                self.worker_id, wait_ms, arrays, counts, (max_version_lag, sent_epochs)
             )
-
-            def requests() -> Iterator[tpb.PullRowsManyRequest]:
-                yield tpb.PullRowsManyRequest(header=header)
-                for t in tables:
-                    for chunk in rows_wire.chunk_rows(arrays[t], None, versions=versions[t]):
-                        yield tpb.PullRowsManyRequest(chunk=chunk)
-
+            requests = _pull_many_requests(header, arrays, versions)
             return await read_rows_many_infos(
-                self.stub.PullRowsMany(requests(), timeout=deadline_s), tables
+                self.stub.PullRowsMany(requests, timeout=deadline_s), tables
             )
 
-        infos, rows, got_versions = await me._member_call(attempt, "pull_rows_validated")
+        infos, rows, got_versions = await self._member_call(attempt, "pull_rows_validated")
         out: dict[str, ValidatedRows] = {}
         for t, info in zip(tables, infos, strict=True):
             n = arrays[t].shape[0]
@@ -565,8 +555,8 @@ class TableClientMixin:
 
     async def push_rows_many(
         self,
-        ids: Mapping[str, Any] | KeyedIds,
-        grads: Mapping[str, Any],
+        ids: TableIds,
+        grads: Mapping[str, npt.ArrayLike],
         *,
         timeout_s: float | None = None,
     ) -> dict[str, RowPushAck]:
@@ -629,14 +619,56 @@ class TableClientMixin:
             )
             return resp
 
-        me: Any = self  # a WorkerClient: its retry funnel
-        resp = await me._member_call(attempt, "push_rows_many", _PUSH_RETRYABLE)
+        resp = await self._member_call(attempt, "push_rows_many", _PUSH_RETRYABLE)
         if len(resp.tables) != len(tables):
             raise MalformedStream(f"{len(resp.tables)} answers for {len(tables)} tables")
         return {t: _ack(r) for t, r in zip(tables, resp.tables, strict=True)}
 
 
-async def read_rows_many(stream: Any, tables: list[str]) -> dict[str, np.ndarray]:
+#: A ``PullRowsMany`` reply: its info per table, ``{table: rows}``, ``{table: versions}``.
+_RowsManyReply = tuple[list[tpb.PullRowsInfo], dict[str, np.ndarray], dict[str, np.ndarray]]
+
+
+def _pull_many_header(
+    worker_id: str,
+    wait_ms: int,
+    arrays: Mapping[str, npt.NDArray[np.int64]],
+    counts: Mapping[str, tuple[int, int]],
+    validated: tuple[int, Mapping[str, int]] | None = None,
+) -> tpb.RowsManyHeader:
+    """The header of a ``PullRowsMany``: a segment per table of ``arrays`` with its row-cache
+    counts; ``validated`` = (max version lag, {table: version epoch held}) asks for rows by
+    version (:meth:`TableClientMixin.pull_rows_validated`)."""
+    segments = []
+    for t, arr in arrays.items():
+        requested, hit = counts.get(t, (0, 0))
+        segment = tpb.RowsSegment(
+            table=t, num_ids=arr.shape[0], cache_rows_requested=requested, cache_rows_hit=hit
+        )
+        if validated is not None:
+            segment.row_versions = True
+            segment.max_version_lag, segment.version_epoch = validated[0], validated[1][t]
+        segments.append(segment)
+    return tpb.RowsManyHeader(worker_id=worker_id, timeout_ms=wait_ms, segments=segments)
+
+
+def _pull_many_requests(
+    header: tpb.RowsManyHeader,
+    arrays: Mapping[str, npt.NDArray[np.int64]],
+    versions: Mapping[str, npt.NDArray[np.int64]] | None = None,
+) -> Iterator[tpb.PullRowsManyRequest]:
+    """The request stream of a ``PullRowsMany``: the header, then every table's ids (with
+    the versions held, for a validated pull) in chunks."""
+    yield tpb.PullRowsManyRequest(header=header)
+    for t, arr in arrays.items():
+        held = None if versions is None else versions[t]
+        for chunk in rows_wire.chunk_rows(arr, None, versions=held):
+            yield tpb.PullRowsManyRequest(chunk=chunk)
+
+
+async def read_rows_many(
+    stream: AsyncIterable[tpb.PullRowsManyResponse], tables: list[str]
+) -> dict[str, np.ndarray]:
     """The rows of a ``PullRowsMany`` reply stream: ``{table: (num_ids, dim)}``.
 
     Raises:
@@ -646,8 +678,8 @@ async def read_rows_many(stream: Any, tables: list[str]) -> dict[str, np.ndarray
 
 
 async def read_rows_many_infos(
-    stream: Any, tables: list[str]
-) -> tuple[list[Any], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    stream: AsyncIterable[tpb.PullRowsManyResponse], tables: list[str]
+) -> _RowsManyReply:
     """A ``PullRowsMany`` reply stream: its ``PullRowsInfo`` per table, the rows
     ``{table: (num_ids, dim)}`` and their versions ``{table: int64 (num_ids,)}`` (empty for a
     segment answered without versions).
@@ -656,7 +688,7 @@ async def read_rows_many_infos(
         MalformedStream: info missing, repeated or after rows; rows that do not add up.
     """
     many: rows_wire.SegmentsReceiver | None = None
-    infos: list[Any] = []
+    infos: list[tpb.PullRowsInfo] = []
     async for msg in stream:
         if msg.WhichOneof("body") == "info":
             if many is not None:

@@ -19,14 +19,31 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
 from paramserver.errors import InvalidArgument
 
-__all__ = ["KeyedIds"]
+__all__ = ["KeyedIds", "TableIds"]
+
+
+class _Tensor(Protocol):
+    """What :meth:`KeyedIds.from_torchrec` reads of a tensor: a CPU numpy copy."""
+
+    def detach(self) -> _Tensor: ...
+    def cpu(self) -> _Tensor: ...
+    def numpy(self) -> np.ndarray: ...
+
+
+class _KeyedJagged(Protocol):
+    """A ``torchrec.KeyedJaggedTensor``, as :meth:`KeyedIds.from_torchrec` reads it."""
+
+    def keys(self) -> Sequence[str]: ...
+    def values(self) -> _Tensor: ...
+    def lengths(self) -> _Tensor: ...
+    def weights_or_none(self) -> _Tensor | None: ...
 
 
 @dataclass(frozen=True)
@@ -77,9 +94,9 @@ class KeyedIds:
     def of(
         cls,
         keys: Sequence[str],
-        values: Any,
-        lengths: Any,
-        weights: Any = None,
+        values: npt.ArrayLike,
+        lengths: npt.ArrayLike,
+        weights: npt.ArrayLike | None = None,
     ) -> KeyedIds:
         """From array-likes (values as int64, lengths as int64, weights as float32)."""
         return cls(
@@ -91,7 +108,11 @@ class KeyedIds:
 
     @classmethod
     def from_offsets(
-        cls, keys: Sequence[str], values: Any, offsets: Any, weights: Any = None
+        cls,
+        keys: Sequence[str],
+        values: npt.ArrayLike,
+        offsets: npt.ArrayLike,
+        weights: npt.ArrayLike | None = None,
     ) -> KeyedIds:
         """From K * B + 1 offsets into ``values`` (starting at 0)."""
         off = np.asarray(offsets, dtype=np.int64).reshape(-1)
@@ -115,7 +136,7 @@ class KeyedIds:
         return cls.of(keys, values, lengths)
 
     @classmethod
-    def from_torchrec(cls, kjt: Any) -> KeyedIds:
+    def from_torchrec(cls, kjt: _KeyedJagged) -> KeyedIds:
         """From a ``torchrec.KeyedJaggedTensor`` (or anything with ``keys()``, ``values()``,
         ``lengths()`` and ``weights_or_none()`` returning tensors)."""
         w = kjt.weights_or_none()
@@ -170,3 +191,8 @@ class KeyedIds:
             return self.keys.index(key)
         except ValueError:
             raise InvalidArgument(f"keyed ids: no key {key!r} (keys {list(self.keys)})") from None
+
+
+#: The ids of a several-table row call: ``{table: 1-D integer ids}``, or :class:`KeyedIds`
+#: whose keys are the table names.
+TableIds: TypeAlias = Mapping[str, npt.ArrayLike] | KeyedIds
