@@ -23,11 +23,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from paramserver.cli.demos.resume import resume_point
 from paramserver.cli.logs import resolve_log_format
@@ -43,6 +44,9 @@ from paramserver.worker_client.compression import Cast, Compression, TopK
 from paramserver.worker_client.retry import RetryPolicy
 
 T = TypeVar("T")
+
+#: One progress event (``start``, ``epoch``, ``done``): JSON-ready values by name.
+ProgressEvent = dict[str, str | int | float]
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,9 @@ def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
     return DigitsData(xs[train], y[train].astype(np.int64), xs[test], y[test].astype(np.int64))
 
 
-def init_params(hidden: int, seed: int = 0, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+def init_params(
+    hidden: int, seed: int = 0, dtype: npt.DTypeLike = np.float32
+) -> dict[str, np.ndarray]:
     """Glorot-uniform initial parameters of the MLP (or softmax regression if hidden == 0)."""
     rng = np.random.default_rng(seed)
     dims = [64, hidden, 10] if hidden else [64, 10]
@@ -212,7 +218,7 @@ class DigitsJob:
 
     def run_worker(
         self, address: str, index: int, num_workers: int, *, name: str, retry: RetryPolicy
-    ) -> dict[str, Any]:
+    ) -> ProgressEvent:
         """Train as worker ``index`` of ``num_workers`` against the cluster that serves
         ``address``; returns the worker's ``done`` summary. It registers as
         ``worker-<index>`` with ``replace=True`` (a retried task fences its predecessor);
@@ -228,22 +234,20 @@ class DigitsJob:
             retry=retry,
             **{f.name: getattr(self, f.name) for f in dataclasses.fields(DigitsJob)},
         )
-        result: dict[str, Any] = run_loop(train_worker(cfg))
-        return result
+        return run_loop(train_worker(cfg))
 
-    def final_metrics(self, address: str) -> dict[str, Any]:
+    def final_metrics(self, address: str) -> dict[str, float]:
         """``test_accuracy`` of the cluster's current parameters (an observer read)."""
         from paramserver.serving.bootstrap import run_loop
 
-        async def read() -> dict[str, Any]:
+        async def read() -> dict[str, float]:
             async with connect(address, "digits-evaluator", heartbeat=False) as ps:
                 params = await ps.pull(observer=True)
             data = load_digits_split(self.seed)
             model = digits_model("numpy", self.hidden, self.seed)
             return {"test_accuracy": model.accuracy(params, data.x_test, data.y_test)}
 
-        metrics: dict[str, Any] = run_loop(read())
-        return metrics
+        return run_loop(read())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,13 +287,13 @@ def compression_schemes(kind: str, keys: list[str], topk_ratio: float) -> dict[s
     return dict.fromkeys(keys, scheme)
 
 
-def _emit(event: dict[str, Any], progress: str = "json") -> None:
+def _emit(event: ProgressEvent, progress: str = "json") -> None:
     """Print one progress event: a JSON object, or with ``progress="text"`` a line such as
     ``worker 0: epoch 3/10  loss 0.2120  test accuracy 0.9500  clock 33  [1.2 s]``."""
     print(json.dumps(event) if progress == "json" else progress_line(event), flush=True)
 
 
-def progress_line(event: Mapping[str, Any]) -> str:
+def progress_line(event: Mapping[str, str | int | float]) -> str:
     """The human-readable form of a ``start`` / ``epoch`` / ``done`` progress event."""
     who = f"worker {event.get('worker', '?')}:"
     acc = event.get("test_accuracy")
@@ -319,7 +323,7 @@ def progress_line(event: Mapping[str, Any]) -> str:
 
 
 @contextlib.asynccontextmanager
-async def _in_thread(fn: Callable[..., T], *args: Any) -> AsyncIterator[asyncio.Future[T]]:
+async def _in_thread(fn: Callable[..., T], *args: object) -> AsyncIterator[asyncio.Future[T]]:
     """``fn(*args)`` running in the loop's default executor for the block; a result nobody
     awaited (the block failed first) is dropped on exit."""
     future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -332,7 +336,7 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> AsyncIterator[asyncio.
             future.exception()  # retrieved: an error the block never reached is not logged
 
 
-async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
+async def train_worker(cfg: TrainConfig) -> ProgressEvent:
     """Train on slice ``worker_index::num_workers``; prints progress on stdout (JSON lines
     with ``progress="json"``, else readable lines): a ``start`` event once every worker is
     registered (with the initial test accuracy when evaluating), one ``epoch`` event per epoch
@@ -377,7 +381,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
         resume = resume_point((await ps.progress()).steps, cfg.epochs, steps)
         await ps.wait_for_workers(cfg.num_workers, timeout_s=cfg.start_timeout_s)
         t_train = time.monotonic()
-        start: dict[str, Any] = {
+        start: ProgressEvent = {
             "event": "start",
             "worker": cfg.worker_index,
             "resumed_steps": resume.skipped,
@@ -404,7 +408,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
                 await ps.push(grads, num_samples=len(idx))
                 await ps.clock()
                 losses.append(loss)
-            event: dict[str, Any] = {
+            event: ProgressEvent = {
                 "event": "epoch",
                 "worker": cfg.worker_index,
                 "epoch": epoch + 1,
@@ -421,7 +425,7 @@ async def train_worker(cfg: TrainConfig) -> dict[str, Any]:
             _emit(event, cfg.progress)
         params = await ps.pull(keys)  # waits for the last step, so our update is in
         acc = model.accuracy(params, data.x_test, data.y_test)
-    summary = {
+    summary: ProgressEvent = {
         "event": "done",
         "worker": cfg.worker_index,
         "test_accuracy": acc,
@@ -493,7 +497,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _until_sigterm(job: Coroutine[Any, Any, T]) -> T | None:
+async def _until_sigterm(job: Awaitable[T]) -> T | None:
     """Run ``job``; SIGTERM cancels it, so its ``async with connect(...)`` leaves cleanly (the
     worker's name is free at once instead of after its lease). Returns None when cancelled."""
     loop = asyncio.get_running_loop()

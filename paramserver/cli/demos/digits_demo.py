@@ -18,9 +18,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from paramserver.cli.demos.digits import digits_model, load_digits_split
+from paramserver.cli.demos.digits import ProgressEvent, digits_model, load_digits_split
 from paramserver.cli.demos.local_cluster import start_servers, stop_servers
 from paramserver.errors import InvalidArgument, Unavailable
 from paramserver.waiting import Wait
@@ -330,7 +329,7 @@ def _follow(
 
 def _show_event(
     i: int,
-    event: dict[str, Any],
+    event: ProgressEvent,
     args: argparse.Namespace,
     t0: float,
     losses: dict[int, dict[int, float]],
@@ -345,9 +344,10 @@ def _show_event(
         elif event.get("event") == "epoch" and "train_elapsed_s" in event:
             curve.append((float(event["train_elapsed_s"]), float(event["test_accuracy"])))
     if event.get("event") == "epoch":
-        losses.setdefault(event["epoch"], {})[i] = event["loss"]
+        epoch = int(event["epoch"])
+        losses.setdefault(epoch, {})[i] = float(event["loss"])
         if i == 0:
-            per = losses[event["epoch"]]
+            per = losses[epoch]
             print(
                 f"epoch {event['epoch']:>3}/{args.epochs}  loss {event['loss']:.4f}  "
                 f"test accuracy {event.get('test_accuracy', float('nan')):.4f}  "
