@@ -17,14 +17,14 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.api.v1 import tensor_pb2
-from paramserver.core.table_set import RowPushOutcome
+from paramserver.core.table_set import RowPushOutcome, TableSet
 from paramserver.core.tables import EmbeddingTable
 from paramserver.errors import (
     DimensionMismatch,
@@ -34,7 +34,7 @@ from paramserver.errors import (
     StorageFull,
 )
 from paramserver.protocol import rows_wire, tensor
-from paramserver.protocol.table_spec import check_owned
+from paramserver.protocol.table_spec import TableSpec, check_owned
 from paramserver.security.tokens import check_worker_identity
 from paramserver.server import wal_records
 from paramserver.server.engine import LogFn, ServerEngine
@@ -46,13 +46,29 @@ __all__ = ["RATE_WINDOW_S", "PullChecked", "TableRates", "TableRpcs", "table_inf
 #: Expiry sweeps of a table run at most this often (seconds), after a push.
 EXPIRY_SWEEP_INTERVAL_S = 1.0
 
+_Header = TypeVar("_Header", covariant=True)
+
+
+class _RowStreamMessage(Protocol[_Header]):
+    """One message of a row request stream (``PullRowsRequest``, ``PushRowsRequest``,
+    ``PushPullRowsRequest``, ``PullRowsManyRequest``, ``PushRowsManyRequest``): its header
+    first, then its chunks."""
+
+    @property
+    def header(self) -> _Header: ...
+
+    @property
+    def chunk(self) -> tpb.RowsChunk: ...
+
+    def WhichOneof(self, oneof_group: Literal["body"]) -> str | None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class PullChecked:
     """A row pull that passed its checks (:meth:`TableRpcs.check_pull`): its header, table
     and validated int64 ids."""
 
-    header: Any
+    header: tpb.RowsHeader
     table: EmbeddingTable
     ids: np.ndarray
 
@@ -72,17 +88,17 @@ class TableRpcs:
         self.num_shards = int(engine.config.num_shards)
 
     @property
-    def tables(self) -> Any:
+    def tables(self) -> TableSet:
         return self.engine.core.tables
 
     # ------------------------------------------------------------------ InitTable
-    async def init_table(self, request: Any) -> Any:
+    async def init_table(self, request: tpb.InitTableRequest) -> tpb.InitTableResponse:
         spec = rows_wire.spec_from_proto(request.spec)
         tables = self.tables
 
-        def decide(log: LogFn) -> tuple[bool, Any]:
+        def decide(log: LogFn) -> tuple[bool, TableSpec]:
             # built and checked, then logged, then installed (a no-op logs nothing)
-            return tables.init(spec, log=lambda: log(wal_records.init_table(spec)))  # type: ignore[no-any-return]
+            return tables.init(spec, log=lambda: log(wal_records.init_table(spec)))
 
         created, stored = await self.engine.mutate(decide)
         if created:
@@ -90,8 +106,10 @@ class TableRpcs:
         return tpb.InitTableResponse(created=created, spec=rows_wire.spec_to_proto(stored))
 
     # ------------------------------------------------------------------ helpers
-    def _check_header(self, header: Any, *, push: bool, n: int | None = None) -> EmbeddingTable:
-        table: EmbeddingTable = self.tables.get(header.table)
+    def _check_header(
+        self, header: tpb.RowsHeader, *, push: bool, n: int | None = None
+    ) -> EmbeddingTable:
+        table = self.tables.get(header.table)
         spec = table.spec
         where = f"table {spec.name!r}"
         n = int(header.num_ids) if n is None else n
@@ -128,8 +146,8 @@ class TableRpcs:
 
     @staticmethod
     async def _read(
-        request_iterator: AsyncIterator[Any],
-    ) -> tuple[Any, AsyncIterator[Any]]:
+        request_iterator: AsyncIterator[_RowStreamMessage[_Header]],
+    ) -> tuple[_Header, AsyncIterator[_RowStreamMessage[_Header]]]:
         it = request_iterator.__aiter__()
         try:
             first = await it.__anext__()
@@ -140,11 +158,38 @@ class TableRpcs:
         return first.header, it
 
     @staticmethod
-    async def _chunks(it: AsyncIterator[Any], receiver: rows_wire.RowsReceiver) -> None:
+    async def _chunks(
+        it: AsyncIterator[_RowStreamMessage[_Header]],
+        receiver: rows_wire.RowsReceiver | rows_wire.SegmentsReceiver,
+        second_header: str,
+    ) -> None:
+        """Feeds every chunk after the header to ``receiver``; another header is refused
+        (MalformedStream ``second_header``)."""
         async for msg in it:
             if msg.WhichOneof("body") != "chunk":
-                raise MalformedStream(f"{receiver.what}: a second header in one stream")
+                raise MalformedStream(second_header)
             receiver.feed(msg.chunk)
+
+    @staticmethod
+    def _grad_dtype(
+        table: EmbeddingTable, wire: tensor_pb2.DType.ValueType, what: str
+    ) -> np.dtype[np.generic]:
+        """The gradient rows' dtype of a push (``what``: its header or segment), which must
+        name one the table takes.
+
+        Raises:
+            InvalidArgument: DTYPE_UNSPECIFIED or an unknown dtype. DTypeMismatch: a dtype
+                the table does not take (:meth:`EmbeddingTable.check_grad_dtype`).
+        """
+        where = f"table {table.spec.name!r}"
+        if wire == tensor_pb2.DTYPE_UNSPECIFIED:
+            raise InvalidArgument(
+                f"{where}: {what} needs the gradient rows' dtype (FLOAT32 or the table's "
+                "dtype), got DTYPE_UNSPECIFIED"
+            )
+        dtype = tensor.dtype_from_wire(wire, where)
+        table.check_grad_dtype(dtype)
+        return dtype
 
     async def _wait_rows(self, worker_id: str, table: str, timeout_ms: int) -> None:
         engine = self.engine
@@ -156,25 +201,29 @@ class TableRpcs:
         )
 
     # ------------------------------------------------------------------ PullRows
-    async def pull_rows(self, request_iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def pull_rows(
+        self, request_iterator: AsyncIterator[tpb.PullRowsRequest]
+    ) -> AsyncIterator[tpb.PullRowsResponse]:
         header, it = await self._read(request_iterator)
         table = self._check_header(header, push=False)
         receiver = rows_wire.RowsReceiver(
             f"table {table.spec.name!r}", int(header.num_ids), 0, np.dtype(np.float32)
         )
-        await self._chunks(it, receiver)
+        await self._chunks(it, receiver, f"{receiver.what}: a second header in one stream")
         ids, _ = receiver.finish()
         info, rows = await self.pull_decoded(header, ids)
         yield tpb.PullRowsResponse(info=info)
         for chunk in rows_wire.chunk_rows(None, rows):
             yield tpb.PullRowsResponse(chunk=chunk)
 
-    async def pull_decoded(self, header: Any, ids: np.ndarray) -> tuple[Any, np.ndarray]:
+    async def pull_decoded(
+        self, header: tpb.RowsHeader, ids: np.ndarray
+    ) -> tuple[tpb.PullRowsInfo, np.ndarray]:
         """A row pull of decoded ``ids`` (every transport shares it): checks, the table's
         consistency wait, then the rows. Returns (PullRowsInfo, rows (n, dim))."""
         return await self.pull_checked(self.check_pull(header, ids))
 
-    def check_pull(self, header: Any, ids: np.ndarray) -> PullChecked:
+    def check_pull(self, header: tpb.RowsHeader, ids: np.ndarray) -> PullChecked:
         """A row pull's checks alone (identity, limits, ids, ownership; changes nothing).
 
         Raises:
@@ -184,7 +233,7 @@ class TableRpcs:
         table = self._check_header(header, push=False, n=int(ids.shape[0]))
         return PullChecked(header, table, self._check_ids(table, ids))
 
-    async def pull_checked(self, pull: PullChecked) -> tuple[Any, np.ndarray]:
+    async def pull_checked(self, pull: PullChecked) -> tuple[tpb.PullRowsInfo, np.ndarray]:
         """A checked row pull (:meth:`check_pull`): the table's consistency wait, then the
         rows. Returns (PullRowsInfo, rows (n, dim))."""
         header, table, checked = pull.header, pull.table, pull.ids
@@ -201,23 +250,21 @@ class TableRpcs:
         return info, rows
 
     # ------------------------------------------------------------------ PushRows
-    async def push_rows(self, request_iterator: AsyncIterator[Any]) -> Any:
+    async def push_rows(
+        self, request_iterator: AsyncIterator[tpb.PushRowsRequest]
+    ) -> tpb.PushRowsResponse:
         header, it = await self._read(request_iterator)
         table = self._check_header(header, push=True)
         where = f"table {table.spec.name!r}"
-        if header.dtype == tensor_pb2.DTYPE_UNSPECIFIED:
-            raise InvalidArgument(
-                f"{where}: a PushRows header needs the gradient rows' dtype (FLOAT32 or the "
-                "table's dtype), got DTYPE_UNSPECIFIED"
-            )
-        dtype = tensor.dtype_from_wire(header.dtype, where)
-        table.check_grad_dtype(dtype)
+        dtype = self._grad_dtype(table, header.dtype, "a PushRows header")
         receiver = rows_wire.RowsReceiver(where, int(header.num_ids), table.spec.dim, dtype)
-        await self._chunks(it, receiver)
+        await self._chunks(it, receiver, f"{where}: a second header in one stream")
         ids, grads = receiver.finish()
         return await self.push_decoded(header, ids, grads)
 
-    async def push_decoded(self, header: Any, ids: np.ndarray, grads: np.ndarray) -> Any:
+    async def push_decoded(
+        self, header: tpb.RowsHeader, ids: np.ndarray, grads: np.ndarray
+    ) -> tpb.PushRowsResponse:
         """A row push of decoded arrays (every transport shares it): validate fully, log,
         apply, make durable, acknowledge. Returns the PushRowsResponse."""
         check_worker_identity(header.worker_id)
@@ -240,7 +287,7 @@ class TableRpcs:
             if logging_on and prepared.duplicate is None and ids.shape[0]:
                 # Refused (disk full, I/O error): nothing applied, the request id not recorded.
                 log(wal_records.push_rows(prepared, header.worker_id, now))
-            return self.tables.commit(prepared, now_s=now)  # type: ignore[no-any-return]
+            return self.tables.commit(prepared, now_s=now)
 
         self.rates.note(engine.now(), table)
         outcome = await engine.mutate(decide, duplicate=lambda o: bool(o.duplicate))
@@ -256,20 +303,16 @@ class TableRpcs:
         )
 
     # ------------------------------------------------------------------ PushPullRows
-    async def push_pull_rows(self, request_iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def push_pull_rows(
+        self, request_iterator: AsyncIterator[tpb.PushPullRowsRequest]
+    ) -> AsyncIterator[tpb.PushPullRowsResponse]:
         """PushPullRows: the push's ids and rows, then the pull's ids; one info (the push's
         result and the pull's) and the pulled rows."""
         fused, it = await self._read(request_iterator)
         header = fused.push
         table = self._check_header(header, push=True)
         where = f"table {table.spec.name!r}"
-        if header.dtype == tensor_pb2.DTYPE_UNSPECIFIED:
-            raise InvalidArgument(
-                f"{where}: a PushPullRows header needs the gradient rows' dtype (FLOAT32 or the "
-                "table's dtype), got DTYPE_UNSPECIFIED"
-            )
-        dtype = tensor.dtype_from_wire(header.dtype, where)
-        table.check_grad_dtype(dtype)
+        dtype = self._grad_dtype(table, header.dtype, "a PushPullRows header")
         pull_n = int(fused.pull_num_ids)
         self._check_header(header, push=False, n=pull_n)  # the pull's limits, before its ids
         both = rows_wire.SegmentsReceiver(
@@ -278,10 +321,7 @@ class TableRpcs:
                 rows_wire.RowsReceiver(where, pull_n, 0, np.dtype(np.float32)),
             ]
         )
-        async for msg in it:
-            if msg.WhichOneof("body") != "chunk":
-                raise MalformedStream(f"{where}: a second header in one PushPullRows stream")
-            both.feed(msg.chunk)
+        await self._chunks(it, both, f"{where}: a second header in one PushPullRows stream")
         (ids, grads), (pull_ids, _) = both.finish()
         pushed, info, rows = await self.push_pull_decoded(header, ids, grads, pull_ids)
         yield tpb.PushPullRowsResponse(info=tpb.PushPullRowsInfo(pushed=pushed, pulled=info))
@@ -289,8 +329,8 @@ class TableRpcs:
             yield tpb.PushPullRowsResponse(chunk=chunk)
 
     async def push_pull_decoded(
-        self, header: Any, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray
-    ) -> tuple[Any, Any, np.ndarray]:
+        self, header: tpb.RowsHeader, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray
+    ) -> tuple[tpb.PushRowsResponse, tpb.PullRowsInfo, np.ndarray]:
         """A row push, then a row pull of the same table (every transport shares it): the
         pull's checks first (a refusal changes nothing), then the push exactly as
         :meth:`push_decoded` (refused: nothing applied, nothing pulled), then the pull
@@ -302,7 +342,7 @@ class TableRpcs:
         return pushed, info, rows
 
     @staticmethod
-    def pull_header(push: Any) -> Any:
+    def pull_header(push: tpb.RowsHeader) -> tpb.RowsHeader:
         """The pull's ``RowsHeader`` of a push-then-pull whose push header is ``push``: the
         same table and worker, the wait of ``push.timeout_ms``."""
         return tpb.RowsHeader(
@@ -310,7 +350,7 @@ class TableRpcs:
         )
 
     # ------------------------------------------------------------------ several tables
-    def _segment_tables(self, header: Any, *, push: bool) -> list[EmbeddingTable]:
+    def _segment_tables(self, header: tpb.RowsManyHeader, *, push: bool) -> list[EmbeddingTable]:
         """Every segment's table, checked as a single-table header (limits per table, a
         push's dim and worker id); a table named twice is refused (changes nothing)."""
         seen: set[str] = set()
@@ -328,9 +368,12 @@ class TableRpcs:
         return tables
 
     async def _read_many(
-        self, request_iterator: AsyncIterator[Any], *, push: bool
+        self,
+        request_iterator: AsyncIterator[_RowStreamMessage[tpb.RowsManyHeader]],
+        *,
+        push: bool,
     ) -> tuple[
-        Any,
+        tpb.RowsManyHeader,
         list[EmbeddingTable],
         list[tuple[np.ndarray, np.ndarray]],
         list[np.ndarray | None],
@@ -343,13 +386,7 @@ class TableRpcs:
         for seg, table in zip(header.segments, tables, strict=True):
             where = f"table {table.spec.name!r}"
             if push:
-                if seg.dtype == tensor_pb2.DTYPE_UNSPECIFIED:
-                    raise InvalidArgument(
-                        f"{where}: a PushRowsMany segment needs the gradient rows' dtype "
-                        "(FLOAT32 or the table's dtype), got DTYPE_UNSPECIFIED"
-                    )
-                dtype = tensor.dtype_from_wire(seg.dtype, where)
-                table.check_grad_dtype(dtype)
+                dtype = self._grad_dtype(table, seg.dtype, "a PushRowsMany segment")
                 receivers.append(
                     rows_wire.RowsReceiver(where, int(seg.num_ids), table.spec.dim, dtype)
                 )
@@ -364,15 +401,14 @@ class TableRpcs:
                     )
                 )
         many = rows_wire.SegmentsReceiver(receivers)
-        async for msg in it:
-            if msg.WhichOneof("body") != "chunk":
-                raise MalformedStream("a second header in one several-table stream")
-            many.feed(msg.chunk)
+        await self._chunks(it, many, "a second header in one several-table stream")
         parts = many.finish()
         held = [r.versions if r.with_versions else None for r in receivers]
         return header, tables, parts, held
 
-    async def pull_rows_many(self, request_iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def pull_rows_many(
+        self, request_iterator: AsyncIterator[tpb.PullRowsManyRequest]
+    ) -> AsyncIterator[tpb.PullRowsManyResponse]:
         """PullRowsMany: every segment's ids, then one info and every segment's rows."""
         header, _, parts, held = await self._read_many(request_iterator, push=False)
         infos, rows, versions = await self.pull_many_decoded(
@@ -385,10 +421,10 @@ class TableRpcs:
 
     async def pull_many_decoded(
         self,
-        header: Any,
+        header: tpb.RowsManyHeader,
         ids: list[np.ndarray],
         held: list[np.ndarray | None] | None = None,
-    ) -> tuple[list[Any], list[np.ndarray], list[np.ndarray | None]]:
+    ) -> tuple[list[tpb.PullRowsInfo], list[np.ndarray], list[np.ndarray | None]]:
         """Rows of several tables: every id checked, every table's consistency wait, then
         every table read with no await in between (one moment of the shard). A segment
         with ``row_versions`` (``held``: the worker's versions, -1 none) gets only the rows
@@ -457,14 +493,16 @@ class TableRpcs:
             infos.append(info)
         return infos, rows, versions
 
-    async def push_rows_many(self, request_iterator: AsyncIterator[Any]) -> Any:
+    async def push_rows_many(
+        self, request_iterator: AsyncIterator[tpb.PushRowsManyRequest]
+    ) -> tpb.PushRowsManyResponse:
         """PushRowsMany: every segment's ids and gradient rows, all or nothing."""
         header, _, parts, _ = await self._read_many(request_iterator, push=True)
         return await self.push_many_decoded(header, parts)
 
     async def push_many_decoded(
-        self, header: Any, parts: list[tuple[np.ndarray, np.ndarray]]
-    ) -> Any:
+        self, header: tpb.RowsManyHeader, parts: list[tuple[np.ndarray, np.ndarray]]
+    ) -> tpb.PushRowsManyResponse:
         """A push to several tables through the one funnel, all or nothing: every segment
         validated (:meth:`TableSet.prepare`; any refusal refuses the request with nothing
         logged or applied), then one ``push_rows`` record per segment written as one write,
@@ -553,7 +591,7 @@ class TableRpcs:
             return
         logger.debug("table %r: %d rows expired", spec.name, dropped)
 
-    def infos(self) -> list[Any]:
+    def infos(self) -> list[tpb.TableInfo]:
         """``TableInfo`` of every table of the shard, with its row rates and the row-cache
         counts workers reported."""
         now = self.engine.now()
@@ -626,7 +664,7 @@ class TableRates:
         return (int(table.rows_pulled) - pulled0) / dt, (int(table.rows_pushed) - pushed0) / dt
 
 
-def table_infos(tables: Any) -> list[Any]:
+def table_infos(tables: TableSet) -> list[tpb.TableInfo]:
     """``TableInfo`` of every table of a :class:`~paramserver.core.table_set.TableSet`."""
     out = []
     for name, table in tables.tables.items():
