@@ -29,7 +29,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any
+from types import FrameType
+from typing import IO
 
 from paramserver.cli.flags import Subcommands
 
@@ -176,7 +177,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     argv = worker_argv(args.script, list(args.args))
     stop = threading.Event()
 
-    def forward(signum: int, _frame: Any) -> None:
+    def forward(signum: int, _frame: FrameType | None) -> None:
         stop.set()
         for w in workers:
             if w.proc is not None and w.proc.poll() is None:
@@ -192,17 +193,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         else:
             from paramserver.cli.demos.local_cluster import LocalCluster
 
-            flags: dict[str, Any] = {
-                "aggregation": args.aggregation,
-                "lease_ms": args.lease_ms,
-                "death_policy": args.death_policy,
-            }
-            cluster = LocalCluster(
+            cluster = LocalCluster(  # a flag left None is not passed to serve
                 args.shards,
                 consistency=args.consistency,
                 staleness=args.staleness,
                 log_dir=args.log_dir,
-                **{k: v for k, v in flags.items() if v is not None},
+                aggregation=args.aggregation,
+                lease_ms=args.lease_ms,
+                death_policy=args.death_policy,
             )
             cluster.serve_cmd += shlex.split(args.serve_args)
             cluster.start()

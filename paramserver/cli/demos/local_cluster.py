@@ -44,6 +44,7 @@ from paramserver.errors import InvalidArgument, Unavailable
 from paramserver.waiting import Wait
 
 if TYPE_CHECKING:
+    from paramserver.cli.demos.local_etcd import LocalEtcd
     from paramserver.worker_client.cluster import ClusterWorkerClient
     from paramserver.worker_client.sync import SyncWorkerClient
 
@@ -72,7 +73,7 @@ def start_servers(
     slice_bytes: int | None = None,
     extra: Sequence[Sequence[str]] | None = None,
     timeout_s: float = 30.0,
-    stdout: int | IO[Any] | None = None,
+    stdout: int | IO[bytes] | IO[str] | None = None,
     log_dir: Path | None = None,
     replicas: int = 1,
     state_dir: Path | None = None,
@@ -200,7 +201,7 @@ def stop_servers(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 15
             proc.wait()
 
 
-def _flag_args(flags: Mapping[str, Any]) -> list[str]:
+def _flag_args(flags: Mapping[str, object]) -> list[str]:
     """``serve`` flags from keyword arguments: ``death_policy="fail_fast"`` ->
     ``--death-policy fail_fast``, ``wal=True`` -> ``--wal``; False and None are left out."""
     out: list[str] = []
@@ -248,7 +249,7 @@ class LocalCluster(Closing):
             failover (logged); ``"etcd"`` requires it; ``"none"``: replica 0, no failover.
             Ignored when ``election_endpoints`` is given.
         state_dir: Where the replicas' state goes (default: inside the log directory).
-        **serve_flags: Any other ``paramserver serve`` flag, named in Python style:
+        **serve_flags: Every other ``paramserver serve`` flag, named in Python style:
             ``aggregation="sum"``, ``lease_ms=2000``, ``death_policy="fail_fast"``,
             ``checkpoint_dir=path``, ``wal=True`` (``paramserver serve --help`` lists them).
 
@@ -277,7 +278,7 @@ class LocalCluster(Closing):
         replicas: int = 1,
         state_dir: str | Path | None = None,
         election: str = "auto",
-        **serve_flags: Any,
+        **serve_flags: object,
     ) -> None:
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
             raise InvalidArgument(f"local_cluster: shards must be an int >= 1, got {shards!r}")
@@ -295,7 +296,7 @@ class LocalCluster(Closing):
         self.replicas = replicas
         self.election = election if "election_endpoints" not in serve_flags else "given"
         #: The private etcd electing primaries (started with the cluster; None without).
-        self.etcd: Any = None
+        self.etcd: LocalEtcd | None = None
         #: The cluster's key prefix in etcd.
         self.election_prefix = str(serve_flags.get("election_prefix") or "")
         self._state_dir = Path(state_dir) if state_dir is not None else None
@@ -306,7 +307,7 @@ class LocalCluster(Closing):
         self.env = dict(env) if env is not None else None
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._tmp: str | None = None
-        flags: dict[str, Any] = {"consistency": consistency, "staleness": staleness}
+        flags: dict[str, object] = {"consistency": consistency, "staleness": staleness}
         flags.update(serve_flags)
         self.serve_cmd = [
             python or sys.executable,
