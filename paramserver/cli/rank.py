@@ -48,9 +48,9 @@ import argparse
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from paramserver.cli.flags import (
     Subcommands,
@@ -72,6 +72,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ENV_PREFIX = "PARAMSERVER_SPMD_"
 
@@ -235,7 +237,7 @@ def demo_targets_from_args(
 
     a_text = args.instance_a if args.instance_a is not None else _env(env, "INSTANCE_A")
     b_text = args.instance_b if args.instance_b is not None else _env(env, "INSTANCE_B")
-    wait_raw: Any = args.wait_s if args.wait_s is not None else _env(env, "WAIT_S")
+    wait_raw: str | float | None = args.wait_s if args.wait_s is not None else _env(env, "WAIT_S")
     try:
         wait_s = 60.0 if wait_raw is None else float(wait_raw)
     except ValueError:
@@ -260,7 +262,7 @@ def demo_targets_from_args(
     return targets, wait_s
 
 
-_CONFIG_FLAGS: dict[str, Callable[[str], Any]] = {
+_CONFIG_FLAGS: dict[str, Callable[[str], object]] = {
     **dict.fromkeys(["host_blocks", "disk_blocks", "device_blocks", "max_object_bytes"], int),
     **dict.fromkeys(["disk_dir", "object_dir"], Path),
     "timeout_s": float,
@@ -291,7 +293,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankSe
 
     kwargs: dict[str, Any] = {"instance_id": args.instance_id, "rank": args.rank}
 
-    def pick(flag: Any, name: str, convert: Any) -> Any:
+    def pick(flag: T | None, name: str, convert: Callable[[str], T]) -> T | None:
         if flag is not None:
             return flag
         raw = _env(env, name)
@@ -331,7 +333,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RankSe
     return RankServerConfig(**kwargs)
 
 
-def run_event_loop(coro: Any, loop: str) -> Any:
+def run_event_loop(coro: Coroutine[object, object, T], loop: str) -> T:
     """Run ``coro`` to completion on uvloop (``loop == "uvloop"``, when installed) or asyncio."""
     from paramserver.serving.bootstrap import run_loop
 
