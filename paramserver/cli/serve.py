@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from paramserver.cli.flags import (
     Subcommands,
@@ -20,11 +20,14 @@ from paramserver.cli.flags import (
 from paramserver.cli.server_arg import add_server_arguments, server_address
 
 if TYPE_CHECKING:
+    from paramserver.api.v1.parameter_server_pb2_grpc import ParameterServerAsyncStub
     from paramserver.reduction.reduce_daemon import ReductionDaemon
     from paramserver.server.config import ServerConfig
     from paramserver.server.shard_daemon import ParameterServerDaemon
 
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 def daemon_for(config: ServerConfig) -> ParameterServerDaemon | ReductionDaemon:
@@ -47,7 +50,7 @@ async def run_daemon(
     )
 
 
-def _ordinal_placement(args: argparse.Namespace) -> dict[str, Any]:
+def _ordinal_placement(args: argparse.Namespace) -> dict[str, int | str]:
     """``--ordinal N`` (a StatefulSet pod's ordinal, with ``--replicas R``): this server is
     replica ``N % R`` of shard ``N // R``, and its replicas are that shard's group in
     ``--shard-addresses`` (``a|b,c|d``: each shard's replicas joined by ``|``). Empty without
@@ -90,7 +93,7 @@ def _ordinal_placement(args: argparse.Namespace) -> dict[str, Any]:
             f"--shard-addresses names {len(groups[shard])} replicas of shard {shard}, "
             f"--replicas says {replicas}"
         )
-    out: dict[str, Any] = {"shard_index": shard}
+    out: dict[str, int | str] = {"shard_index": shard}
     if replicas > 1:
         out |= {"replica_index": replica, "replica_addresses": ",".join(groups[shard])}
     return out
@@ -204,9 +207,9 @@ def _retain_freed_memory(limit: int) -> str:
 def _ask(
     args: argparse.Namespace,
     address: str,
-    call: Callable[[Any], Awaitable[Any]],
+    call: Callable[[ParameterServerAsyncStub], Awaitable[R]],
     what: str | None = None,
-) -> Any:
+) -> R:
     """One call to the server at ``address`` with the security of ``args`` (``args.timeout_s``
     its deadline); a failed RPC becomes one line and exit 1
     (:func:`paramserver.cli.main.run_command`). A call that takes long is a wait the command
@@ -218,7 +221,7 @@ def _ask(
 
     security = client_security_from_args(args, os.environ)
 
-    async def ask() -> Any:
+    async def ask() -> R:
         with Wait(
             what or address,
             address=address,
