@@ -19,7 +19,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from paramserver.cli.flags import Subcommands, add_client_security_flags
 from paramserver.cli.server_arg import add_server_arguments, server_address
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 async def evaluate(
     server: str, seed: int = 0, security: ClientSecurity | None = None
-) -> dict[str, Any]:
+) -> dict[str, float]:
     """Test accuracy of the cluster's current digits model (an observer read)."""
     from paramserver.cli.demos.digits import accuracy, load_digits_split
     from paramserver.worker_client.cluster import connect
@@ -90,12 +90,13 @@ def _cmd_cluster_check(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     print(f"cluster-check: waiting for {', '.join(names)} ({args.timeout_s:.0f} s)", flush=True)
     statuses = wait_for_results(results, names, args.timeout_s)
-    summary: dict[str, Any] = {"event": "cluster-check", "jobs": statuses}
+    summary: dict[str, object] = {"event": "cluster-check", "jobs": statuses}
     ok = all(v == 0 for v in statuses.values())
     try:
         security = client_security_from_args(args, os.environ)
-        summary.update(asyncio.run(evaluate(server, args.seed, security)))
-        ok = ok and summary["test_accuracy"] >= args.min_accuracy
+        metrics = asyncio.run(evaluate(server, args.seed, security))
+        summary.update(metrics)
+        ok = ok and metrics["test_accuracy"] >= args.min_accuracy
     except (ParamServerError, OSError) as exc:
         summary["error"] = f"{type(exc).__name__}: {exc}"
         ok = False

@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from paramserver.waiting import WaitReport
@@ -51,7 +51,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record: time, level, logger, message, exception, extra fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "time": _dt.datetime.fromtimestamp(record.created, _dt.UTC).isoformat(
                 timespec="milliseconds"
             ),
