@@ -31,6 +31,7 @@ import asyncio
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,7 @@ async def train(
     reg: float = 0.05,
     seed: int = 0,
     pipelined: bool = True,
-    report: Any = None,
+    report: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Train the model against the server at ``address``; returns each epoch's test RMSE."""
     import torch
@@ -260,18 +261,24 @@ def main(argv: list[str] | None = None) -> int:
     def report(epoch: int, rmse: float) -> None:
         print(f"epoch {epoch + 1}: test RMSE {rmse:.4f}", flush=True)
 
-    kwargs: dict[str, Any] = {
-        "epochs": args.epochs,
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "reg": args.reg,
-        "seed": args.seed,
-        "pipelined": not args.no_pipeline,
-        "report": report,
-    }
+    def run(address: str) -> list[float]:
+        return asyncio.run(
+            train(
+                address,
+                data,
+                epochs=args.epochs,
+                batch_size=args.batch_size,
+                lr=args.lr,
+                reg=args.reg,
+                seed=args.seed,
+                pipelined=not args.no_pipeline,
+                report=report,
+            )
+        )
+
     t0 = time.monotonic()
     if args.address:
-        rmses = asyncio.run(train(args.address, data, **kwargs))
+        rmses = run(args.address)
     else:
         from paramserver.cli.demos.local_cluster import start_servers, stop_servers
 
@@ -280,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="paramserver-dlrm-") as tmp:
             servers, addresses = start_servers(serve, 1, Path(tmp))
             try:
-                rmses = asyncio.run(train(addresses[0], data, **kwargs))
+                rmses = run(addresses[0])
             finally:
                 stop_servers(servers)
     ok = rmses[-1] < base["movie_mean"]
