@@ -25,10 +25,13 @@ import asyncio
 import base64
 import json
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from paramserver.errors import Unavailable
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 #: Deadline of one call to the authority actor (seconds).
 CALL_TIMEOUT_S = 2.0
@@ -36,6 +39,44 @@ CALL_TIMEOUT_S = 2.0
 
 def _key(b64: str) -> str:
     return base64.b64decode(b64).decode()
+
+
+class KeyValue(TypedDict):
+    """A key's value and revisions, as :meth:`LeaseTable.get` (and etcd) gives them."""
+
+    value: str
+    create_revision: int
+    mod_revision: int
+
+
+class _Entry(KeyValue):
+    """A stored key: its :class:`KeyValue` and the lease that holds it (None: none)."""
+
+    lease: str | None
+
+
+class Primary(TypedDict):
+    """A shard's primary: its replica index, client address and epoch."""
+
+    index: int
+    address: str
+    epoch: int
+
+
+class Report(TypedDict):
+    """The authority's counts for the job's result."""
+
+    #: shard index -> [(epoch, replica index)] of each promotion, in order.
+    promotions: dict[int, list[tuple[int, int]]]
+    #: worker index -> starts of its task.
+    worker_starts: dict[int, int]
+
+
+#: A comparison of a transaction, etcd gateway JSON (base64 ``key``, ``target``, ``result``,
+#: ``create_revision`` or ``mod_revision`` as decimal text).
+Compare = Mapping[str, str]
+#: An operation of a transaction: ``{"request_put": {"key", "value"[, "lease"]}}`` (base64).
+Operation = Mapping[str, Mapping[str, str]]
 
 
 class LeaseTable:
@@ -54,8 +95,7 @@ class LeaseTable:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.revision = 1
-        #: key -> {"value", "create_revision", "mod_revision", "lease"}
-        self.kvs: dict[str, dict[str, Any]] = {}
+        self.kvs: dict[str, _Entry] = {}
         #: lease id -> (ttl_s, expiry)
         self.leases: dict[str, tuple[int, float]] = {}
         self._lease_ids = 0
@@ -90,22 +130,28 @@ class LeaseTable:
         self.leases[lease] = (ttl, self.clock() + ttl)
         return ttl
 
-    def get(self, key: str) -> dict[str, Any] | None:
+    def get(self, key: str) -> KeyValue | None:
         """``{"value", "create_revision", "mod_revision"}`` of ``key``, or None."""
         self._expire()
         kv = self.kvs.get(key)
         if kv is None:
             return None
-        return {k: kv[k] for k in ("value", "create_revision", "mod_revision")}
+        return {
+            "value": kv["value"],
+            "create_revision": kv["create_revision"],
+            "mod_revision": kv["mod_revision"],
+        }
 
-    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]]) -> tuple[bool, int]:
+    def txn(self, compare: Sequence[Compare], success: Sequence[Operation]) -> tuple[bool, int]:
         """If every comparison holds (etcd gateway JSON: base64 ``key``, ``target`` CREATE or
         MOD, ``result`` EQUAL; an absent key's revisions are 0), apply every ``request_put``
         at one new revision. Returns ``(succeeded, revision after it)``."""
         self._expire()
         for c in compare:
             kv = self.kvs.get(_key(c["key"]))
-            field = "create_revision" if c["target"] == "CREATE" else "mod_revision"
+            field: Literal["create_revision", "mod_revision"] = (
+                "create_revision" if c["target"] == "CREATE" else "mod_revision"
+            )
             have = kv[field] if kv is not None else 0
             if c.get("result", "EQUAL") != "EQUAL" or have != int(c[field]):
                 return False, self.revision
@@ -144,10 +190,10 @@ class Authority:
     def keepalive(self, lease: str) -> int:
         return self.table.keepalive(lease)
 
-    def get(self, key: str) -> dict[str, Any] | None:
+    def get(self, key: str) -> KeyValue | None:
         return self.table.get(key)
 
-    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]]) -> tuple[bool, int]:
+    def txn(self, compare: Sequence[Compare], success: Sequence[Operation]) -> tuple[bool, int]:
         done, revision = self.table.txn(compare, success)
         if done:
             for op in success:
@@ -167,17 +213,17 @@ class Authority:
         self.worker_starts[index] = self.worker_starts.get(index, 0) + 1
         return self.worker_starts[index]
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> Report:
         """``{"promotions": {shard: [(epoch, replica)]}, "worker_starts": {index: n}}``."""
         return {"promotions": dict(self.promotions), "worker_starts": dict(self.worker_starts)}
 
-    def primary(self, shard: int, prefix: str) -> dict[str, Any] | None:
+    def primary(self, shard: int, prefix: str) -> Primary | None:
         """Shard ``shard``'s primary now: ``{"index", "address", "epoch"}``, or None."""
         kv = self.table.get(f"{prefix.rstrip('/')}/shard-{shard}/primary")
         if kv is None:
             return None
-        out: dict[str, Any] = json.loads(kv["value"])
-        return out | {"epoch": kv["create_revision"]}
+        primary: Primary = json.loads(kv["value"]) | {"epoch": kv["create_revision"]}
+        return primary
 
 
 def _b64(text: str) -> str:
@@ -193,10 +239,10 @@ class RayElectionStore:
         actor: The authority actor's handle.
     """
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: ActorHandle) -> None:
         self.actor = actor
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: object) -> Any:
         import ray
 
         ref = getattr(self.actor, method).remote(*args)
