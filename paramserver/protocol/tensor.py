@@ -27,7 +27,7 @@ buffer preallocated from the header, so neither side does per-element Python wor
 are bit-exact for every supported dtype (NaN payloads, -0.0 and subnormals included): bytes are
 only ever copied or byte-swapped, never converted through floating point.
 
-Any violation of the format raises :class:`paramserver.errors.MalformedStream`
+Every violation of the format raises :class:`paramserver.errors.MalformedStream`
 (INVALID_ARGUMENT) naming the tensor's key and what is wrong.
 """
 
@@ -37,7 +37,7 @@ import dataclasses
 import math
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeAlias, TypeVar
+from typing import Generic, Literal, Protocol, TypeAlias, TypeVar, overload
 
 import ml_dtypes
 import numpy as np
@@ -680,8 +680,42 @@ def decode_frames(
     return tensors
 
 
+_Head = TypeVar("_Head")
+_Head_co = TypeVar("_Head_co", covariant=True)
+
+
+class FramedMessage(Protocol):
+    """A message of a headed stream: its ``body`` oneof holds the head message or a frame."""
+
+    @property
+    def frame(self) -> tensor_pb2.TensorFrame: ...
+
+    def WhichOneof(self, oneof_group: Literal["body"]) -> str | None: ...
+
+
+class _HeaderMessage(FramedMessage, Protocol[_Head_co]):
+    """A headed stream's message whose head is its ``header`` (push and reduce requests)."""
+
+    @property
+    def header(self) -> _Head_co: ...
+
+
+class _InfoMessage(FramedMessage, Protocol[_Head_co]):
+    """A headed stream's message whose head is its ``info`` (pull answers)."""
+
+    @property
+    def info(self) -> _Head_co: ...
+
+
+class _ResultMessage(FramedMessage, Protocol[_Head_co]):
+    """A headed stream's message whose head is its ``result`` (reduce answers)."""
+
+    @property
+    def result(self) -> _Head_co: ...
+
+
 @dataclasses.dataclass(eq=False)
-class HeadedStream:
+class HeadedStream(Generic[_Head]):
     """A stream whose messages carry, in their ``body`` oneof, either its one head message or
     a tensor ``frame`` (the push, pull, reduction and push-sum streams): iterating it yields
     the frames; :attr:`head` is the head message once it came.
@@ -703,12 +737,12 @@ class HeadedStream:
             :meth:`received_head`: no head.
     """
 
-    messages: AsyncIterable[Any]
+    messages: AsyncIterable[FramedMessage]
     head_field: str
     what: str
     head_first: bool = True
-    on_head: Callable[[Any], None] | None = None
-    head: Any = dataclasses.field(default=None, init=False)
+    on_head: Callable[[_Head], None] | None = None
+    head: _Head | None = dataclasses.field(default=None, init=False)
 
     async def __aiter__(self) -> AsyncIterator[tensor_pb2.TensorFrame]:
         head, what = self.head_field, self.what
@@ -717,9 +751,10 @@ class HeadedStream:
             if which == head:
                 if self.head is not None:
                     raise MalformedStream(f"second {head} in one {what}")
-                self.head = getattr(msg, head)
+                got: _Head = getattr(msg, head)
+                self.head = got
                 if self.on_head is not None:
-                    self.on_head(self.head)
+                    self.on_head(got)
             elif which != "frame":
                 raise MalformedStream(f"{what}: a message with neither {head} nor frame")
             elif self.head is None and self.head_first:
@@ -727,7 +762,7 @@ class HeadedStream:
             else:
                 yield msg.frame
 
-    def received_head(self) -> Any:
+    def received_head(self) -> _Head:
         """The head message, once the stream is read.
 
         Raises:
@@ -738,15 +773,54 @@ class HeadedStream:
         return self.head
 
 
+_Allocate: TypeAlias = Callable[[str, np.dtype[np.generic], tuple[int, ...]], np.ndarray]
+
+
+@overload
 async def read_headed_stream(
-    messages: AsyncIterable[Any],
+    messages: AsyncIterable[_HeaderMessage[_Head]],
+    *,
+    head: Literal["header"],
+    what: str,
+    max_tensor_bytes: int | None = None,
+    head_first: bool = True,
+    allocate: _Allocate | None = None,
+) -> tuple[_Head, dict[str, np.ndarray]]: ...
+
+
+@overload
+async def read_headed_stream(
+    messages: AsyncIterable[_InfoMessage[_Head]],
+    *,
+    head: Literal["info"],
+    what: str,
+    max_tensor_bytes: int | None = None,
+    head_first: bool = True,
+    allocate: _Allocate | None = None,
+) -> tuple[_Head, dict[str, np.ndarray]]: ...
+
+
+@overload
+async def read_headed_stream(
+    messages: AsyncIterable[_ResultMessage[_Head]],
+    *,
+    head: Literal["result"],
+    what: str,
+    max_tensor_bytes: int | None = None,
+    head_first: bool = True,
+    allocate: _Allocate | None = None,
+) -> tuple[_Head, dict[str, np.ndarray]]: ...
+
+
+async def read_headed_stream(
+    messages: AsyncIterable[FramedMessage],
     *,
     head: str,
     what: str,
     max_tensor_bytes: int | None = None,
     head_first: bool = True,
-    allocate: Callable[[str, np.dtype[np.generic], tuple[int, ...]], np.ndarray] | None = None,
-) -> tuple[Any, dict[str, np.ndarray]]:
+    allocate: _Allocate | None = None,
+) -> tuple[object, dict[str, np.ndarray]]:
     """Read a stream whose messages carry either its one ``head`` message or a tensor ``frame``
     (the ``body`` oneof of the reduction and push-sum streams).
 
@@ -768,7 +842,7 @@ async def read_headed_stream(
             ``head_first``, a message that is neither, a key twice, or a broken tensor.
         InvalidArgument: (INVALID_ARGUMENT) a tensor larger than ``max_tensor_bytes``.
     """
-    stream = HeadedStream(messages, head, what, head_first)
+    stream: HeadedStream[object] = HeadedStream(messages, head, what, head_first)
     tensors: dict[str, np.ndarray] = {}
     assembler = TensorAssembler(max_tensor_bytes=max_tensor_bytes, allocate=allocate)
     async for frame in stream:
