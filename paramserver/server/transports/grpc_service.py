@@ -12,14 +12,15 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar, cast
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import grpc
 import numpy as np
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
+from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.api.v1 import tensor_pb2
 from paramserver.core.consistency import Consistency
 from paramserver.core.decompress import Encoded
@@ -43,7 +44,23 @@ from paramserver.serving.error_status import abort_with, grpc_errors
 
 logger = logging.getLogger(__name__)
 
-F = TypeVar("F", bound=Callable[..., Any])
+_Header = TypeVar("_Header", bound="_TensorStreamHeader")
+_Header_co = TypeVar("_Header_co", bound="_TensorStreamHeader", covariant=True)
+
+
+class _TensorStreamHeader(Protocol):
+    """The header of an Init or Push stream, as far as the tensor reader needs it."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+
+class _TensorStreamMessage(tensor.FramedMessage, Protocol[_Header_co]):
+    """An Init or Push stream's message: its header first, then tensor frames."""
+
+    @property
+    def header(self) -> _Header_co: ...
+
 
 _CONSISTENCY_PB = {
     Consistency.BSP: pb.CONSISTENCY_BSP,
@@ -73,7 +90,7 @@ class _Handlers:
         self.service = ""
         self.handlers: dict[str, Any] = {}
 
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+    def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         pass
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
@@ -146,15 +163,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     async def _read_tensors(
         self,
-        request_iterator: AsyncIterator[Any],
-        header_field: str,
+        request_iterator: AsyncIterator[_TensorStreamMessage[_Header]],
+        header_field: Literal["header"],
         ticket: InflightTicket | None = None,
         *,
         allow_encoded: bool = False,
-    ) -> tuple[Any, dict[str, np.ndarray], dict[str, Encoded]]:
+    ) -> tuple[_Header, dict[str, np.ndarray], dict[str, Encoded]]:
         """The stream's header, its dense tensors and (pushes only) its compressed gradients
         as received (the shard decodes those against their keys)."""
-        stream = tensor.HeadedStream(
+        stream = tensor.HeadedStream[_Header](
             request_iterator,
             header_field,
             "stream",
@@ -292,38 +309,42 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             await abort_with(context, exc, "Session")
 
     @grpc_errors
-    async def InitTable(self, request: Any, context: ServicerContext) -> Any:
+    async def InitTable(
+        self, request: tpb.InitTableRequest, context: ServicerContext
+    ) -> tpb.InitTableResponse:
         return await self.table_rpcs.init_table(request)
 
     @grpc_errors
     async def PullRows(
-        self, request_iterator: AsyncIterator[Any], context: ServicerContext
-    ) -> AsyncIterator[Any]:
+        self, request_iterator: AsyncIterator[tpb.PullRowsRequest], context: ServicerContext
+    ) -> AsyncIterator[tpb.PullRowsResponse]:
         async for msg in self.table_rpcs.pull_rows(request_iterator):
             yield msg
 
     @grpc_errors
-    async def PushRows(self, request_iterator: AsyncIterator[Any], context: ServicerContext) -> Any:
+    async def PushRows(
+        self, request_iterator: AsyncIterator[tpb.PushRowsRequest], context: ServicerContext
+    ) -> tpb.PushRowsResponse:
         return await self.table_rpcs.push_rows(request_iterator)
 
     @grpc_errors
     async def PushPullRows(
-        self, request_iterator: AsyncIterator[Any], context: ServicerContext
-    ) -> AsyncIterator[Any]:
+        self, request_iterator: AsyncIterator[tpb.PushPullRowsRequest], context: ServicerContext
+    ) -> AsyncIterator[tpb.PushPullRowsResponse]:
         async for msg in self.table_rpcs.push_pull_rows(request_iterator):
             yield msg
 
     @grpc_errors
     async def PullRowsMany(
-        self, request_iterator: AsyncIterator[Any], context: ServicerContext
-    ) -> AsyncIterator[Any]:
+        self, request_iterator: AsyncIterator[tpb.PullRowsManyRequest], context: ServicerContext
+    ) -> AsyncIterator[tpb.PullRowsManyResponse]:
         async for msg in self.table_rpcs.pull_rows_many(request_iterator):
             yield msg
 
     @grpc_errors
     async def PushRowsMany(
-        self, request_iterator: AsyncIterator[Any], context: ServicerContext
-    ) -> Any:
+        self, request_iterator: AsyncIterator[tpb.PushRowsManyRequest], context: ServicerContext
+    ) -> tpb.PushRowsManyResponse:
         return await self.table_rpcs.push_rows_many(request_iterator)
 
     @grpc_errors
