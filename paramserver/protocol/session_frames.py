@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 
@@ -34,6 +34,7 @@ __all__ = [
     "SMALL_INLINE_BYTES",
     "RegionView",
     "SlotEntry",
+    "SlotValue",
     "batch_bytes",
     "inline_region",
     "pack_slot_batch",
@@ -51,10 +52,28 @@ SMALL_INLINE_BYTES = 64 << 10
 MAX_INLINE_BYTES = (1 << 20) - (32 << 10)
 
 #: ``region.view(offset_bytes, size_bytes, dtype, shape)`` of a mapped shared-memory region.
-RegionView = Callable[[int, int, Any, tuple[int, ...]], np.ndarray]
+RegionView = Callable[[int, int, np.dtype[np.generic], tuple[int, ...]], np.ndarray]
 
 #: One slot of a ``SlotBatch``: (key, dtype, shape, offset_bytes, size_bytes).
 SlotEntry = tuple[str, np.dtype[np.generic], tuple[int, ...], int, int]
+
+#: A ``SlotBatch``'s packed arrays as lists: (keys, wire dtypes, ranks, dims, offsets).
+_Packed: TypeAlias = tuple[list[str], list[tensor.WireDType], list[int], list[int], list[int]]
+#: Each value's (dtype, shape): what a layout depends on.
+_Signature: TypeAlias = list[tuple[np.dtype[np.generic], tuple[int, ...]]]
+
+
+class SlotValue(Protocol):
+    """What a slot is laid out for: an array, or anything with its dtype, shape and size."""
+
+    @property
+    def dtype(self) -> np.dtype[np.generic]: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 def batch_bytes(sizes: Iterable[int]) -> int:
@@ -80,7 +99,7 @@ class _Placed:
         "view",
     )
 
-    def __init__(self, view: RegionView | None, keys: list[str], signature: list[Any]) -> None:
+    def __init__(self, view: RegionView | None, keys: list[str], signature: _Signature) -> None:
         self.view = view
         self.keys = keys
         self.signature = signature
@@ -101,7 +120,7 @@ class _Read:
     def __init__(
         self,
         region: shm.Region,
-        packed: tuple[list[Any], ...],
+        packed: _Packed,
         entries: list[SlotEntry],
         views: list[np.ndarray],
     ) -> None:
@@ -111,13 +130,35 @@ class _Read:
         self.views = views
 
 
+class _Decoded:
+    """One batch :func:`slot_batch_entries` decoded: its packed arrays and entries."""
+
+    __slots__ = ("entries", "packed")
+
+    def __init__(self, packed: _Packed, entries: list[SlotEntry]) -> None:
+        self.packed = packed
+        self.entries = entries
+
+
+class _Span:
+    """One :func:`slot_span` answer and the entries list it was for."""
+
+    __slots__ = ("entries", "span")
+
+    def __init__(
+        self, entries: list[SlotEntry], span: tuple[int, int, np.dtype[np.generic]] | None
+    ) -> None:
+        self.entries = entries
+        self.span = span
+
+
 def place_slot_batch(
     batch: pb.SlotBatch,
     view: RegionView,
     keys: Iterable[str],
-    values: Sequence[Any],
+    values: Sequence[SlotValue],
     *,
-    memo: dict[str, Any] | None = None,
+    memo: dict[str, object] | None = None,
 ) -> list[np.ndarray]:
     """Lay ``values`` (arrays, or anything with ``dtype``, ``shape`` and ``nbytes``) out in a
     region and describe them in ``batch``.
@@ -141,7 +182,12 @@ def place_slot_batch(
     key_list = list(keys)
     signature = [(v.dtype, v.shape) for v in values]
     last = memo.get("placed") if memo is not None else None
-    if last is None or last.view != view or last.keys != key_list or last.signature != signature:
+    if (
+        not isinstance(last, _Placed)
+        or last.view != view
+        or last.keys != key_list
+        or last.signature != signature
+    ):
         last = _Placed(view, key_list, signature)
         to_wire = tensor.dtype_to_wire
         offset = 0
@@ -170,7 +216,7 @@ def pack_slot_batch(
     values: Sequence[np.ndarray],
     *,
     datas: Sequence[bytes] | None = None,
-    memo: dict[str, Any] | None = None,
+    memo: dict[str, object] | None = None,
 ) -> int:
     """Describe ``values`` in ``batch`` for the inline carrier: the :func:`place_slot_batch`
     layout (each slot at an :func:`~paramserver.protocol.shm.align_up` boundary from 0) with
@@ -196,7 +242,7 @@ def pack_slot_batch(
     key_list = list(keys)
     signature = [(v.dtype, v.shape) for v in values]
     last = memo.get("packed") if memo is not None else None
-    if last is None or last.keys != key_list or last.signature != signature:
+    if not isinstance(last, _Placed) or last.keys != key_list or last.signature != signature:
         last = _Placed(None, key_list, signature)
         to_wire = tensor.dtype_to_wire
         offset = 0
@@ -214,6 +260,7 @@ def pack_slot_batch(
             offset = end
         if memo is not None:
             memo["packed"] = last
+    # bytes and arrays (numpy types an ndarray as a buffer for Python 3.12+ only)
     parts: list[Any] = [b""] * (2 * len(values))
     if datas is not None:
         parts[0::2] = datas
@@ -254,7 +301,7 @@ def inline_region(data: bytes | bytearray, name: str) -> shm.Region:
     return shm.Region(data, 0, len(data), name)
 
 
-def _packed(batch: pb.SlotBatch) -> tuple[list[Any], ...]:
+def _packed(batch: pb.SlotBatch) -> _Packed:
     return (
         list(batch.keys),
         list(batch.dtypes),
@@ -264,7 +311,9 @@ def _packed(batch: pb.SlotBatch) -> tuple[list[Any], ...]:
     )
 
 
-def slot_batch_entries(batch: pb.SlotBatch, memo: dict[str, Any] | None = None) -> list[SlotEntry]:
+def slot_batch_entries(
+    batch: pb.SlotBatch, memo: dict[str, object] | None = None
+) -> list[SlotEntry]:
     """The slots a ``SlotBatch`` describes, in order (dtypes decoded, sizes computed).
 
     Args:
@@ -278,15 +327,15 @@ def slot_batch_entries(batch: pb.SlotBatch, memo: dict[str, Any] | None = None) 
     """
     packed = _packed(batch)
     last = memo.get("entries") if memo is not None else None
-    if last is not None and last[0] == packed:
-        return last[1]  # type: ignore[no-any-return]
+    if isinstance(last, _Decoded) and last.packed == packed:
+        return last.entries
     entries = _entries(packed)
     if memo is not None:
-        memo["entries"] = (packed, entries)
+        memo["entries"] = _Decoded(packed, entries)
     return entries
 
 
-def _entries(packed: tuple[list[Any], ...]) -> list[SlotEntry]:
+def _entries(packed: _Packed) -> list[SlotEntry]:
     keys, dtypes, ndims, dims, offsets = packed
     n = len(keys)
     if not (len(dtypes) == len(ndims) == len(offsets) == n) or sum(ndims) != len(dims):
@@ -320,7 +369,7 @@ def _entries(packed: tuple[list[Any], ...]) -> list[SlotEntry]:
 
 
 def slot_batch_views(
-    batch: pb.SlotBatch, region: shm.Region, memo: dict[str, Any] | None = None
+    batch: pb.SlotBatch, region: shm.Region, memo: dict[str, object] | None = None
 ) -> tuple[list[SlotEntry], list[np.ndarray]]:
     """:func:`slot_batch_entries` of ``batch`` and each slot's view of ``region``.
 
@@ -340,7 +389,7 @@ def slot_batch_views(
     """
     packed = _packed(batch)
     last = memo.get("read") if memo is not None else None
-    if last is not None and last.region is region and last.packed == packed:
+    if isinstance(last, _Read) and last.region is region and last.packed == packed:
         return last.entries, last.views
     entries = _entries(packed)
     views: list[np.ndarray] = []
@@ -359,7 +408,7 @@ _SPAN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def slot_span(
-    entries: list[SlotEntry], memo: dict[str, Any] | None = None
+    entries: list[SlotEntry], memo: dict[str, object] | None = None
 ) -> tuple[int, int, np.dtype[np.generic]] | None:
     """``(start, end, dtype)``: the bytes ``[start, end)`` of the region that every slot of
     ``entries`` lies in, when all share one float32 or float64 dtype, start at a multiple of
@@ -370,8 +419,8 @@ def slot_span(
     list in ``memo`` (a mapping's ``layouts``).
     """
     last = memo.get("span") if memo is not None else None
-    if last is not None and last[0] is entries:
-        return last[1]  # type: ignore[no-any-return]
+    if isinstance(last, _Span) and last.entries is entries:
+        return last.span
     result: tuple[int, int, np.dtype[np.generic]] | None = None
     dtype = entries[0][1] if entries else None
     if dtype in _SPAN_DTYPES and all(e[1] == dtype for e in entries):
@@ -388,5 +437,5 @@ def slot_span(
         ):
             result = (start, end, dtype)
     if memo is not None:
-        memo["span"] = (entries, result)
+        memo["span"] = _Span(entries, result)
     return result

@@ -57,7 +57,6 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -81,7 +80,8 @@ NONCE_BYTES = 16
 MAX_SEGMENT_BYTES = 1 << 40
 
 _NAME_RE = re.compile(r"paramserver-(\d+)-([0-9a-f]{16})\Z")
-#: Any segment of this module: a client's (no kind) or an owner's (``kind``, e.g. ``g2``).
+#: The name of every segment of this module: a client's (no kind) or an owner's (``kind``,
+#: e.g. ``g2``).
 _ANY_NAME_RE = re.compile(r"paramserver-(?:([a-z][a-z0-9]*)-)?(\d+)-([0-9a-f]{16})\Z")
 _KIND_RE = re.compile(r"[a-z][a-z0-9]*\Z")
 
@@ -243,7 +243,7 @@ class ClientSegment:
         #: Memo of the request layouts placed in and read from this mapping (views of it;
         #: ``memo`` of :func:`paramserver.protocol.session_frames.place_slot_batch` and
         #: ``slot_batch_views``), cleared on close.
-        self.layouts: dict[str, Any] = {}
+        self.layouts: dict[str, object] = {}
 
     @classmethod
     def create(
@@ -309,7 +309,7 @@ class ServerMapping:
         self.push = Region(buffer, offer.push_offset_bytes, offer.push_size_bytes, "push")
         self.pull = Region(buffer, offer.pull_offset_bytes, offer.pull_size_bytes, "pull")
         #: As :attr:`ClientSegment.layouts`.
-        self.layouts: dict[str, Any] = {}
+        self.layouts: dict[str, object] = {}
 
     @classmethod
     def attach(cls, offer: pb.ShmOffer, directory: Path = SHM_DIR) -> ServerMapping:
