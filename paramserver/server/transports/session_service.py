@@ -86,8 +86,8 @@ class _Session:
         #: and the layout memo of that region and of the inline pulls.
         self._received: shm.Region | None = None
         self._received_bytes = bytearray()
-        self.received_layouts: dict[str, Any] = {}
-        self.packed_layouts: dict[str, Any] = {}
+        self.received_layouts: dict[str, object] = {}
+        self.packed_layouts: dict[str, object] = {}
 
     def receive(self, data: bytes) -> shm.Region:
         """The session's region holding a copy of an inline batch's ``data``: one
@@ -134,7 +134,7 @@ class SessionService:
         self.mapped_segments = 0
         self._closing = False
         #: Tasks of the streams waiting for their next request (ended by begin_shutdown).
-        self._idle: set[asyncio.Task[Any]] = set()
+        self._idle: set[asyncio.Task[object]] = set()
         #: The same-host local link, when the daemon runs one (its tickets go out on open).
         self.local_link: LinkTickets | None = None
 
@@ -271,7 +271,7 @@ class SessionService:
         self,
         session: _Session,
         batch: pb.SlotBatch,
-        ticket: Any,
+        ticket: InflightTicket,
         out: dict[str, np.ndarray],
         *,
         reuse: bool = True,
@@ -294,7 +294,7 @@ class SessionService:
         """
         mapping = session.mapping
         inline = batch.HasField("data")
-        layouts: dict[str, Any] | None
+        layouts: dict[str, object] | None
         if inline:
             data = batch.data
             if reuse:
