@@ -30,7 +30,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -45,6 +45,7 @@ from paramserver.errors import (
     WorkerNotFound,
 )
 from paramserver.protocol import shm, tensor, wire
+from paramserver.protocol.keepalive import ChannelOption
 from paramserver.security.tls import ClientSecurity
 from paramserver.worker_client.compression import Compression, GradientCompressor
 from paramserver.worker_client.embedding import TableClientMixin
@@ -202,7 +203,7 @@ class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyn
         rpc_timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
         heartbeat: bool = True,
-        channel_options: Sequence[tuple[str, Any]] = (),
+        channel_options: Sequence[ChannelOption] = (),
         security: ClientSecurity | None = None,
         wait_timeout_s: float | None = None,
         resume: bool = False,
@@ -234,7 +235,7 @@ class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyn
         self.registers = bool(register)
         self.cast_gradients = bool(cast_gradients)
         #: Stored dtype of each key this client has learnt (for ``cast``).
-        self._key_dtypes: dict[str, np.dtype[Any]] = {}
+        self._key_dtypes: dict[str, np.dtype[np.generic]] = {}
         self.compressor = GradientCompressor(dict(compression or {}))
         self.reregistrations = 0
         self.clock_value = 0
@@ -295,7 +296,7 @@ class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyn
     def _new_stub(self, channel: grpc.aio.Channel) -> pb_grpc.ParameterServerAsyncStub:
         return ParameterServerStub(channel)
 
-    def _open_options(self) -> list[tuple[str, Any]]:
+    def _open_options(self) -> list[ChannelOption]:
         given = {name for name, _ in self.channel_options}
         return [o for o in _RECONNECT_OPTIONS if o[0] not in given] + self.channel_options
 
@@ -494,7 +495,7 @@ class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyn
         resp = await self._member_call(attempt, "push", _PUSH_RETRYABLE)
         return self._ack(payload, resp)
 
-    async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[Any]]:
+    async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[np.generic]]:
         """Stored dtypes of ``keys`` (those that exist), asking the server once for keys not
         seen yet."""
         if any(k not in self._key_dtypes for k in keys):
@@ -502,7 +503,9 @@ class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyn
                 self._key_dtypes[ki.key] = tensor.dtype_from_wire(ki.dtype, ki.key)
         return {k: self._key_dtypes[k] for k in keys if k in self._key_dtypes}
 
-    async def _cast(self, grads: Mapping[str, Any], cast: bool | None) -> Mapping[str, Any]:
+    async def _cast(
+        self, grads: Mapping[str, np.ndarray], cast: bool | None
+    ) -> Mapping[str, np.ndarray]:
         return await cast_gradients(self, grads, cast)
 
     def _push_request_id(self) -> int:
@@ -728,7 +731,9 @@ class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyn
         return progress_of([await self.status()], worker_name or self.worker_name)
 
 
-def normalized_tensors(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def normalized_tensors(
+    tensors: Mapping[str, np.ndarray | np.generic | float | int],
+) -> dict[str, np.ndarray]:
     """Check keys and normalise arrays before a stream starts (a stream cannot report an
     error raised while its request messages are produced).
 
@@ -750,12 +755,12 @@ def normalized_tensors(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
 class _Casting(Protocol):
     cast_gradients: bool
 
-    async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[Any]]: ...
+    async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[np.generic]]: ...
 
 
 async def cast_gradients(
-    client: _Casting, grads: Mapping[str, Any], cast: bool | None
-) -> Mapping[str, Any]:
+    client: _Casting, grads: Mapping[str, np.ndarray], cast: bool | None
+) -> Mapping[str, np.ndarray]:
     """``grads`` with each gradient cast to its key's stored dtype (as ``client`` knows it)
     when casting is on (``cast``, else the client's ``cast_gradients``); keys the server lacks
     are left to its refusal.

@@ -15,10 +15,12 @@ import functools
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Unpack
+from typing import Unpack
 
 import grpc
 import numpy as np
+import numpy.typing as npt
+from numpy.typing import ArrayLike
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
@@ -26,18 +28,21 @@ from paramserver.closing import AsyncClosing
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.sharding import ShardMap, shard_map_from_proto
 from paramserver.core.tables import TableSpec
+from paramserver.protocol.keepalive import ChannelOption
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.waiting import Wait
 from paramserver.worker_client.client import PushAck, WorkerClient, WorkerProgress
 from paramserver.worker_client.compression import GradientCompressor
 from paramserver.worker_client.embedding import RowPushAck, ValidatedRows
 from paramserver.worker_client.forwarding import Forwarded
-from paramserver.worker_client.keyed import KeyedIds
+from paramserver.worker_client.keyed import TableIds
 from paramserver.worker_client.options import (
     ClientOptions,
     PullOptions,
+    PullRowsManyOptions,
     PushOptions,
     PushPullOptions,
+    ValidatedPullOptions,
 )
 from paramserver.worker_client.pull_buffers import PullBuffers
 from paramserver.worker_client.pull_waits import PullWatch
@@ -62,7 +67,7 @@ async def fetch_shard_map(
     *,
     retry: RetryPolicy | None = None,
     timeout_s: float = 10.0,
-    channel_options: Sequence[tuple[str, Any]] = (),
+    channel_options: Sequence[ChannelOption] = (),
     security: ClientSecurity | None = None,
 ) -> ShardMap | None:
     """Ask the server at ``address`` for the cluster's shard map (over TLS / with a token as
@@ -195,7 +200,9 @@ class ClusterWorkerClient(AsyncClosing):
     reregistrations = Forwarded[int](
         "_api", "Re-registrations after a server forgot the worker (shards: summed)."
     )
-    stub = Forwarded[Any]("client", "The single shard's stub (the client must be open).")
+    stub = Forwarded["pb_grpc.ParameterServerAsyncStub"](
+        "client", "The single shard's stub (the client must be open)."
+    )
     fastpath = Forwarded[SessionTransport | None](
         "client", "The single shard's Session transport (None: ``session=False``)."
     )
@@ -291,13 +298,13 @@ class ClusterWorkerClient(AsyncClosing):
         return await self._api.init_table(spec)
 
     async def pull_rows(
-        self, table: str, ids: Any, *, timeout_s: float | None = None, observer: bool = False
+        self, table: str, ids: ArrayLike, *, timeout_s: float | None = None, observer: bool = False
     ) -> np.ndarray:
         """:meth:`WorkerClient.pull_rows` (from the rows' shards concurrently)."""
         return await self._api.pull_rows(table, ids, timeout_s=timeout_s, observer=observer)
 
     async def push_rows(
-        self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
+        self, table: str, ids: ArrayLike, grads: ArrayLike, *, timeout_s: float | None = None
     ) -> RowPushAck:
         """:meth:`WorkerClient.push_rows` (split by shard, one request id)."""
         return await self._api.push_rows(table, ids, grads, timeout_s=timeout_s)
@@ -305,9 +312,9 @@ class ClusterWorkerClient(AsyncClosing):
     async def push_pull_rows(
         self,
         table: str,
-        push_ids: Any,
-        grads: Any,
-        pull_ids: Any,
+        push_ids: ArrayLike,
+        grads: ArrayLike,
+        pull_ids: ArrayLike,
         *,
         timeout_s: float | None = None,
     ) -> np.ndarray:
@@ -315,42 +322,22 @@ class ClusterWorkerClient(AsyncClosing):
         return await self._api.push_pull_rows(table, push_ids, grads, pull_ids, timeout_s=timeout_s)
 
     async def pull_rows_many(
-        self,
-        ids: Mapping[str, Any] | KeyedIds,
-        *,
-        timeout_s: float | None = None,
-        observer: bool = False,
-        cache_counts: Mapping[str, tuple[int, int]] | None = None,
+        self, ids: TableIds, **options: Unpack[PullRowsManyOptions]
     ) -> dict[str, np.ndarray]:
         """:meth:`WorkerClient.pull_rows_many` (one request per shard, concurrently)."""
-        return await self._api.pull_rows_many(
-            ids, timeout_s=timeout_s, observer=observer, cache_counts=cache_counts
-        )
+        return await self._api.pull_rows_many(ids, **options)
 
     async def pull_rows_validated(
         self,
-        ids: Mapping[str, Any],
-        held: Mapping[str, Any],
-        *,
-        max_version_lag: int,
-        timeout_s: float | None = None,
-        cache_counts: Mapping[str, tuple[int, int]] | None = None,
+        ids: Mapping[str, npt.NDArray[np.int64]],
+        held: Mapping[str, npt.NDArray[np.int64]],
+        **options: Unpack[ValidatedPullOptions],
     ) -> dict[str, ValidatedRows]:
         """:meth:`WorkerClient.pull_rows_validated` (one request per shard, concurrently)."""
-        return await self._api.pull_rows_validated(
-            ids,
-            held,
-            max_version_lag=max_version_lag,
-            timeout_s=timeout_s,
-            cache_counts=cache_counts,
-        )
+        return await self._api.pull_rows_validated(ids, held, **options)
 
     async def push_rows_many(
-        self,
-        ids: Mapping[str, Any] | KeyedIds,
-        grads: Mapping[str, Any],
-        *,
-        timeout_s: float | None = None,
+        self, ids: TableIds, grads: Mapping[str, ArrayLike], *, timeout_s: float | None = None
     ) -> dict[str, RowPushAck]:
         """:meth:`WorkerClient.push_rows_many` (one request per shard, all or nothing on
         each shard)."""

@@ -18,9 +18,11 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from paramserver.closing import AsyncClosing, cancelled
 from paramserver.errors import AlreadyExists, OptionHint, ParamServerError, WorkerNotFound
+from paramserver.protocol.keepalive import ChannelOption
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy, call_with_retry
 
@@ -67,7 +69,7 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
     _connect_name: ClassVar[str]
 
     #: The server's view as last seen (the service's own view message).
-    view: Any
+    view: object
     #: Register on open (False: a reader that never registers; no heartbeats, no leave).
     registers: bool = True
 
@@ -82,7 +84,7 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
         retry: RetryPolicy | None = None,
         heartbeat: bool = True,
         close_timeout_s: float | None = None,
-        channel_options: Sequence[tuple[str, Any]] = (),
+        channel_options: Sequence[ChannelOption] = (),
         security: ClientSecurity | None = None,
     ) -> None:
         self.address = address
@@ -115,14 +117,14 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
         """Register with the server (sets ``worker_id`` and ``lease_ms``)."""
 
     @abstractmethod
-    def _heartbeat_request(self) -> Any:
+    def _heartbeat_request(self) -> Message:
         """The service's heartbeat request for this worker."""
 
     @abstractmethod
-    def _leave_request(self) -> Any:
+    def _leave_request(self) -> Message:
         """The service's leave request for this worker."""
 
-    def _open_options(self) -> list[tuple[str, Any]]:
+    def _open_options(self) -> list[ChannelOption]:
         """The options the channel is opened with."""
         return self.channel_options
 

@@ -7,20 +7,30 @@ and the reduction clients); :class:`ClientOptions`, which extends it, is the key
 cluster and blocking clients take the same keywords through ``**options:
 Unpack[ClientOptions]``, so a type checker checks every caller's names and types (a test keeps
 this dictionary and the constructor's signature equal). The per-call options of ``push``,
-``pull`` and ``push_pull`` are typed the same way for the clients that forward them.
+``pull`` and ``push_pull``, and of the several-table row pulls, are typed the same way for the
+clients that forward them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Required, TypedDict
 
+from paramserver.protocol.keepalive import ChannelOption
 from paramserver.security.tls import ClientSecurity
 from paramserver.worker_client.compression import Compression
 from paramserver.worker_client.retry import RetryPolicy
 
-__all__ = ["ClientOptions", "PullOptions", "PushOptions", "PushPullOptions", "SessionOptions"]
+__all__ = [
+    "ClientOptions",
+    "PullOptions",
+    "PullRowsManyOptions",
+    "PushOptions",
+    "PushPullOptions",
+    "SessionOptions",
+    "ValidatedPullOptions",
+]
 
 
 class SessionOptions(TypedDict, total=False):
@@ -31,7 +41,7 @@ class SessionOptions(TypedDict, total=False):
     rpc_timeout_s: float
     retry: RetryPolicy | None
     heartbeat: bool
-    channel_options: Sequence[tuple[str, Any]]
+    channel_options: Sequence[ChannelOption]
     security: ClientSecurity | None
 
 
@@ -79,3 +89,20 @@ class PushPullOptions(TypedDict, total=False):
     timeout_s: float | None
     copy: bool
     cast: bool | None
+
+
+class PullRowsManyOptions(TypedDict, total=False):
+    """Keyword arguments of ``pull_rows_many`` (see :meth:`WorkerClient.pull_rows_many`)."""
+
+    timeout_s: float | None
+    observer: bool
+    cache_counts: Mapping[str, tuple[int, int]] | None
+
+
+class ValidatedPullOptions(TypedDict, total=False):
+    """Keyword arguments of ``pull_rows_validated`` (see
+    :meth:`WorkerClient.pull_rows_validated`)."""
+
+    max_version_lag: Required[int]
+    timeout_s: float | None
+    cache_counts: Mapping[str, tuple[int, int]] | None

@@ -29,12 +29,16 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar, Unpack
+from typing import TypeVar, Unpack
 
 import numpy as np
+import numpy.typing as npt
 from google.protobuf.descriptor import FieldDescriptor
+from numpy.typing import ArrayLike
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import tables_pb2 as tpb
+from paramserver.api.v1 import tensor_pb2 as tensor_pb
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.sharding import (
     ShardMap,
@@ -66,8 +70,14 @@ from paramserver.worker_client.client import (
     progress_of,
 )
 from paramserver.worker_client.embedding import RowPushAck, ValidatedRows
-from paramserver.worker_client.keyed import KeyedIds
-from paramserver.worker_client.options import PullOptions, PushOptions, PushPullOptions
+from paramserver.worker_client.keyed import KeyedIds, TableIds
+from paramserver.worker_client.options import (
+    PullOptions,
+    PullRowsManyOptions,
+    PushOptions,
+    PushPullOptions,
+    ValidatedPullOptions,
+)
 from paramserver.worker_client.sharded_tables import ShardedTables
 
 __all__ = ["ShardedWorkerClient", "merge_views"]
@@ -320,7 +330,7 @@ class ShardedWorkerClient:
             keys.extend(parse_name(ki.key)[1] for ki in st.keys if parse_name(ki.key)[0] != "slice")
         return {k: self._layouts[k] for k in dict.fromkeys(keys) if k in self._layouts}
 
-    async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[Any]]:
+    async def _key_dtypes_of(self, keys: Sequence[str]) -> dict[str, np.dtype[np.generic]]:
         layouts = await self._resolve(keys, missing_ok=True)
         return {k: np.dtype(lay.dtype) for k, lay in layouts.items()}
 
@@ -501,8 +511,8 @@ class ShardedWorkerClient:
         out.view.CopyFrom(merge_views(st.view for st in statuses))
         layouts = await self._resolve_all()
         updates: dict[str, int] = {}
-        dtypes: dict[str, int] = {}
-        rules: dict[str, int] = {}
+        dtypes: dict[str, tensor_pb.DType.ValueType] = {}
+        rules: dict[str, pb.RuleKind.ValueType] = {}
         for st in statuses:
             for ki in st.keys:
                 kind, key, _, _ = parse_name(ki.key)
@@ -517,9 +527,9 @@ class ShardedWorkerClient:
             out.keys.append(
                 pb.KeyInfo(
                     key=key,
-                    dtype=dtypes.get(key, 0),
+                    dtype=dtypes.get(key, tensor_pb.DTYPE_UNSPECIFIED),
                     shape=list(lay.shape),
-                    rule=rules.get(key, 0),
+                    rule=rules.get(key, pb.RULE_KIND_UNSPECIFIED),
                     updates=updates.get(key, 0),
                 )
             )
@@ -531,7 +541,7 @@ class ShardedWorkerClient:
         return await ShardedTables(self.shards, self._fan_out).init_table(spec)
 
     async def pull_rows(
-        self, table: str, ids: Any, *, timeout_s: float | None = None, observer: bool = False
+        self, table: str, ids: ArrayLike, *, timeout_s: float | None = None, observer: bool = False
     ) -> np.ndarray:
         """Rows of ``ids`` in the caller's order, from their shards concurrently (see
         :meth:`WorkerClient.pull_rows`)."""
@@ -540,7 +550,7 @@ class ShardedWorkerClient:
         )
 
     async def push_rows(
-        self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
+        self, table: str, ids: ArrayLike, grads: ArrayLike, *, timeout_s: float | None = None
     ) -> RowPushAck:
         """Gradient rows split by shard and pushed concurrently, one request id for all
         shards (see :meth:`WorkerClient.push_rows`)."""
@@ -553,9 +563,9 @@ class ShardedWorkerClient:
     async def push_pull_rows(
         self,
         table: str,
-        push_ids: Any,
-        grads: Any,
-        pull_ids: Any,
+        push_ids: ArrayLike,
+        grads: ArrayLike,
+        pull_ids: ArrayLike,
         *,
         timeout_s: float | None = None,
     ) -> np.ndarray:
@@ -569,45 +579,27 @@ class ShardedWorkerClient:
         )
 
     async def pull_rows_many(
-        self,
-        ids: Mapping[str, Any] | KeyedIds,
-        *,
-        timeout_s: float | None = None,
-        observer: bool = False,
-        cache_counts: Mapping[str, tuple[int, int]] | None = None,
+        self, ids: TableIds, **options: Unpack[PullRowsManyOptions]
     ) -> dict[str, np.ndarray]:
         """Rows of several tables, one request per shard, all shards concurrently (see
         :meth:`WorkerClient.pull_rows_many`; ``cache_counts`` go to one shard)."""
-        return await ShardedTables(self.shards, self._fan_out).pull_rows_many(
-            ids, timeout_s=timeout_s, observer=observer, cache_counts=cache_counts
-        )
+        return await ShardedTables(self.shards, self._fan_out).pull_rows_many(ids, **options)
 
     async def pull_rows_validated(
         self,
-        ids: Mapping[str, Any],
-        held: Mapping[str, Any],
-        *,
-        max_version_lag: int,
-        timeout_s: float | None = None,
-        cache_counts: Mapping[str, tuple[int, int]] | None = None,
+        ids: Mapping[str, npt.NDArray[np.int64]],
+        held: Mapping[str, npt.NDArray[np.int64]],
+        **options: Unpack[ValidatedPullOptions],
     ) -> dict[str, ValidatedRows]:
         """Version-validated rows of several tables, one request per shard, all shards
         concurrently (see :meth:`WorkerClient.pull_rows_validated`; ``cache_counts`` go to
         one shard)."""
         return await ShardedTables(self.shards, self._fan_out).pull_rows_validated(
-            ids,
-            held,
-            max_version_lag=max_version_lag,
-            timeout_s=timeout_s,
-            cache_counts=cache_counts,
+            ids, held, **options
         )
 
     async def push_rows_many(
-        self,
-        ids: Mapping[str, Any] | KeyedIds,
-        grads: Mapping[str, Any],
-        *,
-        timeout_s: float | None = None,
+        self, ids: TableIds, grads: Mapping[str, ArrayLike], *, timeout_s: float | None = None
     ) -> dict[str, RowPushAck]:
         """Gradient rows of several tables, one request per shard (each all or nothing on
         its shard), the same request ids on every shard (see
@@ -638,7 +630,7 @@ class ShardedWorkerClient:
 def _merge_tables(out: pb.StatusResponse, statuses: Sequence[pb.StatusResponse]) -> None:
     """One ``TableInfo`` per table in ``out``: counters summed over the shards, staleness the
     largest (max) and the push-weighted mean."""
-    merged: dict[str, Any] = {}
+    merged: dict[str, tpb.TableInfo] = {}
     weights: dict[str, float] = {}
     for st in statuses:
         for info in st.tables:

@@ -4,11 +4,12 @@ at once and merged back in the caller's order (what
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Mapping
+from typing import TYPE_CHECKING, Protocol, TypeVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
+from numpy.typing import ArrayLike
 
 from paramserver.core.tables import TableSpec, shard_of_ids
 from paramserver.worker_client.embedding import (
@@ -20,7 +21,20 @@ from paramserver.worker_client.embedding import (
     check_rows,
     check_rows_many,
 )
-from paramserver.worker_client.keyed import KeyedIds
+from paramserver.worker_client.keyed import TableIds
+from paramserver.worker_client.options import PullRowsManyOptions, ValidatedPullOptions
+
+if TYPE_CHECKING:
+    from paramserver.worker_client.client import WorkerClient
+
+T = TypeVar("T")
+
+
+class FanOut(Protocol):
+    """Runs {shard: awaitable} concurrently, collecting every outcome before raising (the
+    sharded client's ``_fan_out``)."""
+
+    def __call__(self, calls: Mapping[int, Awaitable[T]], /) -> Awaitable[dict[int, T]]: ...
 
 
 async def _rows_of(call: Awaitable[tuple[RowPushAck, np.ndarray]]) -> np.ndarray:
@@ -41,11 +55,7 @@ class ShardedTables:
             (the cluster client's).
     """
 
-    def __init__(
-        self,
-        shards: list[Any],
-        fan_out: Callable[[Mapping[int, Awaitable[Any]]], Awaitable[dict[int, Any]]],
-    ) -> None:
+    def __init__(self, shards: list[WorkerClient], fan_out: FanOut) -> None:
         self.shards = shards
         self.fan_out = fan_out
 
@@ -60,18 +70,20 @@ class ShardedTables:
         got = await self.fan_out({i: c.init_table(spec) for i, c in enumerate(self.shards)})
         return any(g[0] for g in got.values()), got[0][1]
 
-    async def pull_rows(self, table: str, ids: Any, **kw: Any) -> np.ndarray:
+    async def pull_rows(
+        self, table: str, ids: ArrayLike, *, timeout_s: float | None, observer: bool
+    ) -> np.ndarray:
         arr = check_ids(ids)
         parts = self.split(table, arr)
+
+        def pull(shard: int, part: npt.NDArray[np.int64]) -> Awaitable[np.ndarray]:
+            return self.shards[shard].pull_rows(table, part, timeout_s=timeout_s, observer=observer)
+
         got = await self.fan_out(
-            {
-                i: self.shards[i].pull_rows(table, arr[pos], **kw)
-                for i, pos in enumerate(parts)
-                if pos.shape[0]
-            }
+            {i: pull(i, arr[pos]) for i, pos in enumerate(parts) if pos.shape[0]}
         )
         if not got:  # no ids: ask one shard for the table's dim and dtype
-            return np.asarray(await self.shards[0].pull_rows(table, arr, **kw))
+            return np.asarray(await pull(0, arr))
         first = next(iter(got.values()))
         out = np.empty((arr.shape[0], first.shape[1]), first.dtype)
         for i, rows in got.items():
@@ -79,7 +91,7 @@ class ShardedTables:
         return out
 
     async def push_rows(
-        self, table: str, ids: Any, grads: Any, request_id: int, **kw: Any
+        self, table: str, ids: ArrayLike, grads: ArrayLike, request_id: int
     ) -> RowPushAck:
         arr = check_ids(ids)
         rows = check_rows(grads, arr.shape[0])
@@ -96,9 +108,9 @@ class ShardedTables:
     async def push_pull_rows(
         self,
         table: str,
-        push_ids: Any,
-        grads: Any,
-        pull_ids: Any,
+        push_ids: ArrayLike,
+        grads: ArrayLike,
+        pull_ids: ArrayLike,
         request_id: int,
         timeout_s: float | None = None,
     ) -> np.ndarray:
@@ -111,7 +123,7 @@ class ShardedTables:
         pull = check_ids(pull_ids)
         pushes = self.split(table, arr)
         pulls = self.split(table, pull)
-        calls: dict[int, Awaitable[Any]] = {}
+        calls: dict[int, Awaitable[np.ndarray | None]] = {}
         for i, shard in enumerate(self.shards):
             p, q = pushes[i], pulls[i]
             if p.shape[0] and q.shape[0]:
@@ -132,24 +144,22 @@ class ShardedTables:
         return out
 
     async def pull_rows_many(
-        self, ids: Mapping[str, Any] | KeyedIds, **kw: Any
+        self, ids: TableIds, **options: Unpack[PullRowsManyOptions]
     ) -> dict[str, np.ndarray]:
         """Every table's ids split by shard; one several-table request per shard, all
         concurrently; rows reassembled per table in the caller's order."""
         arrays = check_ids_many(ids)
         parts = {t: self.split(t, a) for t, a in arrays.items()}
-        calls: dict[int, Awaitable[Any]] = {}
-        counts = kw.pop("cache_counts", None)  # reported to one shard only (no double count)
+        calls: dict[int, Awaitable[dict[str, np.ndarray]]] = {}
+        # The row cache's counts are reported to one shard only (no double count).
+        rest: PullRowsManyOptions = {**options, "cache_counts": None}
         for i, shard in enumerate(self.shards):
             if any(parts[t][i].shape[0] for t in arrays):
                 calls[i] = shard.pull_rows_many(
-                    {t: a[parts[t][i]] for t, a in arrays.items()},
-                    cache_counts=None if calls else counts,
-                    **kw,
+                    {t: a[parts[t][i]] for t, a in arrays.items()}, **(rest if calls else options)
                 )
         if not calls:  # no ids at all: ask one shard for every table's dim and dtype
-            got0: dict[str, np.ndarray] = await self.shards[0].pull_rows_many(arrays, **kw)
-            return got0
+            return await self.shards[0].pull_rows_many(arrays, **rest)
         got = await self.fan_out(calls)
         out: dict[str, np.ndarray] = {}
         for t, a in arrays.items():
@@ -164,29 +174,26 @@ class ShardedTables:
         self,
         ids: Mapping[str, npt.NDArray[np.int64]],
         held: Mapping[str, npt.NDArray[np.int64]],
-        **kw: Any,
+        **options: Unpack[ValidatedPullOptions],
     ) -> dict[str, ValidatedRows]:
         """Every table's ids and held versions split by shard; one version-validated
         request per shard, all concurrently; each table's answers merged in the caller's
         order (``epoch_changed`` if any shard's changed)."""
         arrays = check_ids_many(ids)
         parts = {t: self.split(t, a) for t, a in arrays.items()}
-        counts = kw.pop("cache_counts", None)  # reported to one shard only (no double count)
-        calls: dict[int, Awaitable[Any]] = {}
+        # The row cache's counts are reported to one shard only (no double count).
+        rest: ValidatedPullOptions = {**options, "cache_counts": None}
+        calls: dict[int, Awaitable[dict[str, ValidatedRows]]] = {}
         for i, shard in enumerate(self.shards):
             if any(parts[t][i].shape[0] for t in arrays):
                 calls[i] = shard.pull_rows_validated(
                     {t: a[parts[t][i]] for t, a in arrays.items()},
                     {t: np.asarray(held[t], np.int64)[parts[t][i]] for t in arrays},
-                    cache_counts=None if calls else counts,
-                    **kw,
+                    **(rest if calls else options),
                 )
         if not calls:  # no ids at all: ask one shard for every table's dim and dtype
-            got0: dict[str, ValidatedRows] = await self.shards[0].pull_rows_validated(
-                arrays, held, cache_counts=counts, **kw
-            )
-            return got0
-        got: dict[int, dict[str, ValidatedRows]] = await self.fan_out(calls)
+            return await self.shards[0].pull_rows_validated(arrays, held, **options)
+        got = await self.fan_out(calls)
         out: dict[str, ValidatedRows] = {}
         for t, a in arrays.items():
             mask = np.zeros(a.shape[0], bool)
@@ -209,7 +216,7 @@ class ShardedTables:
         return out
 
     async def push_rows_many(
-        self, ids: Mapping[str, Any] | KeyedIds, grads: Mapping[str, Any], request_id: int
+        self, ids: TableIds, grads: Mapping[str, ArrayLike], request_id: int
     ) -> dict[str, RowPushAck]:
         """Every table's ids and rows split by shard; one several-table push per shard, all
         concurrently, every table in every shard's request (possibly with no ids) so that a

@@ -18,22 +18,28 @@ dtypes and errors are documented on :class:`~paramserver.worker_client.client.Wo
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, Unpack
+from typing import TYPE_CHECKING, Protocol, Unpack
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.core.optimizers import UpdateRule
-from paramserver.worker_client.options import PullOptions, PushOptions, PushPullOptions
+from paramserver.worker_client.options import (
+    PullOptions,
+    PullRowsManyOptions,
+    PushOptions,
+    PushPullOptions,
+)
 
 if TYPE_CHECKING:
     from paramserver.worker_client import (
-        KeyedIds,
         PushAck,
         RowPushAck,
         TableSpec,
         WorkerProgress,
     )
+    from paramserver.worker_client.keyed import TableIds
 
 __all__ = ["METHODS", "ParameterClient", "SyncParameterClient"]
 
@@ -89,38 +95,29 @@ class ParameterClient(Protocol):
     async def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]: ...
 
     async def pull_rows(
-        self, table: str, ids: Any, *, timeout_s: float | None = None, observer: bool = False
+        self, table: str, ids: ArrayLike, *, timeout_s: float | None = None, observer: bool = False
     ) -> np.ndarray: ...
 
     async def push_rows(
-        self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
+        self, table: str, ids: ArrayLike, grads: ArrayLike, *, timeout_s: float | None = None
     ) -> RowPushAck: ...
 
     async def push_pull_rows(
         self,
         table: str,
-        push_ids: Any,
-        grads: Any,
-        pull_ids: Any,
+        push_ids: ArrayLike,
+        grads: ArrayLike,
+        pull_ids: ArrayLike,
         *,
         timeout_s: float | None = None,
     ) -> np.ndarray: ...
 
     async def pull_rows_many(
-        self,
-        ids: Mapping[str, Any] | KeyedIds,
-        *,
-        timeout_s: float | None = None,
-        observer: bool = False,
-        cache_counts: Mapping[str, tuple[int, int]] | None = None,
+        self, ids: TableIds, **options: Unpack[PullRowsManyOptions]
     ) -> dict[str, np.ndarray]: ...
 
     async def push_rows_many(
-        self,
-        ids: Mapping[str, Any] | KeyedIds,
-        grads: Mapping[str, Any],
-        *,
-        timeout_s: float | None = None,
+        self, ids: TableIds, grads: Mapping[str, ArrayLike], *, timeout_s: float | None = None
     ) -> dict[str, RowPushAck]: ...
 
     async def status(self) -> pb.StatusResponse: ...
@@ -160,38 +157,29 @@ class SyncParameterClient(Protocol):
     def init_table(self, spec: TableSpec) -> tuple[bool, TableSpec]: ...
 
     def pull_rows(
-        self, table: str, ids: Any, *, timeout_s: float | None = None, observer: bool = False
+        self, table: str, ids: ArrayLike, *, timeout_s: float | None = None, observer: bool = False
     ) -> np.ndarray: ...
 
     def push_rows(
-        self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
+        self, table: str, ids: ArrayLike, grads: ArrayLike, *, timeout_s: float | None = None
     ) -> RowPushAck: ...
 
     def push_pull_rows(
         self,
         table: str,
-        push_ids: Any,
-        grads: Any,
-        pull_ids: Any,
+        push_ids: ArrayLike,
+        grads: ArrayLike,
+        pull_ids: ArrayLike,
         *,
         timeout_s: float | None = None,
     ) -> np.ndarray: ...
 
     def pull_rows_many(
-        self,
-        ids: Mapping[str, Any] | KeyedIds,
-        *,
-        timeout_s: float | None = None,
-        observer: bool = False,
-        cache_counts: Mapping[str, tuple[int, int]] | None = None,
+        self, ids: TableIds, **options: Unpack[PullRowsManyOptions]
     ) -> dict[str, np.ndarray]: ...
 
     def push_rows_many(
-        self,
-        ids: Mapping[str, Any] | KeyedIds,
-        grads: Mapping[str, Any],
-        *,
-        timeout_s: float | None = None,
+        self, ids: TableIds, grads: Mapping[str, ArrayLike], *, timeout_s: float | None = None
     ) -> dict[str, RowPushAck]: ...
 
     def status(self) -> pb.StatusResponse: ...

@@ -18,9 +18,10 @@ import concurrent.futures
 import functools
 import threading
 from collections.abc import Coroutine, Iterable, Mapping
-from typing import Any, TypeVar, Unpack
+from typing import TypeVar, Unpack
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.closing import Closing
@@ -31,10 +32,11 @@ from paramserver.worker_client.client import PushAck, WorkerProgress
 from paramserver.worker_client.cluster import ClusterWorkerClient, connect
 from paramserver.worker_client.embedding import RowPushAck
 from paramserver.worker_client.forwarding import Forwarded
-from paramserver.worker_client.keyed import KeyedIds
+from paramserver.worker_client.keyed import TableIds
 from paramserver.worker_client.options import (
     ClientOptions,
     PullOptions,
+    PullRowsManyOptions,
     PushOptions,
     PushPullOptions,
 )
@@ -74,7 +76,7 @@ class SyncWorkerClient(Closing):
         self._thread: threading.Thread | None = None
         self._client: ClusterWorkerClient | None = None
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _run(self, coro: Coroutine[object, object, T]) -> T:
         if self._loop is None:
             coro.close()
             raise RuntimeError("SyncWorkerClient is not open: use `with connect_sync(...)`")
@@ -171,13 +173,13 @@ class SyncWorkerClient(Closing):
         return self._run(self.client.init_table(spec))
 
     def pull_rows(
-        self, table: str, ids: Any, *, timeout_s: float | None = None, observer: bool = False
+        self, table: str, ids: ArrayLike, *, timeout_s: float | None = None, observer: bool = False
     ) -> np.ndarray:
         """:meth:`WorkerClient.pull_rows`, blocking: (len(ids), dim) rows in the ids' order."""
         return self._run(self.client.pull_rows(table, ids, timeout_s=timeout_s, observer=observer))
 
     def push_rows(
-        self, table: str, ids: Any, grads: Any, *, timeout_s: float | None = None
+        self, table: str, ids: ArrayLike, grads: ArrayLike, *, timeout_s: float | None = None
     ) -> RowPushAck:
         """:meth:`WorkerClient.push_rows`, blocking."""
         return self._run(self.client.push_rows(table, ids, grads, timeout_s=timeout_s))
@@ -185,9 +187,9 @@ class SyncWorkerClient(Closing):
     def push_pull_rows(
         self,
         table: str,
-        push_ids: Any,
-        grads: Any,
-        pull_ids: Any,
+        push_ids: ArrayLike,
+        grads: ArrayLike,
+        pull_ids: ArrayLike,
         *,
         timeout_s: float | None = None,
     ) -> np.ndarray:
@@ -198,26 +200,13 @@ class SyncWorkerClient(Closing):
         )
 
     def pull_rows_many(
-        self,
-        ids: Mapping[str, Any] | KeyedIds,
-        *,
-        timeout_s: float | None = None,
-        observer: bool = False,
-        cache_counts: Mapping[str, tuple[int, int]] | None = None,
+        self, ids: TableIds, **options: Unpack[PullRowsManyOptions]
     ) -> dict[str, np.ndarray]:
         """:meth:`WorkerClient.pull_rows_many`, blocking: ``{table: rows}``."""
-        return self._run(
-            self.client.pull_rows_many(
-                ids, timeout_s=timeout_s, observer=observer, cache_counts=cache_counts
-            )
-        )
+        return self._run(self.client.pull_rows_many(ids, **options))
 
     def push_rows_many(
-        self,
-        ids: Mapping[str, Any] | KeyedIds,
-        grads: Mapping[str, Any],
-        *,
-        timeout_s: float | None = None,
+        self, ids: TableIds, grads: Mapping[str, ArrayLike], *, timeout_s: float | None = None
     ) -> dict[str, RowPushAck]:
         """:meth:`WorkerClient.push_rows_many`, blocking: ``{table: ack}``."""
         return self._run(self.client.push_rows_many(ids, grads, timeout_s=timeout_s))
