@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 
 class ScriptFailed(RuntimeError):
@@ -20,8 +20,18 @@ class ScriptFailed(RuntimeError):
         super().__init__(message)
         self.exit_code = exit_code
 
-    def __reduce__(self) -> tuple[Any, ...]:  # travels back to the driver by pickle
+    def __reduce__(
+        self,
+    ) -> tuple[type[ScriptFailed], tuple[str, int]]:  # travels back to the driver by pickle
         return (ScriptFailed, (str(self), self.exit_code))
+
+
+class ScriptResult(TypedDict):
+    """What a worker's script gives back when it exits with 0: that status and its last
+    lines of output."""
+
+    exit_code: int
+    output: list[str]
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,7 @@ class ScriptJob:
 
     def run(
         self, addresses: Sequence[str], index: int, num_workers: int, worker_name: str
-    ) -> dict[str, Any]:
+    ) -> ScriptResult:
         """Run the script as worker ``index`` to its end.
 
         Raises:

@@ -7,16 +7,21 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import ray
 
 from paramserver.errors import Unavailable
 from paramserver.server.config import ServerConfig
 from paramserver.server.election import address_key
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +113,9 @@ class ShardActor:
         index: int,
         replica_index: int,
         groups: Sequence[Sequence[str]],
-        server: Mapping[str, Any],
+        server: Mapping[str, object],
         state_dir: str,
-        authority: Any = None,
+        authority: ActorHandle | None = None,
         prefix: str = "paramserver",
     ) -> None:
         from paramserver.security.tls import ServerSecurity
@@ -155,7 +160,7 @@ class ShardActor:
         starts_file = replica_dir / STARTS_FILE
         self.starts = (int(starts_file.read_text()) if starts_file.exists() else 0) + 1
         starts_file.write_text(str(self.starts))
-        managed: dict[str, Any] = {
+        managed: dict[str, object] = {
             "host": host,
             "port": int(port),
             "shard_index": index,
@@ -192,7 +197,7 @@ class ShardActor:
             self.restored_applied_updates,
         )
 
-    def _run(self, coro: Any, timeout_s: float) -> Any:
+    def _run(self, coro: Coroutine[object, object, T], timeout_s: float) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     def token_auth(self) -> bool | None:
