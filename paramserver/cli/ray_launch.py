@@ -10,13 +10,16 @@ import importlib
 import os
 import shlex
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from paramserver.cli.flags import Subcommands
 from paramserver.cli.training import add_model_flags
 
+if TYPE_CHECKING:
+    from paramserver.integrations.ray import ClusterJob, RayJobConfig, ScriptJob, TrainFunction
 
-def _load_function(spec: str) -> Any:
+
+def _load_function(spec: str) -> TrainFunction:
     """``package.module:function`` -> the function (importable on every Ray node too)."""
     from paramserver.errors import InvalidArgument
 
@@ -24,7 +27,7 @@ def _load_function(spec: str) -> Any:
     if not module_name or not attr:
         raise InvalidArgument(f"--train must be MODULE:FUNCTION, got {spec!r}")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
+        fn: object = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise InvalidArgument(f"--train {spec}: {exc}") from None
     if not callable(fn):
@@ -49,7 +52,7 @@ _FLAG_OF = {
 }
 
 
-def server_settings(serve_args: str) -> dict[str, Any]:
+def server_settings(serve_args: str) -> dict[str, object]:
     """``--serve-args`` (``paramserver serve`` flags, one string) as the
     :class:`~paramserver.server.config.ServerConfig` fields they set, the form
     :class:`~paramserver.integrations.ray.RayJobConfig` takes (each shard reads its own
@@ -72,7 +75,7 @@ def server_settings(serve_args: str) -> dict[str, Any]:
     }
 
 
-def script_job(args: argparse.Namespace) -> Any:
+def script_job(args: argparse.Namespace) -> ScriptJob:
     """``--script SCRIPT ARGS...`` (and ``--env``) as a
     :class:`~paramserver.integrations.ray.ScriptJob`: the script's absolute path (the same
     file on every node), its arguments as given, this directory as its working directory.
@@ -82,7 +85,7 @@ def script_job(args: argparse.Namespace) -> Any:
             as well, or an ``--env`` that is not ``NAME=VALUE`` (INVALID_ARGUMENT).
     """
     from paramserver.errors import InvalidArgument
-    from paramserver.integrations.ray.placement import ScriptJob
+    from paramserver.integrations.ray import ScriptJob
 
     if not args.script:
         raise InvalidArgument("--script needs the script: --script train.py ARGS...")
@@ -102,7 +105,7 @@ def script_job(args: argparse.Namespace) -> Any:
     return ScriptJob(script, tuple(script_args), env=env, cwd=os.getcwd())
 
 
-def _job_config(args: argparse.Namespace, config_class: Any) -> Any:
+def _job_config(args: argparse.Namespace, config_class: type[RayJobConfig]) -> RayJobConfig:
     return config_class(
         num_shards=args.shards,
         num_workers=args.workers,
@@ -158,7 +161,7 @@ class HeadWatchdog:
     def _run(self) -> None:
         import time
 
-        from paramserver.integrations.ray.placement import JobResult
+        from paramserver.integrations.ray import JobResult
 
         lost_since: float | None = None
         while not self._stop.wait(1.0):
@@ -188,7 +191,7 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
     from paramserver.errors import InvalidArgument
     from paramserver.integrations.ray.placement import RayJobConfig, launch
 
-    job: Any
+    job: ClusterJob | ScriptJob | TrainFunction
     if args.script is not None:
         job = script_job(args)
 
@@ -205,7 +208,7 @@ def _cmd_ray_launch(args: argparse.Namespace) -> int:
         job = _load_function(args.train)
     else:
         job = DigitsJob(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DigitsJob)})
-    from paramserver.integrations.ray.placement import JobResult
+    from paramserver.integrations.ray import JobResult
 
     try:
         ray.init(address=args.address, log_to_driver=args.worker_logs)

@@ -28,24 +28,21 @@ The command line is ``paramserver ray-launch``; docs/engines.md has the whole st
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the names below, imported on first use (``ray`` is imported then)
     from paramserver.integrations.ray.placement import (
         MANAGED_SERVER_FIELDS,
         ClusterJob,
-        JobResult,
         RayJobConfig,
         RayShardGroup,
-        ScriptFailed,
-        ScriptJob,
-        ShardActor,
-        ShardInfo,
         TrainFunction,
         WorkerJob,
-        WorkerOutcome,
         launch,
     )
+    from paramserver.integrations.ray.results import JobResult, WorkerOutcome
+    from paramserver.integrations.ray.script_job import ScriptFailed, ScriptJob
+    from paramserver.integrations.ray.shard_actor import ShardActor, ShardInfo
 
 __all__ = [
     "MANAGED_SERVER_FIELDS",
@@ -64,7 +61,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     """Import :mod:`paramserver.integrations.ray.placement` (and so ``ray``) on first use, so that
     ``paramserver.cli.ray_launch`` and ``paramserver --help`` work without the ``ray`` extra."""
     if name not in __all__:

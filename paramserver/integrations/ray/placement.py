@@ -65,7 +65,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 import ray
 from ray.util.placement_group import (
@@ -81,7 +81,7 @@ from ray.util.scheduling_strategies import (
 
 from paramserver.closing import Closing
 from paramserver.errors import InvalidArgument, WaitTimeout
-from paramserver.integrations.ray.authority import Authority
+from paramserver.integrations.ray.authority import Authority, Primary, Report
 from paramserver.integrations.ray.results import JobResult, WorkerOutcome
 from paramserver.integrations.ray.script_job import ScriptFailed, ScriptJob
 from paramserver.integrations.ray.shard_actor import ShardActor, ShardInfo, token_auth_enabled
@@ -89,10 +89,13 @@ from paramserver.server.config import ServerConfig
 from paramserver.waiting import Wait
 from paramserver.worker_client.retry import RetryPolicy
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
 logger = logging.getLogger(__name__)
 
 
-def _ray_ready(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+def _ray_ready(refs: list[ray.ObjectRef], timeout_s: float, what: str) -> list[ray.ObjectRef]:
     """``ray.wait`` for all of ``refs`` within ``timeout_s``: the ready ones (all, unless the
     time ran out). A wait a person can see (:mod:`paramserver.waiting`): polled in steps of at
     most a second so that it is reported while it lasts."""
@@ -144,7 +147,7 @@ def job_state_dir(state_dir: str | None, job_id: str) -> str:
     return os.path.join(tempfile.gettempdir(), DEFAULT_STATE_ROOT, job_id)
 
 
-def warn_without_token_auth(shard: Any | None = None) -> bool:
+def warn_without_token_auth(shard: ActorHandle | None = None) -> bool:
     """Log one warning when the Ray cluster this driver joined has no token authentication;
     returns whether it warned.
 
@@ -277,19 +280,28 @@ class ClusterJob(Protocol):
 
     def run_worker(
         self, address: str, index: int, num_workers: int, *, name: str, retry: RetryPolicy
-    ) -> Any:
+    ) -> object:
         """Run worker ``index`` of ``num_workers`` against the cluster that serves
         ``address`` (any shard); ``name`` is the job's name prefix, ``retry`` the backoff
         while a shard restarts. Returns the worker's result."""
         ...
 
-    def final_metrics(self, address: str) -> dict[str, Any]:
+    def final_metrics(self, address: str) -> Mapping[str, float]:
         """The job's metrics, read from the cluster once every worker has ended."""
         ...
 
 
-#: A user's training function: ``train(client, worker_index, num_workers) -> result``.
-TrainFunction = Callable[[Any, int, int], Any]
+#: A user's training function: ``train(client, worker_index, num_workers) -> result``; an
+#: ``async def`` one gets a :class:`~paramserver.worker_client.ClusterWorkerClient`, any other
+#: a :class:`~paramserver.worker_client.SyncWorkerClient`.
+TrainFunction = Callable[..., object]
+
+
+class WorkerReturn(TypedDict):
+    """What a worker task returns: the node it ran on and the job's result there."""
+
+    node_ip: str
+    result: object
 
 
 # ---------------------------------------------------------------------------- worker tasks
@@ -300,8 +312,8 @@ def _worker_main(
     job: ClusterJob | ScriptJob | TrainFunction,
     name: str,
     retry_deadline_s: float,
-    authority: Any = None,
-) -> dict[str, Any]:
+    authority: ActorHandle | None = None,
+) -> WorkerReturn:
     """Body of worker task ``index``: connect to the cluster, run the job, leave."""
     from paramserver.serving.bootstrap import run_loop
     from paramserver.worker_client import connect, connect_sync
@@ -311,16 +323,18 @@ def _worker_main(
         ray.get(authority.worker_started.remote(index), timeout=30)
     retry = RetryPolicy(deadline_s=retry_deadline_s)
     worker_name = f"{name}-worker-{index}"
-    result: Any
+    result: object
     if isinstance(job, ScriptJob):
         result = job.run(addresses, index, num_workers, worker_name)
     elif isinstance(job, ClusterJob):  # any shard: the client fetches the shard map from it
         result = job.run_worker(addresses[0], index, num_workers, name=name, retry=retry)
     elif inspect.iscoroutinefunction(job):
 
-        async def run_async() -> Any:
+        async def run_async() -> object:
             async with connect(addresses[0], worker_name, replace=True, retry=retry) as ps:
-                return await job(ps, index, num_workers)
+                running = job(ps, index, num_workers)
+                assert inspect.isawaitable(running)  # job is a coroutine function
+                return await running
 
         result = run_loop(run_async())
     else:
@@ -329,7 +343,7 @@ def _worker_main(
     return {"node_ip": node_ip, "result": result}
 
 
-def _final_metrics_main(addresses: Sequence[str], job: ClusterJob) -> dict[str, Any]:
+def _final_metrics_main(addresses: Sequence[str], job: ClusterJob) -> Mapping[str, float]:
     """The job's final metrics, read from the cluster (a task of its own)."""
     return job.final_metrics(addresses[0])
 
@@ -366,8 +380,8 @@ class RayShardGroup(Closing):
         self.replicas = config.replicas or 1
         self.addresses: list[str] = []
         self.groups: list[list[str]] = []
-        self.actors: list[list[Any]] = []
-        self.authority: Any = None
+        self.actors: list[list[ActorHandle]] = []
+        self.authority: ActorHandle | None = None
         self._pgs: list[PlacementGroup] = []
         self._jobs: list[WorkerJob] = []
 
@@ -486,15 +500,19 @@ class RayShardGroup(Closing):
                 waiting.tick()
                 time.sleep(0.1)
 
-    def primary(self, index: int) -> dict[str, Any] | None:
+    def primary(self, index: int) -> Primary | None:
         """Shard ``index``'s primary now, as the authority names it: ``{"index": replica,
         "address", "epoch"}`` (None while there is none; without replicas: replica 0)."""
         if self.replicas == 1:
             return {"index": 0, "address": self.groups[index][0], "epoch": 0}
-        out: dict[str, Any] | None = ray.get(
-            self.authority.primary.remote(index, self.job_id), timeout=30
-        )
+        authority = self._started_authority()
+        out: Primary | None = ray.get(authority.primary.remote(index, self.job_id), timeout=30)
         return out
+
+    def _started_authority(self) -> ActorHandle:
+        """The authority actor (a started group with replicas has one)."""
+        assert self.authority is not None
+        return self.authority
 
     def replica_infos(self, timeout_s: float = 10.0) -> list[list[ShardInfo | None]]:
         """Every replica's info, by shard then replica (None: it did not answer within
@@ -530,7 +548,7 @@ class RayShardGroup(Closing):
                         timeout=max(1.0, deadline - time.monotonic()),
                     )
                     if out.role == "primary":
-                        report = ray.get(self.authority.report.remote(), timeout=30)
+                        report = ray.get(self._started_authority().report.remote(), timeout=30)
                         out.failovers = max(0, len(report["promotions"].get(index, [])) - 1)
                         return out
                 except ray.exceptions.RayError:
@@ -577,13 +595,13 @@ class RayShardGroup(Closing):
         self._jobs.append(worker_job)
         return worker_job
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> Report:
         """The authority's counts: ``{"promotions": {shard: [(epoch, replica)]},
         "worker_starts": {worker: n}}`` (empty when it is gone)."""
         if self.authority is None:
             return {"promotions": {}, "worker_starts": {}}
         try:
-            out: dict[str, Any] = ray.get(self.authority.report.remote(), timeout=30)
+            out: Report = ray.get(self.authority.report.remote(), timeout=30)
         except ray.exceptions.RayError:
             return {"promotions": {}, "worker_starts": {}}
         return out
@@ -612,7 +630,10 @@ class WorkerJob:
     """The worker tasks of one submitted job."""
 
     def __init__(
-        self, shards: RayShardGroup, job: ClusterJob | ScriptJob | TrainFunction, refs: list[Any]
+        self,
+        shards: RayShardGroup,
+        job: ClusterJob | ScriptJob | TrainFunction,
+        refs: list[ray.ObjectRef],
     ) -> None:
         self.shards = shards
         self.job = job
@@ -663,7 +684,7 @@ class WorkerJob:
                 i, WorkerOutcome(i, False, None, "not finished within the job deadline")
             )
         elapsed = time.monotonic() - self.t0
-        metrics: dict[str, Any] = {}
+        metrics: dict[str, float | str] = {}
         if isinstance(self.job, ClusterJob):
             evaluate = ray.remote(_final_metrics_main).options(num_cpus=0)
             try:
@@ -724,18 +745,17 @@ def launch(config: RayJobConfig, job: ClusterJob | ScriptJob | TrainFunction) ->
         return JobResult.failed(f"{type(exc).__name__}: {exc}", shards.state_dir)
 
 
+#: What this module defines for use elsewhere, and ScriptFailed, what a ScriptJob's worker
+#: task raises (:mod:`paramserver.integrations.ray` takes every name it exports from here once
+#: ``ray`` is imported; it names the other modules' own).
 __all__ = [
     "MANAGED_SERVER_FIELDS",
     "ClusterJob",
-    "JobResult",
     "RayJobConfig",
     "RayShardGroup",
     "ScriptFailed",
-    "ScriptJob",
-    "ShardActor",
-    "ShardInfo",
     "TrainFunction",
     "WorkerJob",
-    "WorkerOutcome",
+    "WorkerReturn",
     "launch",
 ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from paramserver.integrations.ray.shard_actor import ShardInfo
 
@@ -25,7 +24,7 @@ class WorkerOutcome:
 
     index: int
     ok: bool
-    result: Any = None
+    result: object = None
     error: str | None = None
     node_ip: str | None = None
     starts: int = 1
@@ -51,7 +50,7 @@ class JobResult:
 
     workers: list[WorkerOutcome]
     shards: list[ShardInfo]
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float | str] = field(default_factory=dict)
     elapsed_s: float = 0.0
     state_dir: str = ""
     replicas: int = 1
