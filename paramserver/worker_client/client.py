@@ -24,9 +24,7 @@ cached across event loops: the channel is created in ``__aenter__`` on the runni
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import secrets
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +54,7 @@ from paramserver.worker_client.progress import WorkerProgress as WorkerProgress
 from paramserver.worker_client.progress import await_workers as await_workers
 from paramserver.worker_client.progress import progress_of as progress_of
 from paramserver.worker_client.pull_buffers import DEFAULT_MAX_BYTES, PullBuffers
+from paramserver.worker_client.request_ids import RequestIds
 from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
 from paramserver.worker_client.transport.base import PullResult, PullSpec, PushPayload, Transports
 from paramserver.worker_client.transport.session_stream import SessionTransport
@@ -134,8 +133,8 @@ class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyn
         replace: Fence a live registration of the same name (a restarted worker).
         resume: This worker continues its name's iterations where its predecessor stopped
             (it skips the ``steps`` that :meth:`progress` reports done and redoes the batch
-            in flight at its clock). Its dense pushes are numbered from its name, clock and
-            order within the clock, and a registration that replaces a predecessor (which
+            in flight at its clock). Its pushes (dense and row) are numbered from its name,
+            clock and order within the clock, and a registration that replaces a predecessor (which
             resumed too) carries over its applied request ids: the predecessor's push of a
             batch it never clocked (it died between the two) and the successor's push of the
             same batch are one push, applied once. Without it a replacement's pushes are all
@@ -240,15 +239,10 @@ class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyn
         self.reregistrations = 0
         self.clock_value = 0
         self.resume = bool(resume)
-        #: Push request ids (:meth:`_push_request_id`): salt (from the name when resuming,
-        #: else random), the clock of the last id, pushes numbered at that clock.
-        self._id_salt = (
-            int.from_bytes(hashlib.blake2b(worker_name.encode(), digest_size=8).digest(), "big")
-            if resume
-            else secrets.randbits(62)
-        ) & ((1 << 20) - 1)
-        self._id_clock = 0
-        self._id_pushes = 0
+        #: Request ids of dense pushes and of row pushes (one id space per kind on the
+        #: server): from the name, clock and count at the clock with ``resume``.
+        self._push_ids = RequestIds(worker_name, self.resume)
+        self._row_push_ids = RequestIds(worker_name, self.resume)
         self.view: pb.ClusterView | None = None
         self.last_version = 0
         #: Memory of dropped pull results, reused by the next pull of their key.
@@ -509,26 +503,17 @@ class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyn
         return await cast_gradients(self, grads, cast)
 
     def _push_request_id(self) -> int:
-        """The next dense push's request id: the n-th push of this client at this clock.
+        """The next dense push's request id (:class:`RequestIds`: with ``resume``, a
+        successor that replaces a lost worker continues at its predecessor's clock and takes
+        over its dedup window, so its push of the batch the predecessor pushed but never
+        clocked carries the same id and is answered as a duplicate, applied once on every
+        shard that applied the original)."""
+        return self._push_ids.take(self.clock_value)
 
-        With ``resume``, a successor that replaces a lost worker continues at its
-        predecessor's clock and takes over its dedup window: so its push of the batch the
-        predecessor pushed but never clocked (it died between the two) carries the same id and
-        is answered as a duplicate, applied once on every shard that applied the original.
-        Layout (62 bits): 20 bits of salt (the name's BLAKE2b hash with ``resume``, else
-        random; random again after this client's clock went back: a re-registration that
-        starts at a lower clock must not reuse the ids of pushes it already made), 26 bits of
-        the clock, 16 bits of n (wrapping; the window remembers far fewer ids than either
-        wraps over).
-        """
-        clock = self.clock_value
-        if clock < self._id_clock:
-            self._id_salt = secrets.randbits(20)
-        if clock != self._id_clock:
-            self._id_clock, self._id_pushes = clock, 0
-        n = self._id_pushes
-        self._id_pushes += 1
-        return (self._id_salt << 42) | ((clock & ((1 << 26) - 1)) << 16) | (n & 0xFFFF)
+    def _row_push_request_id(self, tables: int = 1) -> int:
+        """The first of ``tables`` consecutive request ids of the next row push (one per
+        table of a multi-table push), numbered as dense pushes are."""
+        return self._row_push_ids.take(self.clock_value, tables)
 
     def _prepare_push(
         self,

@@ -232,7 +232,11 @@ class TableClientMixin:
     clock_value: int
     rpc_timeout_s: float
     wait_timeout_s: float | None
-    _next_request_id: int
+
+    def _row_push_request_id(self, tables: int = 1) -> int:
+        """The first of ``tables`` consecutive request ids of the next row push (the
+        client numbers them; see ``WorkerClient``)."""
+        raise NotImplementedError
 
     if TYPE_CHECKING:  # WorkerClient's retry funnels and the one deadline rule of every pull
 
@@ -328,8 +332,7 @@ class TableClientMixin:
         """
         arr = check_ids(ids)
         rows = check_rows(grads, arr.shape[0])
-        request_id = self._next_request_id
-        self._next_request_id += 1
+        request_id = self._row_push_request_id()
         return await self._push_rows_as(table, arr, rows, request_id, timeout_s)
 
     async def _push_rows_as(
@@ -393,8 +396,7 @@ class TableClientMixin:
         arr = check_ids(push_ids)
         rows = check_rows(grads, arr.shape[0])
         pull = check_ids(pull_ids)
-        request_id = self._next_request_id
-        self._next_request_id += 1
+        request_id = self._row_push_request_id()
         return (await self._push_pull_rows_as(table, arr, rows, pull, request_id, timeout_s))[1]
 
     async def _push_pull_rows_as(
@@ -577,8 +579,7 @@ class TableClientMixin:
         """
         arrays = check_ids_many(ids)
         rows = check_rows_many(arrays, grads)
-        base = self._next_request_id
-        self._next_request_id += max(1, len(arrays))
+        base = self._row_push_request_id(max(1, len(arrays)))
         return await self._push_rows_many_as(arrays, rows, base, timeout_s)
 
     async def _push_rows_many_as(

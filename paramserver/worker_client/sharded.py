@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import TypeVar, Unpack
 
@@ -78,6 +77,7 @@ from paramserver.worker_client.options import (
     PushPullOptions,
     ValidatedPullOptions,
 )
+from paramserver.worker_client.request_ids import RequestIds
 from paramserver.worker_client.sharded_tables import ShardedTables
 
 __all__ = ["ShardedWorkerClient", "merge_views"]
@@ -125,7 +125,9 @@ class ShardedWorkerClient:
         self.last_version = 0
         self.reregistrations = 0
         self.view: pb.ClusterView | None = None
-        self._next_request_id = secrets.randbits(62)  # row pushes: one id on every shard
+        #: Row push request ids: one id on every shard; from the name, clock and count
+        #: at the clock with ``resume`` (see :class:`RequestIds`).
+        self._row_push_ids = RequestIds(first.worker_name, first.resume)
         self._layouts: dict[str, TensorLayout] = {}
         self._allow_non_finite = False  # the shards' policy, learned from their Status
 
@@ -554,8 +556,7 @@ class ShardedWorkerClient:
     ) -> RowPushAck:
         """Gradient rows split by shard and pushed concurrently, one request id for all
         shards (see :meth:`WorkerClient.push_rows`)."""
-        request_id = self._next_request_id
-        self._next_request_id += 1
+        request_id = self._row_push_ids.take(self.clock_value)
         return await ShardedTables(self.shards, self._fan_out).push_rows(
             table, ids, grads, request_id
         )
@@ -572,8 +573,7 @@ class ShardedWorkerClient:
         """Gradient rows pushed, then rows pulled, one call per shard, all shards
         concurrently, one request id for all shards; rows in ``pull_ids``' order (see
         :meth:`WorkerClient.push_pull_rows`)."""
-        request_id = self._next_request_id
-        self._next_request_id += 1
+        request_id = self._row_push_ids.take(self.clock_value)
         return await ShardedTables(self.shards, self._fan_out).push_pull_rows(
             table, push_ids, grads, pull_ids, request_id, timeout_s
         )
@@ -604,8 +604,8 @@ class ShardedWorkerClient:
         """Gradient rows of several tables, one request per shard (each all or nothing on
         its shard), the same request ids on every shard (see
         :meth:`WorkerClient.push_rows_many`)."""
-        request_id = self._next_request_id
-        self._next_request_id += max(1, len(ids.keys) if isinstance(ids, KeyedIds) else len(ids))
+        tables = len(ids.keys) if isinstance(ids, KeyedIds) else len(ids)
+        request_id = self._row_push_ids.take(self.clock_value, max(1, tables))
         return await ShardedTables(self.shards, self._fan_out).push_rows_many(
             ids, grads, request_id
         )

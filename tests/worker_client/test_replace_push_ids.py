@@ -13,8 +13,16 @@ import numpy as np
 import pytest
 
 from paramserver.errors import ParamServerError
-from paramserver.worker_client import UpdateRule, WorkerClient
-from tests.harness import running_server
+from paramserver.worker_client import (
+    Initializer,
+    TableRule,
+    TableSpec,
+    UpdateRule,
+    WorkerClient,
+    connect,
+)
+from paramserver.worker_client.request_ids import RequestIds
+from tests.harness import running_cluster, running_server
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -77,3 +85,96 @@ def test_ids_are_the_name_clock_and_count_and_change_after_the_clock_went_back()
     assert later not in ids_a
     a.clock_value = 7  # re-registered at a lower clock: new ids, never the old ones
     assert not {a._push_request_id() for _ in range(3)} & set(ids_a)
+
+
+def _row_oracle(pushes: list[tuple[np.ndarray, float]]) -> np.ndarray:
+    """Rows after sgd(lr=1) pushes of ``grad`` rows (all ones times the factor) to ``ids``
+    from zero initial rows: minus the sum of the factors per id, counted here."""
+    rows = np.zeros((16, 2), np.float32)
+    for ids, factor in pushes:
+        for i in ids:
+            rows[i] -= factor
+    return rows
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+@pytest.mark.parametrize("resume", [True, False])
+@pytest.mark.parametrize("shards", [1, 2])
+@pytest.mark.parametrize("consistency", ["asp", "ssp", "bsp"])
+async def test_successor_repush_of_unclocked_rows_is_a_duplicate(
+    consistency: str, shards: int, resume: bool
+) -> None:
+    """Row pushes (one table, and several tables in one call) are numbered as dense pushes
+    are: with ``resume`` a successor's push of the batch its predecessor pushed but never
+    clocked is the predecessor's push, applied once, on one shard or many (under BSP the
+    queued pushes left the open step with their registration: applied once either way);
+    without, the successor's pushes are new."""
+    table = {
+        "initializer": Initializer("zeros"),
+        "rule": TableRule("sgd", lr=1.0),
+        "consistency": consistency,
+        "staleness": 2 if consistency == "ssp" else 0,
+    }
+    spec = TableSpec("emb", 2, **table)
+    other = TableSpec("emb2", 2, **table)
+    ids = np.arange(8, dtype=np.int64)  # on both shards with 2
+
+    def g(factor: float) -> np.ndarray:
+        return np.full((ids.shape[0], 2), factor, np.float32)
+
+    async with running_cluster(
+        shards, consistency=consistency, staleness=2, aggregation="sum"
+    ) as daemons:
+        address = daemons[0].address
+        lost = connect(address, "w", heartbeat=False, resume=resume)
+        await lost.__aenter__()
+        await lost.init_table(spec)
+        await lost.init_table(other)
+        await lost.push_rows("emb", ids, g(1))  # batch 0
+        await lost.clock()
+        await lost.push_rows("emb", ids, g(10))  # batch 1, pushed; the worker dies before
+        await lost.push_rows_many({"emb": ids, "emb2": ids}, {"emb": g(10), "emb2": g(10)})
+        async with connect(address, "w", heartbeat=False, replace=True, resume=resume) as successor:
+            assert successor.clock_value == 1
+            ack = await successor.push_rows("emb", ids, g(10))  # batch 1 again
+            acks = await successor.push_rows_many(
+                {"emb": ids, "emb2": ids}, {"emb": g(10), "emb2": g(10)}
+            )
+            dup = resume and consistency != "bsp"
+            assert ack.duplicate == dup
+            assert [a.duplicate for a in acks.values()] == [dup, dup]
+            await successor.clock()
+            ack = await successor.push_rows("emb", ids, g(100))  # batch 2: new
+            assert not ack.duplicate
+            await successor.clock()
+            emb = await successor.pull_rows("emb", np.arange(16, dtype=np.int64))
+            emb2 = await successor.pull_rows("emb2", np.arange(16, dtype=np.int64))
+        once = resume or consistency == "bsp"
+        np.testing.assert_array_equal(
+            emb,
+            _row_oracle(
+                [(ids, 1), (ids, 10), (ids, 10), (ids, 100)]
+                + ([] if once else [(ids, 10), (ids, 10)])
+            ),
+        )
+        np.testing.assert_array_equal(
+            emb2, _row_oracle([(ids, 10)] + ([] if once else [(ids, 10)]))
+        )
+        try:
+            await lost.__aexit__(None, None, None)  # fenced: its leave is refused
+        except ParamServerError:
+            pass
+
+
+def test_row_push_ids_follow_the_name_clock_and_count() -> None:
+    """Row push ids: the same for the same name, clock and count; consecutive for a
+    multi-table push; never the ids of a lower clock after the clock went back."""
+    a = RequestIds("w", resume=True)
+    b = RequestIds("w", resume=True)
+    first = [a.take(3), a.take(3, 4), a.take(3)]
+    assert first == [b.take(3), b.take(3, 4), b.take(3)]
+    assert first[1] == first[0] + 1 and first[2] == first[1] + 4  # 4 ids for 4 tables
+    assert RequestIds("v", resume=True).take(3) not in first
+    assert a.take(4) not in first
+    assert a.take(3) not in first  # the clock went back: a new salt
+    assert RequestIds("w", resume=False).take(3) != first[0]
