@@ -52,6 +52,9 @@ LogFn = Callable[[wal_pb.WalRecord | list[wal_pb.WalRecord]], None]
 class ReplicaRole(Protocol):
     """The shard's replica role (:mod:`paramserver.server.replication`), when it has backups."""
 
+    #: Every replica's client address, by replica index, as this replica knows them now.
+    addresses: tuple[str, ...]
+
     def check_primary(self) -> None:
         """Raise :class:`~paramserver.errors.NotPrimary` unless this replica is primary."""
 

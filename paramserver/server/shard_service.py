@@ -131,14 +131,20 @@ class ShardService:
         )
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-        """Renew a worker's lease.
+        """Renew a worker's lease; a replicated shard's answer names its replicas' addresses
+        as they are now (a replica placed again on another host serves at a new one).
 
         Raises:
             WorkerNotFound (FAILED_PRECONDITION): the lease expired or the worker left.
         """
         check_worker_identity(request.worker_id)
         self.core.heartbeat(request.worker_id, self.engine.now())
-        return pb.HeartbeatResponse(lease_ms=self.engine.config.lease_ms, view=self.view())
+        role = self.engine.replication
+        return pb.HeartbeatResponse(
+            lease_ms=self.engine.config.lease_ms,
+            view=self.view(),
+            replicas=role.addresses if role is not None else (),
+        )
 
     async def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
         """A worker leaves; logged and durable before the answer."""

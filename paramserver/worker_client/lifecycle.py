@@ -103,6 +103,9 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
         self._nonce = secrets.token_hex(8)
         self._next_request_id = secrets.randbits(62)
         self._channel: grpc.aio.Channel | None = None
+        #: Channels left by :meth:`retarget` (closing once their calls finish), by the task
+        #: that closes them.
+        self._old_channels: dict[asyncio.Task[None], grpc.aio.Channel] = {}
         self._stub: StubT | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._left = False
@@ -133,6 +136,9 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
         worker is a member again), False to stop and mark the worker evicted."""
         return False
 
+    def _heartbeat_answered(self, resp: Any) -> None:
+        """A heartbeat's answer arrived (the service's hook: e.g. follow moved replicas)."""
+
     # ------------------------------------------------------------------ membership
     async def _renew_lease(self) -> Any:
         """One Heartbeat now, through the retry funnel; returns the service's response and keeps
@@ -148,6 +154,7 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
             "heartbeat",
         )
         self.view = resp.view
+        self._heartbeat_answered(resp)
         return resp
 
     async def leave(self) -> None:
@@ -195,6 +202,25 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
                     logger.debug("leave on close failed: %r", exc)
             await self._channel.close()
             self._channel = None
+        for task, channel in list(self._old_channels.items()):
+            await cancelled(task)
+            await channel.close()
+
+    def retarget(self, address: str) -> None:
+        """Send this session's calls to ``address`` from now on (a replicated shard whose
+        replica moved to another host): a new channel, the same registration. The old
+        channel is closed once its calls in flight finish (at most ``rpc_timeout_s``)."""
+        old = self._channel
+        if old is None:
+            self.address = address
+            return
+        self._channel = open_channel(address, self.security, self._open_options())
+        self._stub = self._new_stub(self._channel)
+        logger.warning("%s: now served at %s (was %s)", self.worker_name, address, self.address)
+        self.address = address
+        task = asyncio.get_running_loop().create_task(old.close(grace=self.rpc_timeout_s))
+        self._old_channels[task] = old
+        task.add_done_callback(lambda t: self._old_channels.pop(t, None))
 
     @property
     def stub(self) -> StubT:
@@ -213,6 +239,7 @@ class ServiceSession(AsyncClosing, Generic[StubT]):
                     self._heartbeat_request(), timeout=max(self.lease_ms / 2000.0, 0.2)
                 )
                 self.view = resp.view
+                self._heartbeat_answered(resp)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     logger.warning("worker %s was evicted: %s", self.worker_id, err.details())

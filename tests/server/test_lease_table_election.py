@@ -187,3 +187,63 @@ async def test_replicas_fail_over_and_reseed_a_moved_backup_through_the_table(
         for d in (d0, d1, moved):
             if d is not None:
                 await d.stop(0.0)
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_client_follows_a_moved_replica_through_a_second_failover(
+    tmp_path: Path,
+) -> None:
+    """Replica 0 is lost and placed again at another address; the primary (replica 1) names
+    the new address in its heartbeat answers and the client reconnects to it; then replica 1
+    is lost too, the moved replica 0 is promoted, and the client's pushes reach it. Every
+    acknowledged push is in the final value, applied once (the sum counted here)."""
+    table = LeaseTable()
+    store = LocalStore(table)
+    p0, p1, p2 = _free_ports(3)
+    addresses = [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"]
+    d0 = ParameterServerDaemon(_config(tmp_path, 0, addresses), election_store=store)
+    d1 = ParameterServerDaemon(_config(tmp_path, 1, addresses), election_store=store)
+    await d0.start()
+    await d1.start()
+    moved: ParameterServerDaemon | None = None
+    try:
+        await eventually(lambda: d0.replica is not None and d0.replica.primary is not None)
+        assert d0.replica is not None and d1.replica is not None
+        retry = RetryPolicy(deadline_s=scaled(30.0))
+        g = np.arange(4, dtype=np.float32)
+        async with connect("|".join(addresses), "w", retry=retry, heartbeat=False) as ps:
+            await ps.init({"x": np.zeros(4, np.float32)}, rule=UpdateRule("add"))
+            await ps.push({"x": g})
+            await eventually(lambda: d0.replica.primary.in_sync() == {0, 1})  # type: ignore[union-attr]
+            await d0.stop(0.0)  # replica 0 lost; replica 1 promoted
+            await eventually(lambda: d1.replica.primary is not None, timeout_s=20.0)  # type: ignore[union-attr]
+            await ps.push({"x": g})
+            moved_address = f"127.0.0.1:{p2}"
+            table.txn([], [Etcd.put(address_key("job", 0, 0), moved_address)])
+            moved = ParameterServerDaemon(
+                _config(tmp_path / "new-node", 0, [moved_address, addresses[1]]),
+                election_store=store,
+            )
+            await moved.start()
+            await eventually(
+                lambda: d1.replica.primary.in_sync() == {0, 1},  # type: ignore[union-attr]
+                timeout_s=30.0,
+            )
+            answer = await ps.heartbeat()
+            assert list(answer.replicas) == [moved_address, addresses[1]]
+            # the client now addresses the replicas where they are
+            assert set(ps._api.address.split("|")) == {moved_address, addresses[1]}  # type: ignore[union-attr]
+            await ps.push({"x": g})
+            await d1.stop(0.0)  # replica 1 lost as well; the moved replica 0 is promoted
+            await eventually(
+                lambda: moved.replica is not None and moved.replica.primary is not None,  # type: ignore[union-attr]
+                timeout_s=20.0,
+            )
+            await ps.push({"x": g})
+            values = await ps.pull(["x"])
+        np.testing.assert_array_equal(values["x"], 4 * g)
+        assert moved.engine is not None and moved.engine.core.applied_updates == 4
+    finally:
+        for d in (d0, d1, moved):
+            if d is not None:
+                await d.stop(0.0)

@@ -364,7 +364,8 @@ class RayShardGroup(Closing):
     Attributes:
         addresses: Each shard's client address, in shard order (fixed for the group's life);
             a replicated shard's names every replica as first placed (``"h:p|h:p"``), and
-            clients reach its primary.
+            clients reach its primary (and follow a replica placed again elsewhere: its
+            primary names the new address in heartbeat answers).
         groups: Each shard's replica addresses as first placed.
         replicas: Replicas of each shard (``config.replicas``, or the default it resolved to).
         actors: The replica actors' handles, by shard then replica.
