@@ -13,7 +13,7 @@ from the kill to the first push acknowledged by the new primary is measured (the
 client finds it by itself), then the killed replica is restarted (seeded again) for the next
 round. Needs an ``etcd`` binary (Debian: ``apt-get install etcd-server``); skipped without.
 
-    python benchmarks/replication.py [--quick]
+    python benchmarks/replication.py [--quick] [--model resnet50]
 """
 
 from __future__ import annotations
@@ -29,26 +29,38 @@ from typing import Any
 
 import numpy as np
 from benchlib import emit, machine_info, print_table, quick_from_env, timed_calls
+from benchlib.models import MODELS, shapes
 
 from paramserver.cli.demos.local_cluster import local_cluster
 from paramserver.cli.demos.local_etcd import etcd_binary
 from paramserver.worker_client import UpdateRule
 
 
-async def _push_pull_for(cluster: Any, n: int, workers: int, seconds: float) -> tuple[int, float]:
-    grad = np.ones(n, np.float32)
+def tensors_of(model: str | None) -> dict[str, np.ndarray]:
+    """The pushed tensors: one of 1e6 float32, or every parameter of ``model`` (its real
+    shapes, e.g. ResNet-50's 161 tensors, 25.6M float32)."""
+    if model is None:
+        return {"w": np.zeros(1_000_000, np.float32)}
+    return {f"p{i:03d}": np.zeros(shape, np.float32) for i, shape in enumerate(shapes(model))}
+
+
+async def _push_pull_for(
+    cluster: Any, tensors: dict[str, np.ndarray], workers: int, seconds: float
+) -> tuple[int, float]:
+    grads = {k: np.ones_like(v) for k, v in tensors.items()}
+    keys = list(tensors)
     clients = [cluster.connect(f"bench-{i}") for i in range(workers)]
     for c in clients:
         await c.open()
     try:
-        await clients[0].init({"w": np.zeros(n, np.float32)}, UpdateRule("add"))
-        return await timed_calls(clients, lambda c: c.push_pull({"w": grad}, ["w"]), seconds)
+        await clients[0].init(tensors, UpdateRule("add"))
+        return await timed_calls(clients, lambda c: c.push_pull(grads, keys), seconds)
     finally:
         for c in clients:
             await c.close()
 
 
-def _rate(replicas: int, n: int, workers: int, seconds: float) -> float:
+def _rate(replicas: int, tensors: dict[str, np.ndarray], workers: int, seconds: float) -> float:
     with tempfile.TemporaryDirectory(prefix="paramserver-repl-bench-") as tmp:
         flags: dict[str, Any] = {"wal": True}
         if replicas == 1:
@@ -57,29 +69,31 @@ def _rate(replicas: int, n: int, workers: int, seconds: float) -> float:
             consistency="asp", replicas=replicas, state_dir=tmp, election="none", **flags
         ) as c:
             time.sleep(1.0)  # the backup's seed (an empty shard) before timing
-            pushes, elapsed = asyncio.run(_push_pull_for(c, n, workers, seconds))
+            pushes, elapsed = asyncio.run(_push_pull_for(c, tensors, workers, seconds))
     return pushes / elapsed
 
 
-def cost(quick: bool) -> list[list[Any]]:
+def cost(quick: bool, model: str | None = None) -> list[list[Any]]:
     """Replicas 1 and 2 alternately (the load of a shared machine drifts): the medians."""
-    n = 1_000_000
+    tensors = tensors_of(model)
+    n = sum(t.size for t in tensors.values())
     seconds = 3.0 if quick else 8.0
     rounds = 2 if quick else 3
     workers = 2
     rates: dict[int, list[float]] = {1: [], 2: []}
     for r in range(rounds):
         for replicas in (1, 2):
-            rate = _rate(replicas, n, workers, seconds)
+            rate = _rate(replicas, tensors, workers, seconds)
             rates[replicas].append(rate)
             emit(
                 {
                     "benchmark": "replication_cost",
                     "round": r,
+                    "model": model or "1e6",
                     "n_elements": n,
                     "workers": workers,
                     "replicas": replicas,
-                    "push_pulls_per_s": round(rate, 1),
+                    "push_pulls_per_s": round(rate, 2),
                 }
             )
     median = {k: float(np.median(v)) for k, v in rates.items()}
@@ -89,8 +103,9 @@ def cost(quick: bool) -> list[list[Any]]:
         emit(
             {
                 "benchmark": "replication_cost",
+                "model": model or "1e6",
                 "replicas": replicas,
-                "median": round(rate, 1),
+                "median": round(rate, 2),
                 "relative_to_1_replica": round(ratio, 3),
             }
         )
@@ -142,6 +157,12 @@ def failover(quick: bool) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--model",
+        action="append",
+        choices=MODELS,
+        help="also measure the cost with this model's parameter shapes (repeatable)",
+    )
     args = parser.parse_args()
     quick = args.quick or quick_from_env()
     emit({"benchmark": "replication", "machine": machine_info()})
@@ -150,6 +171,12 @@ def main() -> None:
         ["replicas", "push_pulls/s", "MB/s (both ways)", "vs 1 replica"],
         cost(quick),
     )
+    for model in args.model or []:
+        print_table(
+            f"Replication cost ({model}'s parameters, 2 workers, --wal; medians)",
+            ["replicas", "push_pulls/s", "MB/s (both ways)", "vs 1 replica"],
+            cost(quick, model),
+        )
     if etcd_binary() is None:
         emit({"benchmark": "failover", "skipped": "no etcd binary"})
         return
