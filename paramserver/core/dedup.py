@@ -17,13 +17,22 @@ own bound (the oldest ids are forgotten first).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from typing import Any, Final
+from collections.abc import Callable, Iterable, Mapping
+from typing import Final, Generic, TypeVar, cast
 
-__all__ = ["DEDUP_WINDOW", "DedupWindows"]
+__all__ = ["DEDUP_WINDOW", "DedupKind", "DedupWindows"]
 
 #: Request ids remembered per registration and kind.
 DEDUP_WINDOW: Final = 8192
+
+_Outcome = TypeVar("_Outcome")
+
+
+class DedupKind(str, Generic[_Outcome]):
+    """A mutation kind's name (a plain ``str``), typed by the outcome its requests answer, so
+    that :meth:`DedupWindows.get` and :meth:`DedupWindows.of` give that type back."""
+
+    __slots__ = ()
 
 
 class DedupWindows:
@@ -36,20 +45,24 @@ class DedupWindows:
 
     def __init__(self, kinds: Iterable[str], window: int = DEDUP_WINDOW) -> None:
         self.window = int(window)
-        self.kinds: dict[str, dict[str, OrderedDict[int, Any]]] = {k: {} for k in kinds}
+        #: kind -> worker id -> request id -> outcome (each kind's outcomes of its one type,
+        #: which only the typed kind's methods below store and hand out).
+        self.kinds: dict[str, dict[str, OrderedDict[int, object]]] = {k: {} for k in kinds}
 
-    def of(self, kind: str) -> dict[str, OrderedDict[int, Any]]:
+    def of(self, kind: DedupKind[_Outcome]) -> dict[str, OrderedDict[int, _Outcome]]:
         """Every registration's window of ``kind`` (checkpoints read and write it)."""
-        return self.kinds[kind]
+        return cast("dict[str, OrderedDict[int, _Outcome]]", self.kinds[kind])
 
-    def get(self, kind: str, worker_id: str, request_id: int) -> Any | None:
+    def get(self, kind: DedupKind[_Outcome], worker_id: str, request_id: int) -> _Outcome | None:
         """The outcome answered to ``request_id`` of this registration, or None."""
-        seen = self.kinds[kind].get(worker_id)
+        seen = self.of(kind).get(worker_id)
         return None if seen is None else seen.get(request_id)
 
-    def remember(self, kind: str, worker_id: str, request_id: int, outcome: Any) -> None:
+    def remember(
+        self, kind: DedupKind[_Outcome], worker_id: str, request_id: int, outcome: _Outcome
+    ) -> None:
         """Record an applied (or queued) request's outcome; forgets the oldest past the bound."""
-        per_worker = self.kinds[kind]
+        per_worker = self.of(kind)
         seen = per_worker.get(worker_id)
         if seen is None:  # (not setdefault: no new OrderedDict per request)
             seen = per_worker[worker_id] = OrderedDict()
@@ -57,15 +70,17 @@ class DedupWindows:
         if len(seen) > self.window:
             seen.popitem(last=False)
 
-    def restore(self, kind: str, windows: dict[str, OrderedDict[int, Any]]) -> None:
+    def restore(
+        self, kind: DedupKind[_Outcome], windows: dict[str, OrderedDict[int, _Outcome]]
+    ) -> None:
         """Replace ``kind``'s windows (a checkpoint restore)."""
-        self.kinds[kind] = windows
+        self.kinds[kind] = cast("dict[str, OrderedDict[int, object]]", windows)
 
     def carry_over(
         self,
         old_worker_id: str,
         new_worker_id: str,
-        keep: Callable[[Any], bool] | None = None,
+        keep: Callable[[object], bool] | None = None,
     ) -> None:
         """``new_worker_id`` continues ``old_worker_id``: it takes over every kind's window
         (merged, the new registration's own ids kept where both have one); with ``keep``, only
@@ -83,7 +98,7 @@ class DedupWindows:
                     old.popitem(last=False)
             per_worker[new_worker_id] = old
 
-    def forget_except(self, known: Iterable[str] | dict[str, Any]) -> None:
+    def forget_except(self, known: Iterable[str] | Mapping[str, object]) -> None:
         """Drop the windows of every registration not in ``known``."""
         keep = known if isinstance(known, dict) else set(known)
         for per_worker in self.kinds.values():

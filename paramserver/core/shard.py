@@ -17,7 +17,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, TypedDict, Unpack
+from typing import Final, Protocol, TypedDict, Unpack
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from paramserver.core.consistency import (
     RegisterOptions,
     WorkerRecord,
 )
-from paramserver.core.dedup import DedupWindows
+from paramserver.core.dedup import DedupKind, DedupWindows
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.store import Checked, ParameterStore, out_of_range
 from paramserver.core.table_set import ROW_PUSH, TableSet
@@ -146,7 +146,7 @@ PROGRESS_NAMES_KEPT = 65536
 Applier = Callable[[list[Checked]], None]
 
 #: The dedup kind of dense pushes (:class:`~paramserver.core.dedup.DedupWindows`).
-DENSE_PUSH = "push"
+DENSE_PUSH: Final[DedupKind[PushResult]] = DedupKind("push")
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,13 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from paramserver.core.consistency import Admission, ClusterState
-from paramserver.core.dedup import DedupWindows
+from paramserver.core.dedup import DedupKind, DedupWindows
 from paramserver.core.optimizers import HALF_DTYPES
 from paramserver.core.tables import (
     EmbeddingTable,
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["PreparedRowPush", "RowPushOutcome", "TableSet", "TableStats"]
 
 #: The dedup kind of row pushes (:class:`~paramserver.core.dedup.DedupWindows`).
-ROW_PUSH = "push_rows"
+ROW_PUSH: Final[DedupKind[RowPushOutcome]] = DedupKind("push_rows")
 
 
 @dataclass(frozen=True)
