@@ -13,11 +13,19 @@ JSON numbers (protobuf's JSON mapping writes them as strings).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
+
+from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import tables_pb2 as tpb
+
+if TYPE_CHECKING:
+    # (what ``Message.DESCRIPTOR`` is typed as besides the Python Descriptor: the upb one)
+    from google._upb._message import Descriptor as UpbDescriptor
 
 __all__ = ["cache_hit_rate", "render_status", "status_to_dict", "straggler_order", "table_lines"]
 
@@ -42,7 +50,7 @@ def status_to_dict(message: Message) -> dict[str, Any]:
     return dict(out)
 
 
-def _ints_as_numbers(descriptor: Any, data: dict[str, Any]) -> None:
+def _ints_as_numbers(descriptor: Descriptor | UpbDescriptor, data: dict[str, Any]) -> None:
     for field in descriptor.fields:
         if field.name not in data:
             continue
@@ -70,7 +78,7 @@ def _enum_name(message: Message, field: str, prefix: str) -> str:
     return name.removeprefix(prefix).lower()
 
 
-def straggler_order(status: Any) -> list[Any]:
+def straggler_order(status: pb.StatusResponse) -> list[pb.WorkerInfo]:
     """Workers of a ``StatusResponse``, slowest first.
 
     Under BSP by total barrier lag (descending), then by lowest clock; otherwise by lowest
@@ -115,7 +123,7 @@ def _bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def checkpoint_text(status: Any) -> str:
+def checkpoint_text(status: pb.StatusResponse) -> str:
     """``ckpt-... 3.2 s ago``, ``ckpt-... (restored at start, written 1 h ago)`` or ``none``."""
     name = getattr(status, "last_checkpoint", "")
     if not status.last_checkpoint_age_ms and not name:
@@ -126,7 +134,7 @@ def checkpoint_text(status: Any) -> str:
     return f"{name} {age} ago".strip()
 
 
-def render_status(status: Any, address: str = "") -> str:
+def render_status(status: pb.StatusResponse, address: str = "") -> str:
     """The human view of a ``StatusResponse`` (tables of plain aligned text, newline-ended)."""
     view = status.view
     consistency = _enum_name(view, "consistency", "CONSISTENCY_").upper()
@@ -204,14 +212,14 @@ def render_status(status: Any, address: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def cache_hit_rate(info: Any) -> str:
+def cache_hit_rate(info: tpb.TableInfo) -> str:
     """``87.5%`` of the rows workers' row caches served, or ``-`` when none reported."""
     if not info.cache_rows_requested:
         return "-"
     return f"{100.0 * info.cache_rows_hit / info.cache_rows_requested:.1f}%"
 
 
-def table_lines(tables: Any) -> list[str]:
+def table_lines(tables: Iterable[tpb.TableInfo]) -> list[str]:
     """The TABLES section: per embedding table what users watch (rows stored, memory per row,
     rows pulled and pushed per second, filtered and expired ids, the cache hit rate workers
     reported)."""
