@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -32,11 +32,12 @@ from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.api.v1 import tensor_pb2
 from paramserver.errors import ParamServerError
-from paramserver.protocol import rows_wire
+from paramserver.protocol import rows_wire, tensor
 from paramserver.worker_client.compression import DenseParts, WirePart
 
 __all__ = [
     "Declined",
+    "IdArray",
     "PullResult",
     "PullSpec",
     "PushPayload",
@@ -51,6 +52,8 @@ R = TypeVar("R")
 
 #: A pull's outcome: the server's info and key -> value.
 PullResult = tuple[pb.PullInfo, dict[str, np.ndarray]]
+#: Row ids as the transports take them: int64 (n,).
+IdArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,12 +128,21 @@ class RowPush:
     """One row push: int64 (n,) ids and (n, dim) gradient rows; the stream's chunks are encoded
     once, on first need, and re-sent on retry."""
 
-    ids: npt.NDArray[np.int64]
+    ids: IdArray
     grads: np.ndarray
-    _chunks: list[Any] | None = field(default=None, repr=False)
+    _chunks: list[tpb.RowsChunk] | None = field(default=None, repr=False)
+
+    def header(self, header: tpb.RowsHeader) -> tpb.RowsHeader:
+        """``header`` (left as it is) with this push's id count, dtype and dim filled in."""
+        full = tpb.RowsHeader()
+        full.CopyFrom(header)
+        full.num_ids = int(self.ids.shape[0])
+        full.dtype = tensor.dtype_to_wire(self.grads.dtype)
+        full.dim = int(self.grads.shape[1])
+        return full
 
     @property
-    def chunks(self) -> list[Any]:
+    def chunks(self) -> list[tpb.RowsChunk]:
         """The ``RowsChunk`` messages of the PushRows stream."""
         if self._chunks is None:
             self._chunks = list(rows_wire.chunk_rows(self.ids, self.grads))
@@ -165,7 +177,7 @@ class Transport(Protocol):
         (the push was applied)."""
 
     async def pull_rows(
-        self, header: tpb.RowsHeader, ids: npt.NDArray[np.int64], deadline_s: float
+        self, header: tpb.RowsHeader, ids: IdArray, deadline_s: float
     ) -> np.ndarray | Declined:
         """Rows of ``ids`` (int64 (n,)) of ``header.table``: a (n, dim) array."""
 
@@ -175,11 +187,7 @@ class Transport(Protocol):
         """Push gradient rows; the server's response."""
 
     async def push_pull_rows(
-        self,
-        header: tpb.RowsHeader,
-        rows: RowPush,
-        pull_ids: npt.NDArray[np.int64],
-        deadline_s: float,
+        self, header: tpb.RowsHeader, rows: RowPush, pull_ids: IdArray, deadline_s: float
     ) -> tuple[tpb.PushRowsResponse, np.ndarray] | Declined:
         """Push gradient rows, then pull the rows of ``pull_ids`` (int64 (m,)) of the same
         table after the push (``header.timeout_ms``: the pull's wait); the push's response

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
-from typing import Any, cast
+from typing import cast
 
 import grpc
 
@@ -27,7 +27,7 @@ MAX_RESPONSE_FRAME_BYTES = 64 << 20
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.frames = FrameReader(pb.SessionResponse, MAX_RESPONSE_FRAME_BYTES)
-        self.queue: collections.deque[Any] = collections.deque()
+        self.queue: collections.deque[pb.SessionResponse] = collections.deque()
         self.waiter: asyncio.Future[None] | None = None
         self.closed = False
         self.error: Exception | None = None
@@ -95,8 +95,9 @@ class LocalLinkCall:
             raise ConnectionResetError("local link closed")
         write_frame(self._transport, req)
 
-    async def read(self) -> Any:
-        """The next response, or ``grpc.aio.EOF`` once the server closed the link.
+    async def read(self) -> pb.SessionResponse | object:
+        """The next response, or ``grpc.aio.EOF`` once the server closed the link (typed as
+        ``StreamStreamCall.read`` is: grpc's stubs type ``EOF`` as a plain object).
 
         Raises:
             MalformedStream: the server sent a frame that is not a ``SessionResponse``.

@@ -34,13 +34,14 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import TypeAlias
 
 import grpc
 import numpy as np
-import numpy.typing as npt
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
+from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import ERROR_CLASS_METADATA_KEY, InvalidArgument, MalformedStream
 from paramserver.protocol import link, shm
@@ -58,6 +59,7 @@ from paramserver.protocol.session_frames import (
 from paramserver.worker_client.pull_buffers import PullBuffers
 from paramserver.worker_client.transport.base import (
     Declined,
+    IdArray,
     PullResult,
     PullSpec,
     PushPayload,
@@ -66,6 +68,9 @@ from paramserver.worker_client.transport.base import (
 from paramserver.worker_client.transport.link_client import LocalLinkCall
 
 logger = logging.getLogger(__name__)
+
+#: The gRPC ``Session`` call.
+_SessionCall: TypeAlias = "grpc.aio.StreamStreamCall[pb.SessionRequest, pb.SessionResponse]"
 
 __all__ = ["SMALL_INLINE_BYTES", "SessionTransport"]
 
@@ -109,7 +114,7 @@ class SessionTransport:
 
     def __init__(
         self,
-        stub: Callable[[], Any],
+        stub: Callable[[], pb_grpc.ParameterServerAsyncStub],
         *,
         shared_memory: bool = True,
         shm_dir: Path | None = None,
@@ -134,12 +139,13 @@ class SessionTransport:
         self.disabled = False
         self.max_inline_bytes = MAX_INLINE_BYTES
         #: Layout memos of the inline batches this client sends and reads.
-        self._packed_sent: dict[str, Any] = {}
-        self._packed_read: dict[str, Any] = {}
+        self._packed_sent: dict[str, object] = {}
+        self._packed_read: dict[str, object] = {}
         self.sessions_opened = 0
         self.offers_accepted = 0
         self._lock = asyncio.Lock()
-        self._call: Any = None
+        #: The Session call (gRPC, or the local link once the session moved there).
+        self._call: _SessionCall | LocalLinkCall | None = None
         self._seq = 0
         self._segment: shm.ClientSegment | None = None
         #: Payload bytes of every key seen (pushed or pulled), to place pulls up front.
@@ -149,7 +155,7 @@ class SessionTransport:
         # Request deadlines (see _Deadline): one lazily re-armed timer, not one per request.
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
-        self._timed_task: asyncio.Task[Any] | None = None  # the request in flight
+        self._timed_task: asyncio.Task[object] | None = None  # the request in flight
         self._expiry = math.inf  # loop time its deadline passes
         self._expired = False  # the timer cancelled it
 
@@ -283,7 +289,7 @@ class SessionTransport:
             raise
         if answer is grpc.aio.EOF:
             answer, reason = None, "the link closed before answering"
-        elif answer is not None and answer.WhichOneof("body") != "opened":
+        elif isinstance(answer, pb.SessionResponse) and answer.WhichOneof("body") != "opened":
             reason = answer.error.message or "not answered with opened"
             answer = None
         if answer is None:
@@ -292,7 +298,8 @@ class SessionTransport:
             logger.debug("local link off: %s", self.local_declined)
             return
         grpc_call, self._call = self._call, link
-        grpc_call.cancel()  # the gRPC Session ends; the server's handler for it returns
+        if grpc_call is not None:
+            grpc_call.cancel()  # the gRPC Session ends; the server's handler for it returns
         self.local_links_opened += 1
         logger.debug("session moved to the local link %s", offer.address)
 
@@ -447,7 +454,7 @@ class SessionTransport:
 
         One contiguous copy instead of one per key: separately allocated destinations cost
         up to ~1.7x the copy of the same bytes (measured with ResNet-50's 161 tensors), and
-        small ones fresh pages each pull. Any value the caller keeps keeps the whole buffer.
+        small ones fresh pages each pull. A value the caller keeps keeps the whole buffer.
         False (nothing done) when the slots are not laid out in order without overlap.
         """
         start = prev_end = entries[0][3]
@@ -545,7 +552,7 @@ class SessionTransport:
             return await self._finish_pull(request, pulled, pull.copy)
 
     async def pull_rows(
-        self, header: tpb.RowsHeader, ids: npt.NDArray[np.int64], deadline_s: float
+        self, header: tpb.RowsHeader, ids: IdArray, deadline_s: float
     ) -> np.ndarray | Declined:
         """One embedding-table row pull: a fresh (n, dim) array (the pull region is sized up
         front once a row's size is known)."""
@@ -566,11 +573,7 @@ class SessionTransport:
         return got[0].pushed
 
     async def push_pull_rows(
-        self,
-        header: tpb.RowsHeader,
-        rows: RowPush,
-        pull_ids: npt.NDArray[np.int64],
-        deadline_s: float,
+        self, header: tpb.RowsHeader, rows: RowPush, pull_ids: IdArray, deadline_s: float
     ) -> tuple[tpb.PushRowsResponse, np.ndarray] | Declined:
         """A row push, then a row pull of the same table, in one request (tensors "ids",
         "grads", "pull_ids"): the push's response and a fresh (m, dim) array of the rows."""
@@ -744,7 +747,7 @@ class _Deadline:
     def __init__(self, fp: SessionTransport, deadline_s: float) -> None:
         self._fp = fp
         self._s = deadline_s
-        self._task: asyncio.Task[Any] | None = None
+        self._task: asyncio.Task[object] | None = None
         self._cancelling = 0
 
     async def __aenter__(self) -> None:
@@ -760,7 +763,12 @@ class _Deadline:
         fp._expiry = at = loop.time() + self._s
         fp._arm(loop, at)
 
-    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         fp = self._fp
         fp._timed_task = None
         fp._expiry = math.inf

@@ -8,18 +8,24 @@ One call per request: ``Push`` (tensor frames, any size, compressed gradients to
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterable, Callable, Iterator
+from typing import Any, Literal, Protocol, TypeVar
 
+import grpc
 import numpy as np
-import numpy.typing as npt
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import REFUSAL_METADATA_KEY, MalformedStream
 from paramserver.protocol import rows_wire, tensor
 from paramserver.worker_client.pull_buffers import PullBuffers
-from paramserver.worker_client.transport.base import PullResult, PullSpec, PushPayload, RowPush
+from paramserver.worker_client.transport.base import (
+    IdArray,
+    PullResult,
+    PullSpec,
+    PushPayload,
+    RowPush,
+)
 
 __all__ = ["SEND_CHUNK_BYTES", "StreamTransport", "read_rows"]
 
@@ -112,7 +118,7 @@ class StreamTransport:
         return await self._push(header, push), None
 
     async def pull_rows(
-        self, header: tpb.RowsHeader, ids: npt.NDArray[np.int64], deadline_s: float
+        self, header: tpb.RowsHeader, ids: IdArray, deadline_s: float
     ) -> np.ndarray:
         """Rows over a PullRows stream (ids chunked after the header)."""
 
@@ -127,11 +133,7 @@ class StreamTransport:
         self, header: tpb.RowsHeader, rows: RowPush, deadline_s: float
     ) -> tpb.PushRowsResponse:
         """Rows over a PushRows stream (the header also names count, dtype and dim)."""
-        full = tpb.RowsHeader()
-        full.CopyFrom(header)
-        full.num_ids = int(rows.ids.shape[0])
-        full.dtype = tensor.dtype_to_wire(rows.grads.dtype)
-        full.dim = int(rows.grads.shape[1])
+        full = rows.header(header)
         chunks = rows.chunks
 
         def requests() -> Iterator[tpb.PushRowsRequest]:
@@ -143,20 +145,13 @@ class StreamTransport:
         return resp
 
     async def push_pull_rows(
-        self,
-        header: tpb.RowsHeader,
-        rows: RowPush,
-        pull_ids: npt.NDArray[np.int64],
-        deadline_s: float,
+        self, header: tpb.RowsHeader, rows: RowPush, pull_ids: IdArray, deadline_s: float
     ) -> tuple[tpb.PushRowsResponse, np.ndarray]:
         """A row push, then a row pull, over one PushPullRows stream (the push's chunks, then
         the pull's ids)."""
-        fused = tpb.PushPullRowsHeader(pull_num_ids=int(pull_ids.shape[0]))
-        full = fused.push
-        full.CopyFrom(header)
-        full.num_ids = int(rows.ids.shape[0])
-        full.dtype = tensor.dtype_to_wire(rows.grads.dtype)
-        full.dim = int(rows.grads.shape[1])
+        fused = tpb.PushPullRowsHeader(
+            push=rows.header(header), pull_num_ids=int(pull_ids.shape[0])
+        )
         chunks = rows.chunks
 
         def requests() -> Iterator[tpb.PushPullRowsRequest]:
@@ -167,38 +162,65 @@ class StreamTransport:
                 yield tpb.PushPullRowsRequest(chunk=chunk)
 
         stream = self._stub().PushPullRows(requests(), timeout=deadline_s)
-        info, got = await _read_rows_reply(stream, header.table, "PushPullRowsInfo")
+        info, got = await _read_rows_reply(stream, header.table, "PushPullRowsInfo", _pulled)
         return info.pushed, got
 
 
-async def read_rows(stream: AsyncIterator[Any], table: str) -> np.ndarray:
+InfoT = TypeVar("InfoT")
+InfoT_co = TypeVar("InfoT_co", covariant=True)
+
+
+class _RowsReply(Protocol[InfoT_co]):
+    """A message of a ``PullRows`` or ``PushPullRows`` reply stream: an info, or rows."""
+
+    @property
+    def info(self) -> InfoT_co: ...
+
+    @property
+    def chunk(self) -> tpb.RowsChunk: ...
+
+    def WhichOneof(self, oneof_group: Literal["body"], /) -> str | None: ...
+
+
+def _pulled(info: tpb.PushPullRowsInfo) -> tpb.PullRowsInfo:
+    return info.pulled
+
+
+def _same(info: tpb.PullRowsInfo) -> tpb.PullRowsInfo:
+    return info
+
+
+async def read_rows(stream: AsyncIterable[tpb.PullRowsResponse], table: str) -> np.ndarray:
     """The rows of a ``PullRows`` reply stream: (num_ids, dim) of the table's dtype.
 
     Raises:
         MalformedStream: info missing, repeated or after rows; rows that do not add up.
     """
-    return (await _read_rows_reply(stream, table, "PullRowsInfo"))[1]
+    return (await _read_rows_reply(stream, table, "PullRowsInfo", _same))[1]
 
 
 async def _read_rows_reply(
-    stream: AsyncIterator[Any], table: str, info_name: str
-) -> tuple[Any, np.ndarray]:
+    stream: AsyncIterable[_RowsReply[InfoT]],
+    table: str,
+    info_name: str,
+    rows_info: Callable[[InfoT], tpb.PullRowsInfo],
+) -> tuple[InfoT, np.ndarray]:
     """A ``PullRows`` or ``PushPullRows`` reply stream: its info message (a ``PullRowsInfo``,
-    or a ``PushPullRowsInfo`` whose ``pulled`` describes the rows) and the rows, (num_ids,
-    dim) of the table's dtype.
+    or a ``PushPullRowsInfo`` whose ``pulled`` describes the rows: ``rows_info`` says which)
+    and the rows, (num_ids, dim) of the table's dtype.
 
     Raises:
         MalformedStream: info missing, repeated or after rows; rows that do not add up.
     """
     receiver: rows_wire.RowsReceiver | None = None
-    first: Any = None
+    first: InfoT | None = None
     async for msg in stream:
         which = msg.WhichOneof("body")
         if which == "info":
             if receiver is not None:
                 raise MalformedStream(f"table {table!r}: a second {info_name}")
             first = msg.info
-            info = first.pulled if info_name == "PushPullRowsInfo" else first
+            info = rows_info(first)
             dtype = tensor.dtype_from_wire(info.dtype, table)
             receiver = rows_wire.RowsReceiver(
                 f"table {table!r}", int(info.num_ids), int(info.dim), dtype, with_ids=False
@@ -207,12 +229,12 @@ async def _read_rows_reply(
             raise MalformedStream(f"table {table!r}: rows before the {info_name}")
         else:
             receiver.feed(msg.chunk)
-    if receiver is None:
+    if receiver is None or first is None:
         raise MalformedStream(f"table {table!r}: empty reply without a {info_name}")
     return first, receiver.finish()[1]
 
 
-async def _watch_refusal(call: Any, refused: asyncio.Event) -> None:
+async def _watch_refusal(call: grpc.aio.Call, refused: asyncio.Event) -> None:
     """Set ``refused`` when the server announces a refusal of the stream being written
     (:data:`~paramserver.errors.REFUSAL_METADATA_KEY` in the initial metadata)."""
     try:
