@@ -56,11 +56,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol, Unpack
 
 import numpy as np
 import numpy.typing as npt
+from numpy.typing import ArrayLike
 
+from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.errors import InvalidArgument
 from paramserver.protocol import rows_wire
 from paramserver.worker_client.embedding import (
@@ -70,9 +72,36 @@ from paramserver.worker_client.embedding import (
     check_ids_many,
     check_rows,
 )
-from paramserver.worker_client.keyed import KeyedIds
+from paramserver.worker_client.keyed import TableIds
+from paramserver.worker_client.options import PullRowsManyOptions, ValidatedPullOptions
 
-__all__ = ["CacheStats", "RowCache"]
+__all__ = ["CacheStats", "RowCache", "RowClient"]
+
+
+class RowClient(Protocol):
+    """What a :class:`RowCache` uses of the client it wraps (an async client: ``connect``)."""
+
+    @property
+    def clock_value(self) -> int: ...
+
+    async def pull_rows_many(
+        self, ids: TableIds, **options: Unpack[PullRowsManyOptions]
+    ) -> dict[str, np.ndarray]: ...
+
+    async def pull_rows_validated(
+        self,
+        ids: Mapping[str, npt.NDArray[np.int64]],
+        held: Mapping[str, npt.NDArray[np.int64]],
+        **options: Unpack[ValidatedPullOptions],
+    ) -> dict[str, ValidatedRows]: ...
+
+    async def push_rows_many(
+        self, ids: TableIds, grads: Mapping[str, ArrayLike], *, timeout_s: float | None = None
+    ) -> dict[str, RowPushAck]: ...
+
+    async def status(self) -> pb.StatusResponse: ...
+
+    async def clock(self) -> int: ...
 
 
 @dataclass
@@ -187,7 +216,7 @@ class RowCache:
         InvalidArgument: a negative staleness (INVALID_ARGUMENT).
     """
 
-    def __init__(self, client: Any, staleness: int) -> None:
+    def __init__(self, client: RowClient, staleness: int) -> None:
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
             raise InvalidArgument(f"RowCache staleness must be an int >= 0, got {staleness!r}")
         self.client = client
@@ -208,12 +237,14 @@ class RowCache:
         return int(self.client.clock_value)
 
     # ------------------------------------------------------------------ reads
-    async def pull_rows(self, table: str, ids: Any, **kw: Any) -> np.ndarray:
+    async def pull_rows(
+        self, table: str, ids: ArrayLike, *, timeout_s: float | None = None
+    ) -> np.ndarray:
         """As the client's ``pull_rows``, served from the cache within the bound."""
-        return (await self.pull_rows_many({table: ids}, **kw))[table]
+        return (await self.pull_rows_many({table: ids}, timeout_s=timeout_s))[table]
 
     async def pull_rows_many(
-        self, ids: Mapping[str, Any] | KeyedIds, **kw: Any
+        self, ids: TableIds, *, timeout_s: float | None = None
     ) -> dict[str, np.ndarray]:
         """As the client's ``pull_rows_many``: one version-validated request per shard; rows
         within the bound served from the cache, the others sent by the server and cached."""
@@ -223,7 +254,7 @@ class RowCache:
             split = {t: np.unique(a, return_inverse=True) for t, a in arrays.items()}
             for t, (u, _) in split.items():
                 self._count(t, int(u.shape[0]), 0)
-            got = await self._pull({t: u for t, (u, _) in split.items()}, kw)
+            got = await self._pull({t: u for t, (u, _) in split.items()}, timeout_s)
             for u, _ in split.values():
                 self.stats.rows_requested += int(u.shape[0])
                 self.stats.rows_pulled += int(u.shape[0])
@@ -238,8 +269,8 @@ class RowCache:
             held[t][pos >= 0] = cache.versions[pos[pos >= 0]]
             plans[t] = (uniq, inverse, pos)
         # (the server counts a validated read's requested and hit rows itself: no report)
-        answers: dict[str, ValidatedRows] = await self.client.pull_rows_validated(
-            {t: plan[0] for t, plan in plans.items()}, held, max_version_lag=s, **kw
+        answers = await self.client.pull_rows_validated(
+            {t: plan[0] for t, plan in plans.items()}, held, max_version_lag=s, timeout_s=timeout_s
         )
         out: dict[str, np.ndarray] = {}
         for t, (uniq, inverse, pos) in plans.items():
@@ -269,32 +300,35 @@ class RowCache:
         counts[0] += requested
         counts[1] += hit
 
-    async def _pull(self, ids: dict[str, Any], kw: dict[str, Any]) -> dict[str, np.ndarray]:
+    async def _pull(
+        self, ids: dict[str, npt.NDArray[np.int64]], timeout_s: float | None
+    ) -> dict[str, np.ndarray]:
         """The client's ``pull_rows_many`` carrying the unreported counts of its tables."""
         report = {t: (c[0], c[1]) for t, c in self._unreported.items() if t in ids and c[0]}
-        got: dict[str, np.ndarray] = await self.client.pull_rows_many(
-            ids, cache_counts=report, **kw
-        )
+        got = await self.client.pull_rows_many(ids, cache_counts=report, timeout_s=timeout_s)
         for t in report:
             del self._unreported[t]
         return got
 
     # ------------------------------------------------------------------ writes
-    async def push_rows(self, table: str, ids: Any, grads: Any, **kw: Any) -> RowPushAck | None:
-        """As the client's ``push_rows``; deferred (summed locally) when s >= 1, then None."""
+    async def push_rows(
+        self, table: str, ids: ArrayLike, grads: ArrayLike, *, timeout_s: float | None = None
+    ) -> RowPushAck | None:
+        """As the client's ``push_rows``; deferred (summed locally) when s >= 1, then None
+        (``timeout_s`` is taken as the client's signature has it, and not used)."""
         arr = check_ids(ids)
         got = await self.push_rows_many({table: arr}, {table: check_rows(grads, arr.shape[0])})
         return None if got is None else got[table]
 
     async def push_rows_many(
-        self, ids: Mapping[str, Any] | KeyedIds, grads: Mapping[str, Any], **kw: Any
+        self, ids: TableIds, grads: Mapping[str, ArrayLike], *, timeout_s: float | None = None
     ) -> dict[str, RowPushAck] | None:
         """As the client's ``push_rows_many`` at s = 0; for s >= 1 the gradients are kept,
         summed per id at the flush, and pushed by :meth:`clock` within the bound (returns
         None)."""
         if self.staleness == 0:
             arrays = check_ids_many(ids)
-            acks: dict[str, RowPushAck] = await self.client.push_rows_many(arrays, grads, **kw)
+            acks = await self.client.push_rows_many(arrays, grads, timeout_s=timeout_s)
             self.stats.rows_pushed += sum(int(np.unique(a).shape[0]) for a in arrays.values())
             return acks
         arrays = check_ids_many(ids)
@@ -338,7 +372,7 @@ class RowCache:
         if not ids:
             return {}
         await self._learn_rules(list(ids))
-        acks: dict[str, RowPushAck] = await self.client.push_rows_many(ids, grads)
+        acks = await self.client.push_rows_many(ids, grads)
         self.stats.flushes += 1
         for t, u in ids.items():
             cache = self._tables[t]
@@ -365,5 +399,4 @@ class RowCache:
             for c in self._tables.values()
         ):
             await self.flush()
-        new_clock: int = await self.client.clock()
-        return new_clock
+        return await self.client.clock()
