@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Unpack
 
 from paramserver.errors import InvalidArgument
 from paramserver.protocol.addresses import parse_server
@@ -134,8 +134,8 @@ class WorkerEnv:
 
 
 def _options(
-    worker: WorkerEnv, env: Mapping[str, str] | None, options: dict[str, Any]
-) -> dict[str, Any]:
+    worker: WorkerEnv, env: Mapping[str, str] | None, options: ClientOptions
+) -> ClientOptions:
     if "security" not in options:
         from paramserver.security.tls import ClientSecurity
 
@@ -160,7 +160,7 @@ def connect_from_env(
     from paramserver.worker_client.cluster import connect
 
     worker = WorkerEnv.from_env(env)
-    opts = _options(worker, env, dict(options))
+    opts = _options(worker, env, options.copy())
     return connect(worker.address, worker.worker_name, **opts)
 
 
@@ -179,5 +179,5 @@ def connect_sync_from_env(
     from paramserver.worker_client.sync import connect_sync
 
     worker = WorkerEnv.from_env(env)
-    opts = _options(worker, env, dict(options))
+    opts = _options(worker, env, options.copy())
     return connect_sync(worker.address, worker.worker_name, call_timeout_s=call_timeout_s, **opts)

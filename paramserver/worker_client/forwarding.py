@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Generic, Self, TypeVar, overload
+from typing import Generic, Self, TypeVar, overload
 
 __all__ = ["Forwarded"]
 
@@ -24,16 +24,16 @@ class Forwarded(Generic[T]):
         self._name = ""
         self.__doc__ = doc
 
-    def __set_name__(self, owner: type[Any], name: str) -> None:
+    def __set_name__(self, owner: type[object], name: str) -> None:
         self._name = name
 
     @overload
-    def __get__(self, obj: None, owner: type[Any] | None = None) -> Self: ...
+    def __get__(self, obj: None, owner: type[object] | None = None) -> Self: ...
 
     @overload
-    def __get__(self, obj: object, owner: type[Any] | None = None) -> T: ...
+    def __get__(self, obj: object, owner: type[object] | None = None) -> T: ...
 
-    def __get__(self, obj: object | None, owner: type[Any] | None = None) -> Self | T:
+    def __get__(self, obj: object | None, owner: type[object] | None = None) -> Self | T:
         if obj is None:
             return self
         value: T = getattr(getattr(obj, self._via), self._name)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -51,7 +50,7 @@ __all__ = ["DEFAULT_MAX_BYTES", "DEPTH", "MIN_BYTES", "PullBuffers", "refcounts_
 MIN_BYTES = 1 << 20
 
 
-def _slot_refcount(slots: list[Any], i: int) -> int:
+def _slot_refcount(slots: Sequence[object], i: int) -> int:
     """``sys.getrefcount`` of ``slots[i]`` read through a temporary (a strong reference on
     every CPython, unlike a local name, which 3.14+ may pass borrowed)."""
     return sys.getrefcount(slots[i])
@@ -60,7 +59,7 @@ def _slot_refcount(slots: list[Any], i: int) -> int:
 def _calibrate() -> int | None:
     """What :func:`_slot_refcount` reads for an object only a list holds, or None when a second
     reference does not read exactly one more (reference counts cannot be trusted here)."""
-    probe: list[Any] = [object()]
+    probe: list[object] = [object()]
     alone = _slot_refcount(probe, 0)
     other = probe[0]
     shared = _slot_refcount(probe, 0)
@@ -137,7 +136,7 @@ class PullBuffers:
         self._bytes -= self._sizes[key].pop(i)
         return self._kept[key].pop(i)
 
-    def empty(self, key: str, dtype: np.dtype[Any], shape: Sequence[int]) -> np.ndarray:
+    def empty(self, key: str, dtype: np.dtype[np.generic], shape: Sequence[int]) -> np.ndarray:
         """An uninitialised C-contiguous, writeable array of ``dtype`` and ``shape`` for
         ``key``'s result: one of the key's kept arrays that nobody else refers to any more
         and that still has this dtype and shape, else a new one.
