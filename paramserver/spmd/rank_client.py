@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
 import numpy.typing as npt
+from google.protobuf.message import Message
 
 from paramserver.api.v1 import spmd_pb2, spmd_pb2_grpc
 from paramserver.closing import AsyncClosing
@@ -26,7 +27,12 @@ from paramserver.spmd.layout import Tier
 from paramserver.spmd.planning import MAX_CHUNK_BYTES
 from paramserver.spmd.rank_server.rank_config import CHANNEL_OPTIONS
 
+if TYPE_CHECKING:
+    from paramserver.api.v1.spmd_pb2_grpc import RankServerAsyncStub
+
 __all__ = ["RankClient", "rank_error"]
+
+_Request = TypeVar("_Request", bound=Message)
 
 
 def rank_error(rank: int, address: str, exc: BaseException) -> ParamServerError:
@@ -52,12 +58,12 @@ def rank_error(rank: int, address: str, exc: BaseException) -> ParamServerError:
 
 
 async def _client_stream(
-    request: Callable[..., Any],
-    header: Any,
-    chunk: Callable[..., Any],
+    request: Callable[..., _Request],
+    header: Message,
+    chunk: Callable[..., Message],
     payload: memoryview,
     chunk_bytes: int,
-) -> AsyncIterator[Any]:
+) -> AsyncIterator[_Request]:
     """A client stream of ``oneof body {header, chunk}``: the header, then ``payload`` in
     chunks of at most ``chunk_bytes`` bytes, each with its offset."""
     yield request(header=header)
@@ -81,7 +87,7 @@ class RankClient(AsyncClosing):
         self.rank = rank
         self.security = security
         self._channel: grpc.aio.Channel | None = None
-        self._stub: Any = None
+        self._stub: RankServerAsyncStub | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def open(self) -> RankClient:
@@ -112,12 +118,13 @@ class RankClient(AsyncClosing):
             )
 
     @property
-    def stub(self) -> Any:
+    def stub(self) -> RankServerAsyncStub:
         """The ``RankServerStub`` (checks that the caller runs in the client's loop)."""
         self._check_loop()
+        assert self._stub is not None  # open: it has a channel
         return self._stub
 
-    async def unary(self, method: str, request: Any, timeout_s: float | None) -> Any:
+    async def unary(self, method: str, request: object, timeout_s: float | None) -> Any:
         """Call a unary RPC by name.
 
         Raises:
