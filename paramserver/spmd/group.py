@@ -36,17 +36,17 @@ per-rank channels and the fan-out are the base class's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import spmd_pb2
 from paramserver.errors import InvalidArgument, ParamServerError
-from paramserver.security.tls import ClientSecurity
 from paramserver.spmd.layout import Layout, Tier
 from paramserver.spmd.notification import TransferCompleteNotification, TransferResult
 from paramserver.spmd.planning import (
@@ -137,15 +137,10 @@ class SpmdParallelWorkers(RankGroup):
         InvalidArgument: no addresses (INVALID_ARGUMENT).
     """
 
-    def __init__(
-        self,
-        rank_addresses: Sequence[str],
-        *,
-        default_timeout_s: float = 30.0,
-        security: ClientSecurity | None = None,
-    ) -> None:
-        super().__init__(rank_addresses, default_timeout_s=default_timeout_s, security=security)
-        self._remotes: dict[str, _Connected] = {}
+    @functools.cached_property
+    def _remotes(self) -> dict[str, _Connected]:
+        """The remote instances connected so far, by instance id (empty at first)."""
+        return {}
 
     def has_remote_metadata(self, instance_id: str) -> bool:
         """True when :meth:`connect_remote` for ``instance_id`` succeeded (and was not replaced
@@ -261,7 +256,7 @@ class SpmdParallelWorkers(RankGroup):
     async def _roll_back(self, instance_id: str, ranks: list[int], timeout_s: float) -> None:
         previous = self._remotes.get(instance_id)
 
-        async def undo(c: RankClient) -> Any:
+        async def undo(c: RankClient) -> object:
             if previous is not None:
                 request = spmd_pb2.ImportMetadataRequest(remote=previous.metadata[c.rank])
                 return await c.unary("ImportMetadata", request, timeout_s)
@@ -430,13 +425,15 @@ class SpmdParallelWorkers(RankGroup):
         local_ids = expand_per_rank(local_block_ids, n, f"{'dst' if onboard else 'src'}_block_ids")
         t = self._timeout(timeout_s)
         cid = uuid.uuid4().hex
-        ends: dict[int, dict[str, Any]]
+        # Each rank's other end: objects, or a connected instance's blocks (with the shared
+        # memory choice of an onboard).
+        objects: list[spmd_pb2.ObjectBlocks | None] = [None] * n
+        layouts: list[spmd_pb2.RemoteLayoutBlocks | None] = [None] * n
+        shared_memory = False
         if isinstance(other, ObjectKeys):
             hashes = expand_per_rank(other.sequence_hashes, n, "sequence_hashes")
             self._refuse_objects(operation, tier, local_ids, hashes, into_blocks=onboard)
-            ends = {
-                r: {"object": spmd_pb2.ObjectBlocks(sequence_hashes=hashes[r])} for r in range(n)
-            }
+            objects = [spmd_pb2.ObjectBlocks(sequence_hashes=hashes[r]) for r in range(n)]
         else:
             if other.instance_id not in self._remotes:
                 raise RemoteNotConnected(
@@ -463,27 +460,32 @@ class SpmdParallelWorkers(RankGroup):
                     for r in range(n)
                 },
             )
-            ends = {
-                r: {
-                    "layout": spmd_pb2.RemoteLayoutBlocks(
-                        instance_id=other.instance_id, tier=r_tier.wire, block_ids=remote_ids[r]
-                    )
-                }
+            layouts = [
+                spmd_pb2.RemoteLayoutBlocks(
+                    instance_id=other.instance_id, tier=r_tier.wire, block_ids=remote_ids[r]
+                )
                 for r in range(n)
-            }
-            if onboard:
-                for end in ends.values():
-                    end["allow_shared_memory"] = allow_shared_memory
-        requests: dict[int, Any] = {}
+            ]
+            shared_memory = allow_shared_memory
+        requests: dict[int, spmd_pb2.RemoteOnboardRequest | spmd_pb2.RemoteOffloadRequest] = {}
         for r in range(n):
             options = self._options(r, t, cid)
             if onboard:
                 requests[r] = spmd_pb2.RemoteOnboardRequest(
-                    options=options, dst_tier=tier.wire, dst_block_ids=local_ids[r], **ends[r]
+                    options=options,
+                    dst_tier=tier.wire,
+                    dst_block_ids=local_ids[r],
+                    object=objects[r],
+                    layout=layouts[r],
+                    allow_shared_memory=shared_memory,
                 )
             else:
                 requests[r] = spmd_pb2.RemoteOffloadRequest(
-                    options=options, src_tier=tier.wire, src_block_ids=local_ids[r], **ends[r]
+                    options=options,
+                    src_tier=tier.wire,
+                    src_block_ids=local_ids[r],
+                    object=objects[r],
+                    layout=layouts[r],
                 )
         method = "RemoteOnboard" if onboard else "RemoteOffload"
         return self._dispatch(operation, method, requests, t)
@@ -631,8 +633,9 @@ class SpmdParallelWorkers(RankGroup):
         t = self._timeout(timeout_s)
         cid = uuid.uuid4().hex
 
-        async def call(c: RankClient) -> Any:
+        async def call(c: RankClient) -> spmd_pb2.ObjectBlocksResponse:
             options = self._options(c.rank, t, cid)
+            response: spmd_pb2.ObjectBlocksResponse
             if into_blocks:
                 get = spmd_pb2.GetBlocksRequest(
                     options=options,
@@ -640,11 +643,13 @@ class SpmdParallelWorkers(RankGroup):
                     dst_tier=tier.wire,
                     dst_block_ids=ids[c.rank],
                 )
-                return await c.unary("GetBlocks", get, t)
+                response = await c.unary("GetBlocks", get, t)
+                return response
             put = spmd_pb2.PutBlocksRequest(
                 options=options, sequence_hashes=keys, src_tier=tier.wire, src_block_ids=ids[c.rank]
             )
-            return await c.unary("PutBlocks", put, t)
+            response = await c.unary("PutBlocks", put, t)
+            return response
 
         outcomes = await self._fan_out(operation, call, raise_on_failure=False)
         per_rank: dict[int, dict[int, tuple[str, str]]] = {}

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Self
+from typing import Literal, Self, TypeVar, overload
 
 import grpc
+from google.protobuf.message import Message
 
 from paramserver.api.v1 import spmd_pb2
 from paramserver.closing import AsyncClosing
@@ -28,6 +29,8 @@ from paramserver.spmd.rank_client import RankClient, rank_error
 from paramserver.spmd.transfer_errors import RankFailures
 
 __all__ = ["RankGroup", "layouts_of"]
+
+T = TypeVar("T")
 
 
 def layouts_of(md: spmd_pb2.RankMetadata) -> dict[Tier, Layout]:
@@ -59,15 +62,9 @@ def _rank_result(rank: int, response: spmd_pb2.TransferResponse) -> RankTransfer
 class RankGroup(AsyncClosing):
     """The rank servers of one instance: their channels, metadata and layouts, and the fan-out.
 
-    Args:
-        rank_addresses: ``host:port`` of rank 0, 1, ... of one instance; position i must be
-            the rank server whose rank is i (checked on open).
-        default_timeout_s: deadline of commands called without ``timeout_s``, seconds.
-        security: TLS / mutual TLS and bearer token towards every rank server
-            (:class:`paramserver.security.tls.ClientSecurity`); None: plain text, no token.
-
-    Raises:
-        InvalidArgument: no addresses (INVALID_ARGUMENT).
+    Its arguments (the rank addresses in rank order, the default deadline of commands, the
+    security towards every rank) are documented where they are used:
+    :class:`~paramserver.spmd.group.SpmdParallelWorkers`.
     """
 
     def __init__(
@@ -178,15 +175,36 @@ class RankGroup(AsyncClosing):
 
     # ------------------------------------------------------------------ fan-out helpers
 
+    @overload
     async def _fan_out(
         self,
         operation: str,
-        call: Callable[[RankClient], Awaitable[Any]],
+        call: Callable[[RankClient], Awaitable[T]],
+        *,
+        raise_on_failure: Literal[True],
+        ranks: Sequence[int] | None = None,
+    ) -> Mapping[int, T]: ...
+
+    @overload
+    async def _fan_out(
+        self,
+        operation: str,
+        call: Callable[[RankClient], Awaitable[T]],
+        *,
+        raise_on_failure: Literal[False],
+        ranks: Sequence[int] | None = None,
+    ) -> Mapping[int, T | ParamServerError]: ...
+
+    async def _fan_out(
+        self,
+        operation: str,
+        call: Callable[[RankClient], Awaitable[T]],
         *,
         raise_on_failure: bool,
         ranks: Sequence[int] | None = None,
-    ) -> dict[int, Any]:
-        """Run ``call`` on every rank concurrently (one task per rank); collect every outcome.
+    ) -> Mapping[int, T | ParamServerError]:
+        """Run ``call`` on every rank concurrently (one task per rank); collect every outcome
+        (each rank's result, or with ``raise_on_failure`` false its error).
 
         Raises:
             RankFailures: when ``raise_on_failure`` and at least one rank failed, naming all.
@@ -195,7 +213,7 @@ class RankGroup(AsyncClosing):
         tasks = {r: asyncio.create_task(self._guard(r, call)) for r in chosen}
         if tasks:
             await asyncio.wait(tasks.values())
-        results: dict[int, Any] = {}
+        results: dict[int, T | ParamServerError] = {}
         failures: dict[int, ParamServerError] = {}
         for r, task in tasks.items():
             exc = task.exception()
@@ -210,7 +228,7 @@ class RankGroup(AsyncClosing):
             results.update({r: e for r, e in failures.items()})
         return results
 
-    async def _guard(self, rank: int, call: Callable[[RankClient], Awaitable[Any]]) -> Any:
+    async def _guard(self, rank: int, call: Callable[[RankClient], Awaitable[T]]) -> T:
         client = self._clients[rank]
         try:
             return await call(client)
@@ -233,10 +251,10 @@ class RankGroup(AsyncClosing):
         self,
         operation: str,
         method: str,
-        requests: Mapping[int, Any],
+        requests: Mapping[int, Message],
         timeout_s: float,
     ) -> TransferCompleteNotification:
-        async def one(rank: int, request: Any) -> RankTransferResult:
+        async def one(rank: int, request: Message) -> RankTransferResult:
             client = self._clients[rank]
             response = await client.unary(method, request, timeout_s)
             return _rank_result(rank, response)
