@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import grpc
 import numpy as np
@@ -64,6 +64,9 @@ if TYPE_CHECKING:
     from paramserver.server.engine import ServerEngine
 
 logger = logging.getLogger(__name__)
+
+#: The primary's end of one Replicate stream.
+_ReplicateCall: TypeAlias = "grpc.aio.StreamStreamCall[rpb.ReplicateRequest, rpb.ReplicaAck]"
 
 SERVICE_NAME = "paramserver.api.v1.Replication"
 #: Seed bytes per message.
@@ -101,7 +104,7 @@ def decode_seed(manifest_json: bytes, data: bytes) -> Snapshot:
 def reset_core(engine: ServerEngine) -> ServerCore:
     """Empty ``engine``'s core in place (the servicers hold it), keeping its hooks."""
     core = engine.core
-    keep: dict[str, Any] = {
+    keep: dict[str, object] = {
         name: core.__dict__[name]
         for name in ("observer", "step_applier", "on_progress")
         if name in core.__dict__
@@ -354,7 +357,9 @@ class Primary:
         finally:
             await channel.close()
 
-    async def _send_seed(self, call: Any, sequence: int, manifest: bytes, data: bytes) -> None:
+    async def _send_seed(
+        self, call: _ReplicateCall, sequence: int, manifest: bytes, data: bytes
+    ) -> None:
         view = memoryview(data)
         first = True
         while first or view:
@@ -366,7 +371,7 @@ class Primary:
                 first = False
             await call.write(rpb.ReplicateRequest(epoch=self.epoch, seed=seed))
 
-    async def _acks(self, link: _Link, call: Any) -> None:
+    async def _acks(self, link: _Link, call: _ReplicateCall) -> None:
         """Read the backup's acknowledgments; raise TimeoutError when a backup in sync has
         acknowledged nothing sent :data:`ACK_TIMEOUT_S` ago (it is then taken out of sync)."""
         read = asyncio.get_running_loop().create_task(self._read_acks(link, call))
@@ -385,7 +390,7 @@ class Primary:
         finally:
             await cancelled(read)
 
-    async def _read_acks(self, link: _Link, call: Any) -> None:
+    async def _read_acks(self, link: _Link, call: _ReplicateCall) -> None:
         try:
             async for ack in call:
                 if ack.epoch > self.epoch:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -62,7 +62,7 @@ class PulledFrames(list[bytes]):
     """The wire frames of one pulled key; ``nbytes`` is the value's size in bytes (what the
     pull metrics count), not the frames' (which add their headers)."""
 
-    def __init__(self, frames: Any, *, nbytes: int) -> None:
+    def __init__(self, frames: Iterable[bytes], *, nbytes: int) -> None:
         super().__init__(frames)
         self.nbytes = nbytes
 
@@ -299,7 +299,7 @@ class ShardService:
         return resp
 
     @observed_admit
-    async def admit_pull(self, worker_id: str, keys: Any, timeout_ms: int) -> list[str]:
+    async def admit_pull(self, worker_id: str, keys: Iterable[str], timeout_ms: int) -> list[str]:
         """Check the keys and wait as the consistency model requires (every pull path shares it).
 
         Args:
