@@ -42,7 +42,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, TypeVarTuple
 
 import numpy as np
 
@@ -54,6 +54,7 @@ __all__ = ["OFFLOAD_MIN_BYTES", "OFFLOAD_MIN_KEYS", "KeyGate", "Offload", "Reser
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_Args = TypeVarTuple("_Args")
 
 OFFLOAD_MIN_BYTES: int = 8 << 20  # ServerConfig.offload_min_bytes's default
 """Gradients (summed over one push) and pull snapshots of at least this many bytes run in a
@@ -169,7 +170,7 @@ class KeyGate:
         return [k for k, f in self._tails.items() if not f.done()]
 
 
-async def _in_thread(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+async def _in_thread(pool: ThreadPoolExecutor, fn: Callable[[*_Args], T], *args: *_Args) -> T:
     """Run ``fn(*args)`` in ``pool``; if the caller is cancelled, still wait for the thread
     to finish before propagating (its reservation must outlive the work)."""
     fut = asyncio.get_running_loop().run_in_executor(pool, fn, *args)

@@ -13,10 +13,13 @@ table's newest applied clock and an applied push's clock).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from paramserver.server.engine import ServerEngine
 
 __all__ = ["TableCollector"]
 
@@ -28,7 +31,7 @@ class TableCollector(Collector):
         engine: The shard's :class:`~paramserver.server.engine.ServerEngine`.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: ServerEngine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -49,7 +52,7 @@ class TableCollector(Collector):
             "staleness_max": "Largest staleness of an applied row push (clocks)",
             "staleness_mean": "Mean staleness of applied row pushes (clocks)",
         }
-        fams: dict[str, Any] = {}
+        fams: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for k, doc in counters.items():
             fams[k] = CounterMetricFamily(f"paramserver_table_{k}", doc, labels=names)
         for k, doc in gauges.items():
