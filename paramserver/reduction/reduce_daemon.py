@@ -5,7 +5,8 @@ and, with a metrics port, RPC counts, durations and token refusals. No parameter
 from __future__ import annotations
 
 import logging
-from typing import Any
+
+import grpc
 
 from paramserver.errors import InvalidArgument
 from paramserver.reduction.reduce_service import (
@@ -49,7 +50,7 @@ class ReductionDaemon(ServingDaemon):
 
     async def start(self) -> None:
         """Bind and start serving (the metrics port first: a port in use fails before gRPC)."""
-        interceptors: list[Any] = []
+        interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.config.metrics_port is not None:
             rpc_metrics, self.metrics = rpc_metrics_server(
                 self.config.metrics_host, self.config.metrics_port, self.config.metrics_security()

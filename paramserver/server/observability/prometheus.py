@@ -28,8 +28,8 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
@@ -352,7 +352,7 @@ def new_registry(
 
 def metrics_for(
     engine: ServerEngine, transport: Callable[[], TransportStats] | None = None
-) -> tuple[list[Any], MetricsServer | None]:
+) -> tuple[list[grpc.aio.ServerInterceptor], MetricsServer | None]:
     """Interceptors for the gRPC server and the (unstarted) metrics endpoint; none when
     ``metrics_port`` is not configured. ``transport`` as in :class:`CoreCollector`."""
     cfg = engine.config
