@@ -41,13 +41,15 @@ second of the slowest worker):
   ``RAY_USAGE_STATS_ENABLED=0``, no dashboard, shut down by the script; skipped with the reason
   when ray is not installed).
 
-Memory phase (``--memory``): a fresh server, an sgd float32 table of dim 16 and 64, ids pushed
+Memory phase (off with ``--no-memory``): per rule of ``--memory-rules`` (default sgd; also
+adagrad, rowwise_adagrad, adam) a fresh server and a float32 table of dim 16 and 64, ids pushed
 in batches of 65,536 until 1M and 10M rows are stored; reported: server RSS growth per stored
-row and the table's Status ``size_bytes`` per row beside it, and the issue's bound
-(``1.25 * raw + 24`` bytes).
+row, the table's Status ``size_bytes`` and ``state_size_bytes`` (the optimizer state alone) per
+row beside it, and the bound ``1.25 * (raw row + raw state) + 24`` bytes.
 
 Usage: ``python benchmarks/embedding.py [--quick] [--systems numpy,paramserver,...]
-[--dims 64,128] [--workers 1,2] [--rounds 256] [--memory-rows 1000000,10000000]``.
+[--dims 64,128] [--workers 1,2] [--rounds 256] [--memory-rows 1000000,10000000]
+[--memory-rules sgd,adam]``.
 ``--quick`` (dim 64, W=1, 8 rounds, 20,000 memory rows) is small enough for a test, which runs
 its correctness check only. ``EMBEDDING_BENCH_BATCH=512`` runs batches of 512 ids instead of
 8,192 (where per-call costs weigh more). Prints one JSON line per measurement. Everything runs
@@ -465,18 +467,34 @@ def run_ray(dim: int, workers: int, rounds: int) -> tuple[float, dict[str, Any]]
 
 
 # ------------------------------------------------------------------------------ memory
-def run_memory(dim: int, sizes: list[int]) -> list[dict[str, Any]]:
+#: Optimizer state a rule keeps per stored float32 row of ``dim`` (its raw bytes): adagrad one
+#: accumulator per column, rowwise_adagrad one per row, adam two moments per column and the
+#: row's own step count (int64: lazy Adam corrects each row's bias by its own steps).
+STATE_RAW_BYTES: dict[str, Callable[[int], int]] = {
+    "sgd": lambda dim: 0,
+    "adagrad": lambda dim: 4 * dim,
+    "rowwise_adagrad": lambda dim: 4,
+    "adam": lambda dim: 8 * dim + 8,
+}
+
+
+def run_memory(dim: int, sizes: list[int], rule: str = "sgd") -> list[dict[str, Any]]:
+    """Server RSS growth per stored row of a ``rule`` float32 table of ``dim`` as rows are
+    stored (``sizes``: rows stored at each reading), beside the raw row and state bytes, the
+    target (raw x 1.25 + 24 B, state included) and Status' ``size_bytes`` /
+    ``state_size_bytes``."""
+    from paramserver.core.tables import TableRule, TableSpec
     from paramserver.worker_client import connect_sync
 
     step = 1 << 16
     out = []
     with _server() as (address, pid), connect_sync(address, "bench-mem") as ps:
-        ps.init_table(_ps_spec(dim))
+        ps.init_table(TableSpec(TABLE, dim, rule=TableRule(rule, lr=LR)))
         grads = np.zeros((step, dim), np.float32)
         ps.push_rows(TABLE, np.arange(step, dtype=np.int64), grads)  # code paths loaded
         base_rows = step
         base_rss = _proc_rss_bytes(pid)
-        base_size = _table_size_bytes(ps)
+        base_size, base_state = _table_size_bytes(ps)
         stored = base_rows
         for target in sizes:
             while stored < target:
@@ -484,24 +502,27 @@ def run_memory(dim: int, sizes: list[int]) -> list[dict[str, Any]]:
                 ps.push_rows(TABLE, np.arange(stored, stored + n, dtype=np.int64), grads[:n])
                 stored += n
             rss = _proc_rss_bytes(pid)
-            size = _table_size_bytes(ps)
+            size, state = _table_size_bytes(ps)
             rows = stored - base_rows
             raw = 4 * dim
+            raw_state = STATE_RAW_BYTES[rule](dim)
             out.append(
-                {"phase": "memory", "rule": "sgd", "dtype": "float32", "dim": dim, "rows": stored,
-                 "raw_bytes_per_row": raw,
+                {"phase": "memory", "rule": rule, "dtype": "float32", "dim": dim, "rows": stored,
+                 "raw_bytes_per_row": raw, "raw_state_bytes_per_row": raw_state,
                  "rss_bytes_per_row": round((rss - base_rss) / rows, 1),
                  "status_size_bytes_per_row": round((size - base_size) / rows, 1),
+                 "status_state_bytes_per_row": round((state - base_state) / rows, 1),
                  "size_vs_rss": round((size - base_size) / max(rss - base_rss, 1), 3),
-                 "target_bytes_per_row": 1.25 * raw + 24}
+                 "target_bytes_per_row": 1.25 * (raw + raw_state) + 24}
             )  # fmt: skip
     return out
 
 
-def _table_size_bytes(ps: Any) -> int:
+def _table_size_bytes(ps: Any) -> tuple[int, int]:
+    """The table's Status ``size_bytes`` and ``state_size_bytes``."""
     for info in ps.status().tables:
         if info.spec.name == TABLE:
-            return int(info.size_bytes)
+            return int(info.size_bytes), int(info.state_size_bytes)
     raise RuntimeError("table missing from Status")
 
 
@@ -512,6 +533,7 @@ def _has_fused() -> bool:
     return hasattr(WorkerClient, "push_pull_rows")
 
 
+RULES = ",".join(STATE_RAW_BYTES)
 RUNNERS: dict[str, Callable[[int, int, int], tuple[float, dict[str, Any]]]] = {
     "numpy": run_numpy,
     "paramserver": lambda d, w, r: run_paramserver(d, w, r, session=True),
@@ -534,6 +556,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=256, help="batches per worker")
     ap.add_argument("--memory-rows", default="1000000,10000000")
     ap.add_argument("--memory-dims", default="16,64")
+    ap.add_argument(
+        "--memory-rules", default="sgd", help=f"table rules of the memory phase, of {RULES}"
+    )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--quick", action="store_true", help="dim 64, W=1, 8 rounds, 20k rows")
     args = ap.parse_args()
@@ -571,9 +596,13 @@ def main() -> int:
                      load_avg=round(os.getloadavg()[0], 2), **extra)  # fmt: skip
             _summary(dim, w, rates)
     if not args.no_memory:
-        for dim in (int(x) for x in args.memory_dims.split(",")):
-            for line in run_memory(dim, [int(x) for x in args.memory_rows.split(",")]):
-                emit(**line)
+        sizes = [int(x) for x in args.memory_rows.split(",")]
+        for rule in args.memory_rules.split(","):
+            if rule not in STATE_RAW_BYTES:
+                ap.error(f"unknown rule {rule!r} in --memory-rules; known: {RULES}")
+            for dim in (int(x) for x in args.memory_dims.split(",")):
+                for line in run_memory(dim, sizes, rule):
+                    emit(**line)
     return 0
 
 
