@@ -8,14 +8,48 @@ sparse gradients (summed per id) for the table's server-side rule to apply.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Protocol, TypeGuard
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from paramserver.errors import InvalidArgument
+from paramserver.worker_client.embedding import RowPushAck
 
 __all__ = ["RemoteEmbedding", "RemoteEmbeddingBag"]
+
+
+class _BlockingRows(Protocol):
+    """The row calls of a blocking client (``connect_sync``)."""
+
+    def pull_rows(self, table: str, ids: npt.NDArray[np.int64], /) -> np.ndarray: ...
+
+    def push_rows(
+        self, table: str, ids: npt.NDArray[np.int64], grads: np.ndarray, /
+    ) -> RowPushAck | None: ...
+
+
+class _AsyncRows(Protocol):
+    """The row calls of the async client (``connect``), or of a row cache over it."""
+
+    async def pull_rows(self, table: str, ids: npt.NDArray[np.int64], /) -> np.ndarray: ...
+
+    async def push_rows(
+        self, table: str, ids: npt.NDArray[np.int64], grads: np.ndarray, /
+    ) -> RowPushAck | None: ...
+
+
+#: A blocking client, or the async client (or a row cache over it).
+RowsClient = _BlockingRows | _AsyncRows
+
+
+def _is_async(client: RowsClient) -> TypeGuard[_AsyncRows]:
+    return inspect.iscoroutinefunction(getattr(client, "pull_rows", None))
+
+
+def _is_blocking(client: RowsClient) -> TypeGuard[_BlockingRows]:
+    return not _is_async(client)
 
 
 class _RemoteRows(torch.nn.Module):
@@ -30,7 +64,7 @@ class _RemoteRows(torch.nn.Module):
     """
 
     def __init__(
-        self, client: Any, table: str, dim: int, *, dtype: torch.dtype = torch.float32
+        self, client: RowsClient, table: str, dim: int, *, dtype: torch.dtype = torch.float32
     ) -> None:
         super().__init__()
         self.client = client
@@ -39,7 +73,7 @@ class _RemoteRows(torch.nn.Module):
         self.dtype = dtype
         #: An id whose row is never pulled, read or pushed (the bag's ``padding_idx``).
         self._skip_id: int | None = None
-        self._async = inspect.iscoroutinefunction(getattr(client, "pull_rows", None))
+        self._async = _is_async(client)
         self._prefetched: tuple[np.ndarray, np.ndarray] | None = None
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
 
@@ -48,13 +82,28 @@ class _RemoteRows(torch.nn.Module):
         uniq = np.unique(np.asarray(ids, dtype=np.int64).reshape(-1))
         if self._skip_id is not None:
             uniq = uniq[uniq != self._skip_id]
-        rows = await self.client.pull_rows(self.table, uniq)
+        rows = await self._async_client().pull_rows(self.table, uniq)
         self._prefetched = (uniq, np.asarray(rows))
 
-    async def push_pending(self) -> list[Any]:
+    async def push_pending(self) -> list[RowPushAck | None]:
         """Push the row gradients the last backward passes produced (async client)."""
         pending, self._pending = self._pending, []
-        return [await self.client.push_rows(self.table, u, g) for u, g in pending]
+        client = self._async_client()
+        return [await client.push_rows(self.table, u, g) for u, g in pending]
+
+    def _async_client(self) -> _AsyncRows:
+        client = self.client
+        if not _is_async(client):
+            raise TypeError(
+                f"table {self.table!r}: prefetch and push_pending need the async client"
+            )
+        return client
+
+    def _blocking_client(self) -> _BlockingRows:
+        client = self.client
+        if not _is_blocking(client):
+            raise TypeError(f"table {self.table!r}: the async client pulls in prefetch")
+        return client
 
     def _local(self, ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, int | None]:
         """The batch's distinct ids (int64 (m,), ascending), ``ids`` as positions among them
@@ -82,7 +131,7 @@ class _RemoteRows(torch.nn.Module):
                 )
             rows = cached[1][np.searchsorted(cached[0], fetch)]
         else:
-            rows = np.asarray(self.client.pull_rows(self.table, fetch))
+            rows = np.asarray(self._blocking_client().pull_rows(self.table, fetch))
         rows = rows.astype(np.float32)
         if skip is not None:
             rows = np.insert(rows, skip, 0.0, axis=0)
@@ -106,7 +155,7 @@ class _RemoteRows(torch.nn.Module):
         if self._async:
             self._pending.append((fetch, g))
         else:
-            self.client.push_rows(self.table, fetch, g)
+            self._blocking_client().push_rows(self.table, fetch, g)
 
 
 class RemoteEmbedding(_RemoteRows):
@@ -159,7 +208,7 @@ class RemoteEmbeddingBag(_RemoteRows):
 
     def __init__(
         self,
-        client: Any,
+        client: RowsClient,
         table: str,
         dim: int,
         *,
