@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
 from paramserver.closing import cancelled
@@ -247,7 +248,7 @@ class ParameterServerDaemon(ServingDaemon):
         self.local_link = link
         self.servicer.sessions.local_link = link
 
-    def _dashboard(self, registry: Any) -> ShardDashboard:
+    def _dashboard(self, registry: CollectorRegistry) -> ShardDashboard:
         """The metrics port's page of this shard: its Status and, in a sharded cluster, every
         other shard's, read over gRPC from the shard map's addresses."""
         cfg = self.config
@@ -450,7 +451,7 @@ class ParameterServerDaemon(ServingDaemon):
             await endpoint.health.enter_graceful_shutdown()
         link, self.local_link = self.local_link, None
         if endpoint is not None:
-            stopping: list[Any] = [endpoint.server.stop(grace)]
+            stopping: list[Awaitable[None]] = [endpoint.server.stop(grace)]
             if link is not None:
                 self.servicer.sessions.local_link = None  # type: ignore[union-attr]
                 stopping.append(link.stop(grace))

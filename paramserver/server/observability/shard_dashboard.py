@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from paramserver.server.observability.hooks import STALENESS_CLOCK_BOUNDS
 from paramserver.serving.dashboard import Dashboard, Sampler, Series, series_by, series_sum
 
@@ -55,7 +57,9 @@ def ps_sample(s: dict[str, Series]) -> dict[str, Any]:
     }
 
 
-def _key_rates(window: Sequence[tuple[float, dict[str, float], dict[str, float]]]) -> Any:
+def _key_rates(
+    window: Sequence[tuple[float, dict[str, float], dict[str, float]]],
+) -> dict[str, dict[str, float]]:
     """Bytes/s pushed and pulled per key between the oldest and newest entry of ``window``."""
     if len(window) < 2:
         return {}
@@ -81,7 +85,7 @@ class ShardDashboard(Dashboard):
 
     SAMPLERS: dict[str, Sampler] = {"ps": ps_sample}
 
-    def __init__(self, registry: Any, **kwargs: Any) -> None:
+    def __init__(self, registry: CollectorRegistry, **kwargs: Any) -> None:
         super().__init__("ps", registry, **kwargs)
         self._keys: deque[tuple[float, dict[str, float], dict[str, float]]] = deque(
             maxlen=KEY_RATE_SAMPLES + 1

@@ -82,7 +82,7 @@ class _Connection(asyncio.Protocol):
         self._link = link
         # Until its ticket is redeemed a connection may send only a small open message.
         self._frames = FrameReader(pb.SessionRequest, PRE_TICKET_FRAME_BYTES)
-        self._queue: collections.deque[Any] = collections.deque()
+        self._queue: collections.deque[pb.SessionRequest] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._drained: asyncio.Future[None] | None = None
         self._closed = False
