@@ -29,11 +29,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
 from paramserver.errors import InvalidArgument
+from paramserver.worker_client.embedding import RowPushAck
 from paramserver.worker_client.keyed import KeyedIds
 
 try:
@@ -45,6 +46,58 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 __all__ = ["KeyedJaggedIds", "RemoteBagTable", "RemoteEmbeddingBagCollection"]
+
+#: One several-table row request: ``{table: ids}``, and ``{table: rows}`` for a push.
+_Tables = dict[str, np.ndarray]
+
+
+class _BlockingRowsMany(Protocol):
+    """The several-table row calls of a blocking client (``connect_sync``)."""
+
+    def pull_rows_many(self, ids: _Tables, /) -> _Tables: ...
+
+    def push_rows_many(self, ids: _Tables, grads: _Tables, /) -> dict[str, RowPushAck] | None: ...
+
+
+class _AsyncRowsMany(Protocol):
+    """The several-table row calls of the async client (``connect``), or of a row cache."""
+
+    async def pull_rows_many(self, ids: _Tables, /) -> _Tables: ...
+
+    async def push_rows_many(
+        self, ids: _Tables, grads: _Tables, /
+    ) -> dict[str, RowPushAck] | None: ...
+
+
+#: A blocking client, or the async client (or a row cache over it).
+RowsManyClient = _BlockingRowsMany | _AsyncRowsMany
+
+
+def _is_async(client: RowsManyClient) -> TypeGuard[_AsyncRowsMany]:
+    """The async client (its ``pull_rows_many`` is a coroutine function)."""
+    return inspect.iscoroutinefunction(getattr(client, "pull_rows_many", None))
+
+
+def _is_blocking(client: RowsManyClient) -> TypeGuard[_BlockingRowsMany]:
+    return not _is_async(client)
+
+
+@runtime_checkable
+class KeyedJagged(Protocol):
+    """A TorchRec ``KeyedJaggedTensor`` (or a :class:`KeyedJaggedIds`), as read here."""
+
+    def keys(self) -> list[str]: ...
+
+    def values(self) -> torch.Tensor: ...
+
+    def lengths(self) -> torch.Tensor: ...
+
+    def weights_or_none(self) -> torch.Tensor | None: ...
+
+
+#: A batch's keyed jagged ids: a ``KeyedJaggedTensor``, a :class:`KeyedJaggedIds` or a
+#: :class:`~paramserver.worker_client.keyed.KeyedIds`.
+Features = KeyedJagged | KeyedIds
 
 
 @dataclass(frozen=True)
@@ -131,7 +184,9 @@ class RemoteBagTable:
         object.__setattr__(self, "features", tuple(self.features))
 
 
-def _keyed_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, Any]:
+def _keyed_parts(
+    features: Features,
+) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(keys, values, lengths, weights or None) of a KJT, a KeyedJaggedIds or a KeyedIds."""
     if isinstance(features, KeyedIds):
         w = None if features.weights is None else torch.from_numpy(features.weights)
@@ -149,6 +204,10 @@ def _keyed_parts(features: Any) -> tuple[list[str], torch.Tensor, torch.Tensor, 
     )
 
 
+#: One backward's row gradients, to push: (``{table: ids}``, ``{table: rows}``).
+Pending = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
+
+
 @dataclass
 class _Plan:
     """One forward's lookups: each table's distinct ids, and each feature's positions among
@@ -159,6 +218,10 @@ class _Plan:
     offsets: dict[str, torch.Tensor]
     weights: dict[str, torch.Tensor | None]
     stride: int
+
+
+#: A training pipeline's batch, pulled ahead: its features, their plan, their rows.
+Staged = tuple[Features, _Plan, dict[str, np.ndarray]]
 
 
 class RemoteEmbeddingBagCollection(torch.nn.Module):
@@ -184,7 +247,7 @@ class RemoteEmbeddingBagCollection(torch.nn.Module):
 
     def __init__(
         self,
-        client: Any,
+        client: RowsManyClient,
         tables: Sequence[RemoteBagTable],
         *,
         dtype: torch.dtype = torch.float32,
@@ -201,18 +264,18 @@ class RemoteEmbeddingBagCollection(torch.nn.Module):
                         f"feature {f!r} is in tables {self._table_of[f].name!r} and {t.name!r}"
                     )
                 self._table_of[f] = t
-        self._async = inspect.iscoroutinefunction(getattr(client, "pull_rows_many", None))
+        self._async = _is_async(client)
         self._prefetched: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
-        self._pending: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
+        self._pending: list[Pending] = []
         #: A training pipeline's batch in compute: (its features, their plan, their rows).
-        self._staged: tuple[Any, _Plan, dict[str, np.ndarray]] | None = None
+        self._staged: Staged | None = None
 
     @property
     def feature_names(self) -> list[str]:
         return [f for t in self.tables for f in t.features]
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, features: Any) -> _Plan:
+    def _plan(self, features: Features) -> _Plan:
         keys, values, lengths, weights = _keyed_parts(features)
         k = len(keys)
         if k == 0 or lengths.shape[0] % k:
@@ -256,21 +319,34 @@ class RemoteEmbeddingBagCollection(torch.nn.Module):
         return _Plan(uniq, local, offsets, w_of, stride)
 
     # ------------------------------------------------------------------ async client
-    async def prefetch(self, features: Any) -> None:
+    async def prefetch(self, features: Features) -> None:
         """Pull every table's distinct rows of ``features`` in one request per shard (async
         client), for the next forward."""
         plan = self._plan(features)
-        rows = await self.client.pull_rows_many(plan.uniq)
+        rows = await self._async_client().pull_rows_many(plan.uniq)
         self._prefetched = {t: (plan.uniq[t], np.asarray(rows[t])) for t in plan.uniq}
 
-    async def push_pending(self) -> list[Any]:
+    async def push_pending(self) -> list[dict[str, RowPushAck] | None]:
         """Push the row gradients the last backward passes produced (async client), one
         several-table request per shard each."""
         pending, self._pending = self._pending, []
-        return [await self.client.push_rows_many(ids, grads) for ids, grads in pending]
+        client = self._async_client()
+        return [await client.push_rows_many(ids, grads) for ids, grads in pending]
+
+    def _async_client(self) -> _AsyncRowsMany:
+        client = self.client
+        if not _is_async(client):
+            raise TypeError("prefetch and push_pending need the async client (connect(...))")
+        return client
+
+    def _blocking_client(self) -> _BlockingRowsMany:
+        client = self.client
+        if not _is_blocking(client):
+            raise TypeError("with the async client, rows are pulled by prefetch")
+        return client
 
     # ------------------------------------------------------------------ training pipeline
-    def _stage(self, features: Any, plan: _Plan, rows: dict[str, np.ndarray]) -> None:
+    def _stage(self, features: Features, plan: _Plan, rows: dict[str, np.ndarray]) -> None:
         """Hand the next forward a batch's plan and rows, pulled ahead by
         :class:`~paramserver.integrations.torch_pipeline.TrainPipeline`."""
         self._staged = (features, plan, rows)
@@ -280,7 +356,7 @@ class RemoteEmbeddingBagCollection(torch.nn.Module):
         self._staged = None
         self._prefetched = None
 
-    def _take_pending(self) -> list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]:
+    def _take_pending(self) -> list[Pending]:
         """The row gradients of the backward passes since the last call (async client)."""
         pending, self._pending = self._pending, []
         return pending
@@ -288,8 +364,7 @@ class RemoteEmbeddingBagCollection(torch.nn.Module):
     # ------------------------------------------------------------------ forward
     def _pull(self, plan: _Plan) -> dict[str, np.ndarray]:
         if not self._async:
-            got: dict[str, np.ndarray] = self.client.pull_rows_many(plan.uniq)
-            return got
+            return self._blocking_client().pull_rows_many(plan.uniq)
         cached = self._prefetched
         out = {}
         for name, u in plan.uniq.items():
@@ -302,7 +377,7 @@ class RemoteEmbeddingBagCollection(torch.nn.Module):
             out[name] = have[1][np.searchsorted(have[0], u)]
         return out
 
-    def forward(self, features: Any) -> dict[str, torch.Tensor]:
+    def forward(self, features: Features) -> dict[str, torch.Tensor]:
         staged = self._staged
         if staged is not None and staged[0] is features:  # planned when it was pulled
             plan, rows = staged[1], staged[2]
@@ -348,4 +423,4 @@ class RemoteEmbeddingBagCollection(torch.nn.Module):
         if self._async:
             self._pending.append((uniq, grads))
         else:
-            self.client.push_rows_many(uniq, grads)
+            self._blocking_client().push_rows_many(uniq, grads)

@@ -30,22 +30,52 @@ One pull request and one push request per shard per step (``pull_rows_many`` /
 from __future__ import annotations
 
 import asyncio
+import enum
 import inspect
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, Protocol, TypeGuard, TypeVar
 
 import numpy as np
 
 from paramserver.errors import InvalidArgument
-from paramserver.integrations.torch_collection import RemoteEmbeddingBagCollection, _Plan
+from paramserver.integrations.torch_collection import (
+    Features,
+    KeyedJagged,
+    Pending,
+    RemoteEmbeddingBagCollection,
+    RowsManyClient,
+    Staged,
+)
+from paramserver.worker_client.embedding import RowPushAck
+from paramserver.worker_client.keyed import KeyedIds
 
 __all__ = ["PipelineStats", "TrainPipeline"]
 
 B = TypeVar("B")
 T = TypeVar("T")
-#: The end of the batches (a batch may be anything, None too).
-_END: Any = object()
+
+
+class _End(enum.Enum):
+    """The end of the batches (a batch may be anything, None too)."""
+
+    END = enum.auto()
+
+
+class _PipelineClient(Protocol):
+    """What the pipeline calls of the collection's async client (or a row cache over it)."""
+
+    async def pull_rows_many(self, ids: dict[str, np.ndarray], /) -> dict[str, np.ndarray]: ...
+
+    async def push_rows_many(
+        self, ids: dict[str, np.ndarray], grads: dict[str, np.ndarray], /
+    ) -> dict[str, RowPushAck] | None: ...
+
+    async def clock(self) -> int: ...
+
+
+def _is_async(client: RowsManyClient) -> TypeGuard[_PipelineClient]:
+    return inspect.iscoroutinefunction(getattr(client, "pull_rows_many", None))
 
 
 @dataclass
@@ -94,12 +124,12 @@ class TrainPipeline(Generic[B, T]):
         collection: RemoteEmbeddingBagCollection,
         step: Callable[[B], T],
         *,
-        features: Callable[[B], Any] | None = None,
+        features: Callable[[B], Features] | None = None,
         pipelined: bool = True,
         clock: bool = True,
     ) -> None:
         client = collection.client
-        if not inspect.iscoroutinefunction(getattr(client, "pull_rows_many", None)):
+        if not _is_async(client):
             raise InvalidArgument(
                 "TrainPipeline needs the collection on the async client (connect(...)); a "
                 "blocking client pulls and pushes inside forward and backward"
@@ -107,14 +137,14 @@ class TrainPipeline(Generic[B, T]):
         self.collection = collection
         self.client = client
         self.step = step
-        self.features: Callable[[B], Any] = features or (lambda b: b)
+        self.features: Callable[[B], Features] = features or _batch_is_features
         self.pipelined = pipelined
         self.clock = clock
         self.stats = PipelineStats()
         self._compute_end = self._traffic_end = 0.0
 
     # ------------------------------------------------------------------ row traffic
-    async def _pull(self, batch: B) -> tuple[Any, _Plan, dict[str, np.ndarray]]:
+    async def _pull(self, batch: B) -> Staged:
         t0 = asyncio.get_running_loop().time()
         feats = self.features(batch)
         plan = self.collection._plan(feats)
@@ -122,9 +152,7 @@ class TrainPipeline(Generic[B, T]):
         self.stats.pull_s += asyncio.get_running_loop().time() - t0
         return feats, plan, {t: np.asarray(r) for t, r in rows.items()}
 
-    async def _push(
-        self, pending: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]]
-    ) -> None:
+    async def _push(self, pending: list[Pending]) -> None:
         t0 = asyncio.get_running_loop().time()
         for ids, grads in pending:
             await self.client.push_rows_many(ids, grads)
@@ -132,9 +160,7 @@ class TrainPipeline(Generic[B, T]):
             await self.client.clock()
         self.stats.push_s += asyncio.get_running_loop().time() - t0
 
-    def _compute(
-        self, batch: B, staged: tuple[Any, _Plan, dict[str, np.ndarray]]
-    ) -> tuple[T, list[Any]]:
+    def _compute(self, batch: B, staged: Staged) -> tuple[T, list[Pending]]:
         """One step's compute in a worker thread, on its staged rows; returns its result and
         the row gradients its backward produced."""
         feats, plan, rows = staged
@@ -145,7 +171,7 @@ class TrainPipeline(Generic[B, T]):
             self.collection._unstage()
         return result, self.collection._take_pending()
 
-    async def _timed_compute(self, batch: B, staged: Any) -> tuple[T, list[Any]]:
+    async def _timed_compute(self, batch: B, staged: Staged) -> tuple[T, list[Pending]]:
         t0 = asyncio.get_running_loop().time()
         try:
             return await asyncio.to_thread(self._compute, batch, staged)
@@ -175,13 +201,14 @@ class TrainPipeline(Generic[B, T]):
             yield result
 
     async def _pipelined(self, it: Iterator[B]) -> AsyncIterator[T]:
-        batch = next(it, _END)
-        if batch is _END:
+        first = next(it, _End.END)
+        if first is _End.END:
             return
+        batch = first
         staged = await self._pull(batch)
-        pending: list[Any] | None = None  # the previous step's row gradients
+        pending: list[Pending] | None = None  # the previous step's row gradients
         while True:
-            nxt = next(it, _END)
+            nxt = next(it, _End.END)
             compute = asyncio.ensure_future(self._timed_compute(batch, staged))
             traffic = asyncio.ensure_future(self._traffic(pending, nxt))
             try:
@@ -196,16 +223,30 @@ class TrainPipeline(Generic[B, T]):
             self.stats.wait_s += max(0.0, self._traffic_end - self._compute_end)
             self.stats.steps += 1
             yield result
-            if nxt is _END:
+            if nxt is _End.END or next_staged is None:
                 await self._push(pending)
                 return
             batch, staged = nxt, next_staged
 
-    async def _traffic(self, pending: list[Any] | None, nxt: Any) -> Any:
+    async def _traffic(self, pending: list[Pending] | None, nxt: B | _End) -> Staged | None:
         """Push the previous step's gradients and clock, then pull the next step's rows."""
         try:
             if pending is not None:
                 await self._push(pending)
-            return None if nxt is _END else await self._pull(nxt)
+            return None if nxt is _End.END else await self._pull(nxt)
         finally:
             self._traffic_end = asyncio.get_running_loop().time()
+
+
+def _batch_is_features(batch: object) -> Features:
+    """The default ``features``: the batch is the keyed jagged ids itself.
+
+    Raises:
+        InvalidArgument: a batch that is not keyed jagged ids (INVALID_ARGUMENT).
+    """
+    if isinstance(batch, (KeyedIds, KeyedJagged)):
+        return batch
+    raise InvalidArgument(
+        f"a batch of type {type(batch).__name__} is not keyed jagged ids: pass "
+        "features=(batch -> its keyed jagged ids) to TrainPipeline"
+    )
