@@ -335,7 +335,7 @@ class ServerConfig(MetricsEndpointConfig):
 
     @classmethod
     def from_sources(
-        cls, cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+        cls, cli: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None
     ) -> ServerConfig:
         """Build a config: CLI values (None = not given) over ``PARAMSERVER_*`` env over defaults.
 
@@ -359,7 +359,7 @@ class ServerConfig(MetricsEndpointConfig):
         return dataclasses.replace(self, **changes)
 
 
-def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
+def _parse(f: dataclasses.Field[object], raw: str) -> str | int | float | bool | None:
     kind = str(f.type)
     name = ENV_PREFIX + f.name.upper()
     raw = raw.strip()
