@@ -24,10 +24,11 @@ import asyncio
 import contextlib
 import functools
 import inspect
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar, cast
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import grpc
+from google.protobuf.message import Message
 
 from paramserver.api.v1 import spmd_pb2, spmd_pb2_grpc
 from paramserver.errors import InvalidArgument, MalformedStream
@@ -55,6 +56,20 @@ from paramserver.spmd.rank_server.transfer import (
 __all__ = ["RankServicer", "rank_rpc"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+H_co = TypeVar("H_co", covariant=True)
+C_co = TypeVar("C_co", covariant=True)
+
+
+class _HeaderOrChunk(Protocol[H_co, C_co]):
+    """A client-stream message of ``oneof body {header, chunk}``."""
+
+    @property
+    def header(self) -> H_co: ...
+
+    @property
+    def chunk(self) -> C_co: ...
+
+    def WhichOneof(self, oneof_group: Literal["body"]) -> str | None: ...
 
 
 def _cancel_when_rpc_ends(context: ServicerContext) -> Callable[[], None]:
@@ -85,7 +100,7 @@ def _cancel_when_rpc_ends(context: ServicerContext) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def _guarded(servicer: Any, context: ServicerContext) -> Iterator[None]:
+def _guarded(servicer: RankServicer, context: ServicerContext) -> Iterator[None]:
     """Count a failure of the handler (not an abort) and cancel it if its RPC ends first."""
     mark_finished = _cancel_when_rpc_ends(context)
     try:
@@ -110,7 +125,9 @@ def rank_rpc(fn: F) -> F:
     if inspect.isasyncgenfunction(fn):
 
         @functools.wraps(fn)
-        async def streaming(self: Any, request: Any, context: ServicerContext) -> Any:
+        async def streaming(
+            self: RankServicer, request: Message, context: ServicerContext
+        ) -> AsyncIterator[Message]:
             with _guarded(self, context):
                 async for item in fn(self, request, context):
                     yield item
@@ -118,18 +135,18 @@ def rank_rpc(fn: F) -> F:
         return cast(F, grpc_errors(streaming))
 
     @functools.wraps(fn)
-    async def unary(self: Any, request: Any, context: ServicerContext) -> Any:
+    async def unary(self: RankServicer, request: object, context: ServicerContext) -> object:
         with _guarded(self, context):
             return await fn(self, request, context)
 
     return cast(F, grpc_errors(unary))
 
 
-def _ids(values: Any) -> list[int]:
+def _ids(values: Iterable[int]) -> list[int]:
     return [int(v) for v in values]
 
 
-def _blocks(request: Any, end: str) -> tuple[Tier, list[int]]:
+def _blocks(request: Message, end: str) -> tuple[Tier, list[int]]:
     """The ``{end}_tier`` and ``{end}_block_ids`` of a request (``end``: src or dst)."""
     what = "source" if end == "src" else "destination"
     return parse_tier(getattr(request, f"{end}_tier"), what), _ids(
@@ -138,8 +155,8 @@ def _blocks(request: Any, end: str) -> tuple[Tier, list[int]]:
 
 
 async def _header_then_chunks(
-    requests: AsyncIterator[Any], rpc: str, prefix: str
-) -> tuple[Any, AsyncIterator[Any]]:
+    requests: AsyncIterator[_HeaderOrChunk[H_co, C_co]], rpc: str, prefix: str
+) -> tuple[H_co, AsyncIterator[C_co]]:
     """Split a client stream of ``oneof body {header, chunk}`` into its header and chunks.
 
     Raises:
@@ -150,7 +167,7 @@ async def _header_then_chunks(
     if first is None or first.WhichOneof("body") != "header":
         raise MalformedStream(f"{prefix}: {rpc} must start with a header")
 
-    async def chunks() -> AsyncIterator[Any]:
+    async def chunks() -> AsyncIterator[C_co]:
         async for message in requests:
             if message.WhichOneof("body") != "chunk":
                 raise MalformedStream(f"{prefix}: second header in {rpc}")
