@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Generator, Mapping
-from typing import Any
 
 from paramserver.errors import ParamServerError
 from paramserver.spmd.planning import RankTransferResult
@@ -130,7 +129,7 @@ class TransferCompleteNotification:
         assert result is not None
         return result
 
-    def __await__(self) -> Generator[Any, None, TransferResult]:
+    def __await__(self) -> Generator[object, None, TransferResult]:
         return self.wait().__await__()
 
     @property

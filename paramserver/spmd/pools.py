@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
@@ -238,7 +238,7 @@ class DiskPool(BlockPool):
 class DevicePool(BlockPool):
     """G1: one ``uint8`` CUDA tensor of ``layout.total_bytes`` (PyTorch; GPU hosts only)."""
 
-    def __init__(self, layout: Layout, torch: Any, device: str = "cuda:0") -> None:
+    def __init__(self, layout: Layout, torch: ModuleType, device: str = "cuda:0") -> None:
         super().__init__(Tier.G1, layout)
         self._torch = torch
         self._tensor = torch.zeros(max(1, layout.total_bytes), dtype=torch.uint8, device=device)

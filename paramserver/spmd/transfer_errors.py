@@ -23,7 +23,6 @@ status code, or INTERNAL when they differ.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import grpc
 
@@ -89,12 +88,12 @@ class RankFailures(ParamServerError):
         self,
         operation: str,
         failures: Mapping[int, ParamServerError],
-        results: Mapping[int, Any],
+        results: Mapping[int, object],
         worker_count: int,
     ) -> None:
         self.operation = operation
         self.failures: dict[int, ParamServerError] = dict(sorted(failures.items()))
-        self.results: dict[int, Any] = dict(sorted(results.items()))
+        self.results: dict[int, object] = dict(sorted(results.items()))
         self.worker_count = worker_count
         codes = {e.code for e in self.failures.values()}
         parts = "; ".join(f"rank {r}: {e.code.name}: {e.message}" for r, e in self.failures.items())

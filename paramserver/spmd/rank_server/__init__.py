@@ -13,7 +13,7 @@ The names below load their module on first use, so a client that needs only
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the names, for type checkers (re-exported as such)
     from paramserver.spmd.rank_server.rank_config import SERVICE_NAME as SERVICE_NAME
@@ -32,7 +32,7 @@ _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME_OF)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name not in _HOME_OF:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{_HOME_OF[name]}"), name)
