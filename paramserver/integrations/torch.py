@@ -24,7 +24,7 @@ Conversion (no floating-point round trip anywhere; bit-exact both ways):
 - bfloat16 stays 2 bytes per element: the tensor's raw bits are viewed as int16
   (``torch.Tensor.view(torch.int16)``) and the numpy array viewed back as
   ``ml_dtypes.bfloat16``, so the server stores and sends bfloat16.
-- Any other dtype (bool, uint8, complex, float8, ...) is refused with InvalidArgument.
+- Every other dtype (bool, uint8, complex, float8, ...) is refused with InvalidArgument.
 - Pulled values are copied into the parameters in place (``torch.no_grad``), so the
   parameters keep their dtype, device (CPU or CUDA), identity and any optimizer references.
 

@@ -121,7 +121,7 @@ def module_parameters(
     """``prefix + name`` -> the parameter's values (see :func:`tensor_to_numpy`).
 
     Args:
-        module: Any ``torch.nn.Module``.
+        module: A ``torch.nn.Module``.
         prefix: Prepended to every parameter name.
         buffers: Include ``named_buffers()`` too (e.g. BatchNorm running statistics).
 

@@ -11,10 +11,12 @@ import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
-from typing import Any
+from typing import TypedDict, Unpack
 
 import numpy as np
 import torch
+from torch.optim.optimizer import StateDict
+from torch.utils.hooks import RemovableHandle
 
 from paramserver.core.optimizers import UpdateRule
 from paramserver.errors import InvalidArgument, WaitTimeout
@@ -23,6 +25,19 @@ from paramserver.worker_client.client import PushAck
 from paramserver.worker_client.sync import SyncWorkerClient
 
 __all__ = ["ServerOptimizer", "ShardSampler"]
+
+
+class RuleArgs(TypedDict, total=False):
+    """The arguments of a rule kind given by name (``ServerOptimizer(params, "sgd", lr=0.1)``):
+    :class:`~paramserver.core.optimizers.UpdateRule`'s."""
+
+    lr: float | None
+    momentum: float | None
+    nesterov: bool
+    weight_decay: float | None
+    beta1: float | None
+    beta2: float | None
+    eps: float | None
 
 
 def _named_tensors(
@@ -111,7 +126,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         overlap: bool = False,
         missing_grad: MissingGrad = "error",
         start_timeout_s: float = 300.0,
-        **rule_args: Any,
+        **rule_args: Unpack[RuleArgs],
     ) -> None:
         if isinstance(rule, str):
             rule = UpdateRule(rule, **rule_args)
@@ -143,7 +158,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         #: Steps this optimizer object completed (iterations since it was made).
         self.steps = 0
         self._pending: list[concurrent.futures.Future[PushAck]] = []
-        self._hooks: list[Any] = []
+        self._hooks: list[RemovableHandle] = []
         try:
             stored = client.init({k: tensor_to_numpy(t, k) for k, t in named}, self.rule)
             self._load(stored)
@@ -160,7 +175,7 @@ class ServerOptimizer(torch.optim.Optimizer):
             raise
 
     # ------------------------------------------------------------------ internals
-    def _hook_for(self, key: str) -> Any:
+    def _hook_for(self, key: str) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             if grad is None:
@@ -242,7 +257,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         self.steps += 1
         return loss
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """What this worker holds of the optimizer: torch's ``param_groups`` and, under
         ``"paramserver"``, the keys, the rule, this object's step count and the worker's
         clock. The optimizer *state* (momentum, moments) is not here: the servers hold it
@@ -256,7 +271,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         }
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Check that ``state_dict`` came from an optimizer of the same keys and rule and
         take back its step count. It changes nothing on the servers: their parameters and
         optimizer state are the cluster's (restore a server checkpoint to roll those back).
@@ -335,7 +350,7 @@ class ShardSampler(torch.utils.data.Sampler[int]):
     count held for the epochs already trained.
 
     Args:
-        dataset: Any sized dataset (only ``len(dataset)`` is used).
+        dataset: A sized dataset (only ``len(dataset)`` is used).
         num_workers, worker_index: Default: ``NUM_WORKERS`` / ``WORKER_INDEX`` of the
             environment (1 and 0 when unset).
         shuffle, seed, drop_last: As ``DistributedSampler``.
