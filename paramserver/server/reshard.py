@@ -29,7 +29,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from paramserver.core.sharding import (
     parse_name,
     plan_layout,
 )
-from paramserver.core.store import ParameterStore
+from paramserver.core.store import Entry, ParameterStore
 from paramserver.core.table_set import merge_table_states, split_table_states
 from paramserver.errors import InvalidArgument, ParamServerError
 from paramserver.server.checkpoint import CheckpointError, CheckpointManager
@@ -69,6 +69,25 @@ class LogicalEntry:
     rule: UpdateRule
     state: dict[str, np.ndarray]
     updates: int
+
+
+#: What :func:`reshard` did (``paramserver reshard`` prints it as JSON): the cut's step and
+#: exactness, the old shards' count and checkpoints (``from``, in shard order), the new
+#: cluster's shard count and slice size, the logical keys, and the checkpoints written.
+#: (The functional form: ``from`` is a Python keyword.)
+ReshardSummary = TypedDict(
+    "ReshardSummary",
+    {
+        "cut_step": int,
+        "exact_cut": bool,
+        "from_shards": int,
+        "from": list[str],
+        "to_shards": int,
+        "slice_bytes": int,
+        "keys": int,
+        "written": list[str],
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -199,7 +218,7 @@ def merge_stores(stores: Sequence[ParameterStore]) -> dict[str, LogicalEntry]:
         ReshardError: a stored name on two shards, a slice or layout missing, or slices that
             disagree on their rule.
     """
-    stored: dict[str, Any] = {}
+    stored: dict[str, Entry] = {}
     for store in stores:
         for name in store.keys():
             if name in stored:
@@ -326,7 +345,7 @@ def reshard(
     addresses: Sequence[str] | None = None,
     only: int | None = None,
     allow_inexact: bool = False,
-) -> dict[str, Any]:
+) -> ReshardSummary:
     """Write the newest common cut of ``sources`` as checkpoints of ``num_shards`` shards.
 
     Args:
