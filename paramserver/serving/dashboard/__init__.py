@@ -31,9 +31,8 @@ import logging
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from importlib import resources
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -125,7 +124,7 @@ def _by_transfer(series: Series | None) -> dict[str, float]:
     return out
 
 
-def rank_sample(s: dict[str, Series]) -> dict[str, Any]:
+def rank_sample(s: dict[str, Series]) -> dict[str, float | dict[str, float]]:
     """The history entry of a rank server: bytes and commands per direction, tiers and path."""
     return {
         "transfer_bytes": _by_transfer(s.get("paramserver_rank_transfer_bytes_total")),
@@ -136,13 +135,20 @@ def rank_sample(s: dict[str, Series]) -> dict[str, Any]:
     }
 
 
-def rpc_sample(s: dict[str, Series]) -> dict[str, Any]:
+def rpc_sample(s: dict[str, Series]) -> dict[str, float | dict[str, float]]:
     """The history entry of any gRPC server: RPCs per method (all outcomes)."""
     return {"rpcs": series_by(s.get("paramserver_rpcs_total"), "method")}
 
 
+def _sampled_at(entry: Mapping[str, object]) -> float:
+    """The Unix time of a history entry (its ``t``)."""
+    t = entry["t"]
+    assert isinstance(t, int | float)
+    return t
+
+
 #: What a sample holds, by kind of server.
-Sampler = Callable[[dict[str, Series]], dict[str, Any]]
+Sampler = Callable[[dict[str, Series]], Mapping[str, object]]
 
 
 class Dashboard:
@@ -174,9 +180,9 @@ class Dashboard:
         kind: str,
         registry: CollectorRegistry,
         *,
-        info: dict[str, Any] | None = None,
-        status: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-        peers: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None,
+        info: Mapping[str, object] | None = None,
+        status: Callable[[], Awaitable[Mapping[str, object]]] | None = None,
+        peers: Callable[[], Awaitable[list[dict[str, object]]]] | None = None,
         period_s: float = 1.0,
         history: int = DEFAULT_HISTORY,
         now: Callable[[], float] = time.time,
@@ -192,25 +198,26 @@ class Dashboard:
         self.peers = peers
         self.period_s = period_s
         self.now = now
-        self.history: deque[dict[str, Any]] = deque(maxlen=history)
+        self.history: deque[dict[str, object]] = deque(maxlen=history)
         self._task: asyncio.Task[None] | None = None
         self._sample_failed = False
         self._peers_lock = asyncio.Lock()
         self._peers_at = -float("inf")
-        self._peers_view: list[dict[str, Any]] = []
+        self._peers_view: list[dict[str, object]] = []
 
-    def sample(self) -> dict[str, Any]:
+    def sample(self) -> dict[str, object]:
         """Read the registry once and append the entry to :attr:`history` (returned)."""
         samples = read_samples(self.registry)
-        entry = {"t": round(self.now(), 3), **self.SAMPLERS[self.kind](samples)}
+        t = round(self.now(), 3)
+        entry = {"t": t, **self.SAMPLERS[self.kind](samples)}
         self.history.append(entry)
-        self._sampled(entry["t"], samples)
+        self._sampled(t, samples)
         return entry
 
     def _sampled(self, t: float, samples: dict[str, Series]) -> None:
         """Called with every sample taken at Unix time ``t`` (a subclass keeps more of it)."""
 
-    def _facts(self) -> dict[str, Any]:
+    def _facts(self) -> dict[str, object]:
         """What the snapshot adds for this kind of server (a subclass's)."""
         return {}
 
@@ -238,7 +245,7 @@ class Dashboard:
                     logger.debug("dashboard sample failed", exc_info=True)
                 self._sample_failed = True
 
-    async def _peer_view(self) -> list[dict[str, Any]]:
+    async def _peer_view(self) -> list[dict[str, object]]:
         """The other shards' Status, read at most once per ``period_s`` whoever polls."""
         assert self.peers is not None
         async with self._peers_lock:
@@ -247,11 +254,11 @@ class Dashboard:
                 self._peers_at = time.monotonic()
             return self._peers_view
 
-    async def snapshot(self, since_unix_s: float | None = None) -> dict[str, Any]:
+    async def snapshot(self, since_unix_s: float | None = None) -> dict[str, object]:
         """What ``GET /api/status`` answers: the server's facts (and its kind's,
         :meth:`_facts`), its Status and its peers' when given, and the history (oldest first,
         cumulative counters; only the samples after ``since_unix_s`` when given)."""
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "kind": self.kind,
             "version": _version(),
             "now_unix_s": round(self.now(), 3),
@@ -266,7 +273,7 @@ class Dashboard:
         if since_unix_s is None:
             out["history"] = list(self.history)
         else:
-            out["history"] = [h for h in self.history if h["t"] > since_unix_s]
+            out["history"] = [h for h in self.history if _sampled_at(h) > since_unix_s]
         return out
 
     async def body(self, query: str = "") -> bytes:
@@ -283,13 +290,13 @@ class Dashboard:
 
 async def gather_peers(
     addresses: Iterable[tuple[int, str]],
-    read: Callable[[str], Awaitable[dict[str, Any]]],
+    read: Callable[[str], Awaitable[Mapping[str, object]]],
     timeout_s: float = PEER_TIMEOUT_S,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """Read every peer's Status at once (one task per peer); a peer that fails or does not
     answer within ``timeout_s`` is reported with its error, the others still are."""
 
-    async def one(index: int, address: str) -> dict[str, Any]:
+    async def one(index: int, address: str) -> dict[str, object]:
         try:
             status = await asyncio.wait_for(read(address), timeout_s)
         except Exception as exc:

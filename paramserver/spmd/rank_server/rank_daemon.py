@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -86,7 +85,7 @@ def _metrics_server(state: RankState) -> MetricsServer:
     state.metrics = RankMetrics(lambda: (state.failed, state.inflight))
     registry = state.metrics.registry
     blocks = {"G1": config.device_blocks, "G2": config.host_blocks, "G3": config.disk_blocks}
-    info: dict[str, Any] = {
+    info: dict[str, object] = {
         "instance_id": config.instance_id,
         "rank": config.rank,
         "tier_blocks": blocks,
