@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import AsyncIterable
 
 from paramserver.errors import REFUSAL_METADATA_KEY, ParamServerError
 from paramserver.method_handlers import ServicerContext
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 DRAIN_S = 10.0
 
 
-async def announce_refusal(context: ServicerContext, request: Any, exc: BaseException) -> None:
+async def announce_refusal(context: ServicerContext, request: object, exc: BaseException) -> None:
     """Send the refusal of a client stream in the initial metadata (only for a client stream
     and a :class:`ParamServerError`; nothing when initial metadata is already out)."""
     if not hasattr(request, "__aiter__") or not isinstance(exc, ParamServerError):
@@ -38,10 +38,10 @@ async def announce_refusal(context: ServicerContext, request: Any, exc: BaseExce
         logger.debug("could not announce the refusal %s", value, exc_info=True)
 
 
-async def drain_request_stream(request: Any) -> None:
+async def drain_request_stream(request: object) -> None:
     """Read and discard the rest of a client stream (Init, Push) before refusing it, for at
     most :data:`DRAIN_S` seconds. Unary requests (protobuf messages) are left alone."""
-    if not hasattr(request, "__aiter__"):
+    if not isinstance(request, AsyncIterable):  # has __aiter__
         return
     try:
         async with asyncio.timeout(DRAIN_S):

@@ -13,7 +13,7 @@ import functools
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-async def abort_with(context: ServicerContext, exc: BaseException, method: str) -> None:
+async def abort_with(context: ServicerContext, exc: BaseException, method: str) -> NoReturn:
     """End the call with ``exc``'s status (a :class:`ParamServerError`; a MemoryError becomes
     :class:`~paramserver.errors.CapacityExceeded`, RESOURCE_EXHAUSTED), or a logged INTERNAL."""
     if isinstance(exc, MemoryError):
@@ -53,8 +53,8 @@ def grpc_errors(fn: F) -> F:
 
         @functools.wraps(fn)
         async def gen_wrapper(
-            self: Any, request: Any, context: ServicerContext
-        ) -> AsyncIterator[Any]:
+            self: object, request: object, context: ServicerContext
+        ) -> AsyncIterator[object]:
             try:
                 async for item in fn(self, request, context):
                     yield item
@@ -66,7 +66,7 @@ def grpc_errors(fn: F) -> F:
         return gen_wrapper  # type: ignore[return-value]
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: ServicerContext) -> Any:
+    async def wrapper(self: object, request: object, context: ServicerContext) -> object:
         try:
             return await fn(self, request, context)
         except grpc.aio.AbortError:

@@ -24,15 +24,20 @@ import contextvars
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from paramserver.errors import Unavailable
-from paramserver.method_handlers import ServicerContext, behaviour_of, same_shape
+from paramserver.method_handlers import (
+    Behaviour,
+    Handler,
+    ServicerContext,
+    behaviour_of,
+    same_shape,
+)
 from paramserver.security.http_access import HttpSecurity, authorized, unauthorized_response
 from paramserver.security.tls import bind_failure_reason
 from paramserver.serving.dashboard import ASSETS, Dashboard, asset
@@ -100,9 +105,9 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
@@ -111,13 +116,15 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
         wrap = self._wrap_stream if handler.response_streaming else self._wrap_unary
         return same_shape(handler, wrap(method, behaviour))
 
-    def _wrap_unary(self, method: str, behaviour: Any) -> Any:
-        async def call(request: Any, context: ServicerContext) -> Any:
+    def _wrap_unary(self, method: str, behaviour: Behaviour) -> Behaviour:
+        async def call(request: object, context: ServicerContext) -> object:
             t0 = time.perf_counter()
             outcome = "error"
             CURRENT_RPC.set(method)
             try:
-                result = await behaviour(request, context)
+                running = behaviour(request, context)
+                assert inspect.isawaitable(running)  # an async def behaviour
+                result = await running
                 outcome = "ok"
                 return result
             except asyncio.CancelledError:
@@ -128,11 +135,11 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
 
         return call
 
-    def _wrap_stream(self, method: str, behaviour: Any) -> Any:
+    def _wrap_stream(self, method: str, behaviour: Behaviour) -> Behaviour:
         if not inspect.isasyncgenfunction(behaviour):  # context.write style: time the call
             return self._wrap_unary(method, behaviour)
 
-        async def call(request: Any, context: ServicerContext) -> AsyncIterator[Any]:
+        async def call(request: object, context: ServicerContext) -> AsyncIterator[object]:
             t0 = time.perf_counter()
             outcome = "error"
             first = True
