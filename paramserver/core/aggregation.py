@@ -145,7 +145,8 @@ class Asynchronous:
 
     Staleness of an update is ``current_step - update.step``. An update with staleness above
     ``staleness_threshold`` is refused and counted in ``dropped_updates``; exactly at the
-    threshold it is accepted; a step in the future is refused. Any pending update forms a quorum.
+    threshold it is accepted; a step in the future is refused. A single pending update forms a
+    quorum.
 
     Source: Zhang et al., "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016
     (gradient scaled by ``1 / (1 + staleness)`` when ``scale_by_staleness``).

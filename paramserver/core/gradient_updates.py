@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import Final, TypeAlias
 
 import ml_dtypes
 import numpy as np
@@ -28,7 +28,7 @@ __all__ = [
     "reduce_gradients",
 ]
 
-Array: TypeAlias = npt.NDArray[Any]
+Array: TypeAlias = npt.NDArray[np.generic]
 
 _BFLOAT16: Final[np.dtype[np.generic]] = np.dtype(ml_dtypes.bfloat16)
 _HALF_DTYPES: Final[frozenset[np.dtype[np.generic]]] = frozenset({np.dtype(np.float16), _BFLOAT16})

@@ -69,7 +69,7 @@ INIT_ZEROS = 0
 INIT_UNIFORM = 1
 INIT_OTHER = 2  # computed by the caller (normal): the kernel reports the missing rows
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+_F = TypeVar("_F", bound=Callable[..., object])
 
 # The arrays the kernels take (numba compiles one specialization per argument type; these
 # are the types the callers pass).
