@@ -46,7 +46,6 @@ import socket
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 
@@ -210,14 +209,20 @@ class ServerSecurity(_PemFiles):
 
     @classmethod
     def from_sources(
-        cls, cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+        cls, cli: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None
     ) -> ServerSecurity:
         """CLI values (None = not given) over ``PARAMSERVER_TLS_*`` / ``PARAMSERVER_AUTH_TOKENS``
         in ``env`` over defaults (nothing)."""
-        return cls(**_pick(("tls_cert", "tls_key", "tls_ca", "auth_tokens"), cli, env))
+        values = _pick(("tls_cert", "tls_key", "tls_ca", "auth_tokens"), cli, env)
+        return cls(
+            tls_cert=values.get("tls_cert"),
+            tls_key=values.get("tls_key"),
+            tls_ca=values.get("tls_ca"),
+            auth_tokens=values.get("auth_tokens"),
+        )
 
     @classmethod
-    def of_config(cls, config: Any) -> ServerSecurity | None:
+    def of_config(cls, config: object) -> ServerSecurity | None:
         """The security of a server config with ``tls_cert``, ``tls_key``, ``tls_ca`` and
         ``auth_tokens`` attributes (e.g. :class:`~paramserver.server.config.ServerConfig`);
         None when none is set.
@@ -416,7 +421,7 @@ class ClientSecurity(_PemFiles):
 
     @classmethod
     def from_sources(
-        cls, cli: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+        cls, cli: Mapping[str, object] | None = None, env: Mapping[str, str] | None = None
     ) -> ClientSecurity:
         """CLI values (None = not given) over ``PARAMSERVER_*`` in ``env`` over defaults.
 
@@ -424,11 +429,19 @@ class ClientSecurity(_PemFiles):
         """
         names = ("tls_ca", "tls_cert", "tls_key", "tls_server_name", "token_file")
         values = _pick(names, cli, env)
+        token = None
         if values.get("token_file") is None:
-            token = (env or {}).get(ENV_PREFIX + "TOKEN")
-            if token:
-                values["token"] = token.strip()
-        return cls(**values)
+            given = (env or {}).get(ENV_PREFIX + "TOKEN")
+            if given:
+                token = given.strip()
+        return cls(
+            tls_ca=values.get("tls_ca"),
+            tls_cert=values.get("tls_cert"),
+            tls_key=values.get("tls_key"),
+            tls_server_name=values.get("tls_server_name"),
+            token_file=values.get("token_file"),
+            token=token,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -541,9 +554,9 @@ def open_channel(
 
 # --------------------------------------------------------------------------- command line
 def _pick(
-    names: Sequence[str], cli: Mapping[str, Any] | None, env: Mapping[str, str] | None
-) -> dict[str, Any]:
-    values: dict[str, Any] = {}
+    names: Sequence[str], cli: Mapping[str, object] | None, env: Mapping[str, str] | None
+) -> dict[str, str]:
+    values: dict[str, str] = {}
     cli = cli or {}
     env = env or {}
     for name in names:
@@ -570,7 +583,7 @@ def token_from_sources(token_file: str | None, env: Mapping[str, str]) -> str | 
     return ClientSecurity(token_file=values["token_file"]).token
 
 
-def _cli_values(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+def _cli_values(args: argparse.Namespace, names: Sequence[str]) -> dict[str, object]:
     return {name: getattr(args, name, None) for name in names}
 
 
