@@ -8,7 +8,7 @@ gradients keyed by ``prefix + name``, the async helpers that declare, push and p
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Literal
 
 import ml_dtypes
@@ -150,11 +150,24 @@ def gradients(
     """
     if missing_grad not in ("error", "zeros", "skip"):
         raise InvalidArgument(f"missing_grad must be error, zeros or skip, got {missing_grad!r}")
+    named = ((prefix + name, param) for name, param in module.named_parameters())
+    return named_gradients(named, missing_grad)
+
+
+def named_gradients(
+    named: Iterable[tuple[str, torch.Tensor]], missing_grad: MissingGrad
+) -> dict[str, np.ndarray]:
+    """``key`` -> the ``.grad`` of every trainable tensor of ``named``, in its own dtype
+    (:func:`gradients` of a module's parameters; ``ServerOptimizer``'s of its own).
+
+    Raises:
+        InvalidArgument: a trainable tensor without a gradient under ``"error"``, or an
+            unsupported dtype (INVALID_ARGUMENT).
+    """
     out: dict[str, np.ndarray] = {}
-    for name, param in module.named_parameters():
+    for key, param in named:
         if not param.requires_grad:
             continue
-        key = prefix + name
         grad = param.grad
         if grad is None:
             if missing_grad == "error":

@@ -20,7 +20,12 @@ from torch.utils.hooks import RemovableHandle
 
 from paramserver.core.optimizers import UpdateRule
 from paramserver.errors import InvalidArgument, WaitTimeout
-from paramserver.integrations.torch_params import MissingGrad, numpy_to_tensor, tensor_to_numpy
+from paramserver.integrations.torch_params import (
+    MissingGrad,
+    named_gradients,
+    numpy_to_tensor,
+    tensor_to_numpy,
+)
 from paramserver.worker_client.client import PushAck
 from paramserver.worker_client.sync import SyncWorkerClient
 
@@ -199,25 +204,8 @@ class ServerOptimizer(torch.optim.Optimizer):
                 tensor.copy_(src)
 
     def _gradients(self, pushed: set[str]) -> dict[str, np.ndarray]:
-        out: dict[str, np.ndarray] = {}
-        for key, tensor in self._named:
-            if not tensor.requires_grad or key in pushed:
-                continue
-            grad = tensor.grad
-            if grad is None:
-                if self.missing_grad == "error":
-                    raise InvalidArgument(
-                        f"parameter {key!r} has no gradient (.grad is None: it took no part "
-                        "in the loss, or backward() was not called); pass missing_grad='zeros' "
-                        "or 'skip', or freeze it with requires_grad_(False)"
-                    )
-                if self.missing_grad == "skip":
-                    continue
-                grad = torch.zeros_like(tensor)
-            if grad.is_sparse:
-                grad = grad.to_dense()
-            out[key] = tensor_to_numpy(grad, key)
-        return out
+        named = ((key, tensor) for key, tensor in self._named if key not in pushed)
+        return named_gradients(named, self.missing_grad)
 
     # ------------------------------------------------------------------ torch.optim API
     @torch.no_grad()
