@@ -34,7 +34,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NotRequired, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -61,10 +61,38 @@ from paramserver.protocol.limits import shown
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PreparedRowPush", "RowPushOutcome", "TableSet", "TableStats"]
+__all__ = [
+    "PreparedRowPush",
+    "RowPushOutcome",
+    "TableManifestEntry",
+    "TableSet",
+    "TableStats",
+    "TablesManifest",
+]
 
 #: The dedup kind of row pushes (:class:`~paramserver.core.dedup.DedupWindows`).
 ROW_PUSH: Final[DedupKind[RowPushOutcome]] = DedupKind("push_rows")
+
+
+class TableManifestEntry(TypedDict):
+    """One table in a :meth:`TableSet.state` manifest (JSON)."""
+
+    #: :meth:`TableSpec.to_dict`.
+    spec: dict[str, Any]
+    #: The table's counters by name (``pushes``, ``rows_pushed``, ...); none in an export's.
+    counters: NotRequired[dict[str, int]]
+    newest_clock: int
+    #: Each queued bsp push: ``[step, worker name, i, j, unix seconds]``; its ids and grads
+    #: are the arrays ``table/<name>/queued/<i>/<j>/ids`` and ``.../grads``.
+    queued: list[list[int | str | float]]
+
+
+class TablesManifest(TypedDict):
+    """The JSON half of :meth:`TableSet.state`: every table, and the row-push deduplication
+    window (per registration, ``[request id, queued]`` pairs)."""
+
+    tables: dict[str, TableManifestEntry]
+    dedup: dict[str, list[list[int]]]
 
 
 @dataclass(frozen=True)
@@ -377,16 +405,16 @@ class TableSet:
         return sum(t.expire(now_s=now_s, clock=clock) for t in self.tables.values())
 
     # ------------------------------------------------------------------ durability
-    def state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def state(self) -> tuple[dict[str, np.ndarray], TablesManifest]:
         """Arrays (``table/<name>/<field>``) and a JSON-able manifest of every table, its
         queued bsp pushes and the row-push deduplication window."""
         arrays: dict[str, np.ndarray] = {}
-        manifest: dict[str, Any] = {"tables": {}, "dedup": {}}
+        manifest: TablesManifest = {"tables": {}, "dedup": {}}
         for name, table in self.tables.items():
             for f, arr in table.state_arrays().items():
                 arrays[f"table/{name}/{f}"] = arr
             stats = self.stats[name]
-            queued = []
+            queued: list[list[int | str | float]] = []
             for i, (step, pushes) in enumerate(sorted(stats.queued.items())):
                 for j, (worker, ids, grads, now_s) in enumerate(pushes):
                     arrays[f"table/{name}/queued/{i}/{j}/ids"] = ids
@@ -414,7 +442,7 @@ class TableSet:
         }
         return arrays, manifest
 
-    def restore(self, arrays: dict[str, np.ndarray], manifest: dict[str, Any]) -> None:
+    def restore(self, arrays: dict[str, np.ndarray], manifest: TablesManifest) -> None:
         """Replace every table by :meth:`state` output (bit-exact rows and state)."""
         self.tables.clear()
         self.stats.clear()
@@ -453,8 +481,8 @@ class TableSet:
 
 # ------------------------------------------------------------------------------ reshard
 def merge_table_states(
-    parts: list[tuple[dict[str, np.ndarray], dict[str, Any]]],
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    parts: list[tuple[dict[str, np.ndarray], TablesManifest]],
+) -> tuple[dict[str, np.ndarray], TablesManifest]:
     """Merge the :meth:`TableSet.state` of every shard of a cluster into one (resharding).
 
     Every id lives on exactly one shard, so the rows (and the frequency filter's counts) are a
@@ -483,13 +511,13 @@ def merge_table_states(
                 if key.startswith(prefix) and "/" not in rest:
                     per.setdefault(rest, []).append(arr)
     out_arrays: dict[str, np.ndarray] = {}
-    out_manifest: dict[str, Any] = {"tables": {}, "dedup": {}}
+    out_manifest: TablesManifest = {"tables": {}, "dedup": {}}
     for name, per in fields.items():
         merged = {k: np.concatenate(v) for k, v in per.items()}
         order = np.argsort(merged["ids"], kind="stable")
         p_order = np.argsort(merged["pending_ids"], kind="stable")
-        for k, v in merged.items():
-            out_arrays[f"table/{name}/{k}"] = v[p_order if k.startswith("pending_") else order]
+        for k, column in merged.items():
+            out_arrays[f"table/{name}/{k}"] = column[p_order if k.startswith("pending_") else order]
         out_manifest["tables"][name] = {
             "spec": specs[name],
             "counters": counters[name],
@@ -500,12 +528,12 @@ def merge_table_states(
 
 
 def split_table_states(
-    arrays: dict[str, np.ndarray], manifest: dict[str, Any], num_shards: int
-) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]]:
+    arrays: dict[str, np.ndarray], manifest: TablesManifest, num_shards: int
+) -> list[tuple[dict[str, np.ndarray], TablesManifest]]:
     """Place merged table state on ``num_shards`` shards by ``hash64(table, id) mod S``."""
     from paramserver.core.tables import shard_of_ids
 
-    out: list[tuple[dict[str, np.ndarray], dict[str, Any]]] = [
+    out: list[tuple[dict[str, np.ndarray], TablesManifest]] = [
         ({}, {"tables": {}, "dedup": {}}) for _ in range(num_shards)
     ]
     for name, entry in manifest.get("tables", {}).items():

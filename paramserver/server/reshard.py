@@ -46,7 +46,7 @@ from paramserver.core.sharding import (
     plan_layout,
 )
 from paramserver.core.store import Entry, ParameterStore
-from paramserver.core.table_set import merge_table_states, split_table_states
+from paramserver.core.table_set import TablesManifest, merge_table_states, split_table_states
 from paramserver.errors import InvalidArgument, ParamServerError
 from paramserver.server.checkpoint import CheckpointError, CheckpointManager
 from paramserver.server.config import ServerConfig
@@ -327,7 +327,7 @@ def load_model(cut: Cut) -> dict[str, LogicalEntry]:
     return merge_stores(stores)
 
 
-def load_tables(cut: Cut) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def load_tables(cut: Cut) -> tuple[dict[str, np.ndarray], TablesManifest]:
     """The cut's embedding tables merged into one (rows moved by id on the way out)."""
     parts = [
         ({k: v for k, v in tensors.items() if k.startswith("table/")}, manifest.get("tables", {}))

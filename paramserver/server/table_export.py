@@ -28,7 +28,12 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from paramserver.core.table_set import TableSet, merge_table_states, split_table_states
+from paramserver.core.table_set import (
+    TableSet,
+    TablesManifest,
+    merge_table_states,
+    split_table_states,
+)
 from paramserver.core.tables import EmbeddingTable, TableSpec
 from paramserver.errors import InvalidArgument, TableNotFound
 from paramserver.server.checkpoint import CheckpointError, CheckpointManager
@@ -48,7 +53,7 @@ EXPORT_FORMAT = "paramserver-tables/1"
 
 def read_checkpoint_tables(
     directories: Sequence[Path],
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+) -> tuple[dict[str, np.ndarray], TablesManifest]:
     """Every table of the newest committed checkpoint of each shard's directory, merged (one
     directory per shard, any order).
 
@@ -156,7 +161,7 @@ def _read_export(directory: Path) -> dict[str, tuple[TableSpec, np.ndarray, np.n
     return out
 
 
-def export_state(directory: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def export_state(directory: Path) -> tuple[dict[str, np.ndarray], TablesManifest]:
     """An export as the state of one shard holding every row
     (:meth:`~paramserver.core.table_set.TableSet.state`'s arrays and manifest): stored ids and
     rows, zero optimizer state, no filter counts, no queued pushes.
@@ -165,7 +170,7 @@ def export_state(directory: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]
         InvalidArgument: as :func:`_read_export` (INVALID_ARGUMENT).
     """
     arrays: dict[str, np.ndarray] = {}
-    manifest: dict[str, Any] = {"tables": {}, "dedup": {}}
+    manifest: TablesManifest = {"tables": {}, "dedup": {}}
     for name, (spec, ids, rows) in _read_export(directory).items():
         n = ids.shape[0]
         for field, empty in EmbeddingTable(spec).state_arrays().items():  # fields, dtypes
