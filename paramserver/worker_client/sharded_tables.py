@@ -4,7 +4,7 @@ at once and merged back in the caller's order (what
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar, Unpack
 
 import numpy as np
@@ -35,6 +35,18 @@ class FanOut(Protocol):
     sharded client's ``_fan_out``)."""
 
     def __call__(self, calls: Mapping[int, Awaitable[T]], /) -> Awaitable[dict[int, T]]: ...
+
+
+def _in_order(
+    n: int, parts: Sequence[npt.NDArray[np.int64]], got: Mapping[int, np.ndarray]
+) -> np.ndarray:
+    """The (n, dim) rows of the caller's n ids from the shards' answers: ``got[i]`` holds the
+    rows of the ids at positions ``parts[i]`` (at least one shard answered)."""
+    first = next(iter(got.values()))
+    out = np.empty((n, first.shape[1]), first.dtype)
+    for i, rows in got.items():
+        out[parts[i]] = rows
+    return out
 
 
 async def _rows_of(call: Awaitable[tuple[RowPushAck, np.ndarray]]) -> np.ndarray:
@@ -84,11 +96,7 @@ class ShardedTables:
         )
         if not got:  # no ids: ask one shard for the table's dim and dtype
             return np.asarray(await pull(0, arr))
-        first = next(iter(got.values()))
-        out = np.empty((arr.shape[0], first.shape[1]), first.dtype)
-        for i, rows in got.items():
-            out[parts[i]] = rows
-        return out
+        return _in_order(arr.shape[0], parts, got)
 
     async def push_rows(
         self, table: str, ids: ArrayLike, grads: ArrayLike, request_id: int
@@ -137,11 +145,7 @@ class ShardedTables:
         got = {i: r for i, r in (await self.fan_out(calls)).items() if r is not None}
         if not got:  # no ids to pull: ask one shard for the table's dim and dtype
             return np.asarray(await self.shards[0].pull_rows(table, pull, timeout_s=timeout_s))
-        first = next(iter(got.values()))
-        out = np.empty((pull.shape[0], first.shape[1]), first.dtype)
-        for i, block in got.items():
-            out[pulls[i]] = block
-        return out
+        return _in_order(pull.shape[0], pulls, got)
 
     async def pull_rows_many(
         self, ids: TableIds, **options: Unpack[PullRowsManyOptions]
@@ -161,14 +165,10 @@ class ShardedTables:
         if not calls:  # no ids at all: ask one shard for every table's dim and dtype
             return await self.shards[0].pull_rows_many(arrays, **rest)
         got = await self.fan_out(calls)
-        out: dict[str, np.ndarray] = {}
-        for t, a in arrays.items():
-            first = next(iter(got.values()))[t]
-            block = np.empty((a.shape[0], first.shape[1]), first.dtype)
-            for i, rows in got.items():
-                block[parts[t][i]] = rows[t]
-            out[t] = block
-        return out
+        return {
+            t: _in_order(a.shape[0], parts[t], {i: rows[t] for i, rows in got.items()})
+            for t, a in arrays.items()
+        }
 
     async def pull_rows_validated(
         self,
