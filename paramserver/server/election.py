@@ -34,7 +34,8 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol, TypeAlias
 
 from paramserver.closing import cancelled
 from paramserver.errors import Unavailable
@@ -48,6 +49,13 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.1
 #: Deadline of one etcd request (seconds).
 REQUEST_TIMEOUT_S = 2.0
+
+
+#: A comparison of a transaction, in the gateway's JSON (base64 ``key``, ``target``,
+#: ``result``, and ``create_revision`` or ``mod_revision`` as decimal text).
+Compare: TypeAlias = dict[str, str]
+#: An operation of a transaction: ``{"request_put": {"key", "value"[, "lease"]}}`` (base64).
+Operation: TypeAlias = dict[str, dict[str, str]]
 
 
 def _b64(text: str) -> str:
@@ -66,7 +74,7 @@ class Etcd:
         self.endpoints = endpoints
         self._next = 0
 
-    def _post_sync(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post_sync(self, path: str, body: Mapping[str, object]) -> dict[str, Any]:
         errors = []
         for k in range(len(self.endpoints)):
             endpoint = self.endpoints[(self._next + k) % len(self.endpoints)]
@@ -84,7 +92,7 @@ class Etcd:
                 errors.append(f"{endpoint}: {exc}")
         raise Unavailable(f"etcd {path} failed: {'; '.join(errors)}")
 
-    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def post(self, path: str, body: Mapping[str, object]) -> dict[str, Any]:
         """POST one v3 gateway call; its JSON answer.
 
         Raises:
@@ -113,22 +121,20 @@ class Etcd:
             "mod_revision": int(kv.get("mod_revision", 0)),
         }
 
-    async def txn(
-        self, compare: list[dict[str, Any]], success: list[dict[str, Any]]
-    ) -> tuple[bool, int]:
+    async def txn(self, compare: list[Compare], success: list[Operation]) -> tuple[bool, int]:
         """One transaction: ``(succeeded, revision after it)``."""
         out = await self.post("/v3/kv/txn", {"compare": compare, "success": success})
         return bool(out.get("succeeded", False)), int(out["header"]["revision"])
 
     @staticmethod
-    def put(key: str, value: str, lease: str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    def put(key: str, value: str, lease: str | None = None) -> Operation:
+        body = {"key": _b64(key), "value": _b64(value)}
         if lease is not None:
             body["lease"] = lease
         return {"request_put": body}
 
     @staticmethod
-    def revision_is(key: str, target: str, revision: int) -> dict[str, Any]:
+    def revision_is(key: str, target: str, revision: int) -> Compare:
         """Compare ``key``'s ``CREATE`` or ``MOD`` revision with ``revision`` (0: absent)."""
         field = "create_revision" if target == "CREATE" else "mod_revision"
         return {"key": _b64(key), "target": target, "result": "EQUAL", field: str(revision)}
@@ -148,9 +154,7 @@ class ElectionStore(Protocol):
 
     async def get(self, key: str) -> dict[str, Any] | None: ...
 
-    async def txn(
-        self, compare: list[dict[str, Any]], success: list[dict[str, Any]]
-    ) -> tuple[bool, int]: ...
+    async def txn(self, compare: list[Compare], success: list[Operation]) -> tuple[bool, int]: ...
 
 
 def address_key(prefix: str, shard_index: int, replica_index: int) -> str:
