@@ -157,9 +157,7 @@ class SpmdParallelWorkers(RankGroup):
         """
         self._require_open()
         t = self._timeout(timeout_s)
-        results = await self._fan_out(
-            "export_metadata", lambda c: c.export_metadata(t), raise_on_failure=True
-        )
+        results = await self._fan_out("export_metadata", lambda c: c.export_metadata(t))
         return [results[r] for r in range(self.worker_count())]
 
     async def import_metadata(
@@ -186,7 +184,6 @@ class SpmdParallelWorkers(RankGroup):
             lambda c: c.unary(
                 "ImportMetadata", spmd_pb2.ImportMetadataRequest(remote=metadata[c.rank]), t
             ),
-            raise_on_failure=True,
         )
         return [bool(results[r].replaced) for r in range(self.worker_count())]
 
@@ -238,12 +235,10 @@ class SpmdParallelWorkers(RankGroup):
         ordered = tuple(by_rank[r] for r in range(n))
         layouts = tuple(layouts_of(md) for md in ordered)  # validates the layouts
         t = self._timeout(timeout_s)
-        outcomes = await self._fan_out(
-            "connect_remote",
+        outcomes = await self._fan_out_settled(
             lambda c: c.unary(
                 "ImportMetadata", spmd_pb2.ImportMetadataRequest(remote=ordered[c.rank]), t
-            ),
-            raise_on_failure=False,
+            )
         )
         failures = {r: o for r, o in outcomes.items() if isinstance(o, ParamServerError)}
         if failures:
@@ -264,7 +259,7 @@ class SpmdParallelWorkers(RankGroup):
                 "ForgetRemote", spmd_pb2.ForgetRemoteRequest(instance_id=instance_id), timeout_s
             )
 
-        undone = await self._fan_out("roll back", undo, raise_on_failure=False, ranks=ranks)
+        undone = await self._fan_out_settled(undo, ranks=ranks)
         for rank, outcome in undone.items():
             if isinstance(outcome, ParamServerError):
                 logger.warning(
@@ -285,7 +280,6 @@ class SpmdParallelWorkers(RankGroup):
             lambda c: c.unary(
                 "ForgetRemote", spmd_pb2.ForgetRemoteRequest(instance_id=instance_id), t
             ),
-            raise_on_failure=True,
         )
 
     # ------------------------------------------------------------------ transfers
@@ -559,9 +553,7 @@ class SpmdParallelWorkers(RankGroup):
         self._require_open()
         keys = [int(h) for h in sequence_hashes]
         t = self._timeout(timeout_s)
-        outcomes = await self._fan_out(
-            "has_blocks", lambda c: c.has_objects(keys, timeout_s=t), raise_on_failure=False
-        )
+        outcomes = await self._fan_out_settled(lambda c: c.has_objects(keys, timeout_s=t))
         per_rank = {r: o for r, o in outcomes.items() if not isinstance(o, ParamServerError)}
         for o in outcomes.values():
             if isinstance(o, ParamServerError):
@@ -651,7 +643,7 @@ class SpmdParallelWorkers(RankGroup):
             response = await c.unary("PutBlocks", put, t)
             return response
 
-        outcomes = await self._fan_out(operation, call, raise_on_failure=False)
+        outcomes = await self._fan_out_settled(call)
         per_rank: dict[int, dict[int, tuple[str, str]]] = {}
         rank_errors: dict[int, str] = {}
         for r, o in outcomes.items():
@@ -738,7 +730,5 @@ class SpmdParallelWorkers(RankGroup):
         Raises:
             RankFailures: a rank did not answer (every failing rank named).
         """
-        results = await self._fan_out(
-            "status", lambda c: c.status(timeout_s), raise_on_failure=True
-        )
+        results = await self._fan_out("status", lambda c: c.status(timeout_s))
         return [results[r] for r in range(self.worker_count())]

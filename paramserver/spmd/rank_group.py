@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Literal, Self, TypeVar, overload
+from typing import Self, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -110,9 +110,7 @@ class RankGroup(AsyncClosing):
         for client in self._clients:
             await client.open()
         try:
-            metadata = await self._fan_out(
-                "open", lambda c: c.export_metadata(timeout_s), raise_on_failure=True
-            )
+            metadata = await self._fan_out("open", lambda c: c.export_metadata(timeout_s))
         except BaseException:
             await self.close()
             raise
@@ -175,45 +173,40 @@ class RankGroup(AsyncClosing):
 
     # ------------------------------------------------------------------ fan-out helpers
 
-    @overload
     async def _fan_out(
         self,
         operation: str,
         call: Callable[[RankClient], Awaitable[T]],
         *,
-        raise_on_failure: Literal[True],
         ranks: Sequence[int] | None = None,
-    ) -> Mapping[int, T]: ...
-
-    @overload
-    async def _fan_out(
-        self,
-        operation: str,
-        call: Callable[[RankClient], Awaitable[T]],
-        *,
-        raise_on_failure: Literal[False],
-        ranks: Sequence[int] | None = None,
-    ) -> Mapping[int, T | ParamServerError]: ...
-
-    async def _fan_out(
-        self,
-        operation: str,
-        call: Callable[[RankClient], Awaitable[T]],
-        *,
-        raise_on_failure: bool,
-        ranks: Sequence[int] | None = None,
-    ) -> Mapping[int, T | ParamServerError]:
-        """Run ``call`` on every rank concurrently (one task per rank); collect every outcome
-        (each rank's result, or with ``raise_on_failure`` false its error).
+    ) -> dict[int, T]:
+        """Run ``call`` on every rank concurrently (one task per rank); every rank's result.
 
         Raises:
-            RankFailures: when ``raise_on_failure`` and at least one rank failed, naming all.
+            RankFailures: at least one rank failed, naming all (after every rank ended).
         """
+        results, failures = await self._outcomes(call, ranks)
+        if failures:
+            raise RankFailures(operation, failures, results, self.worker_count())
+        return results
+
+    async def _fan_out_settled(
+        self, call: Callable[[RankClient], Awaitable[T]], *, ranks: Sequence[int] | None = None
+    ) -> dict[int, T | ParamServerError]:
+        """Run ``call`` on every rank concurrently (one task per rank); every rank's result or
+        error (the results first)."""
+        results, failures = await self._outcomes(call, ranks)
+        return {**results, **failures}
+
+    async def _outcomes(
+        self, call: Callable[[RankClient], Awaitable[T]], ranks: Sequence[int] | None
+    ) -> tuple[dict[int, T], dict[int, ParamServerError]]:
+        """Run ``call`` on ``ranks`` (default: all) at once; their results and their errors."""
         chosen = list(range(self.worker_count())) if ranks is None else list(ranks)
         tasks = {r: asyncio.create_task(self._guard(r, call)) for r in chosen}
         if tasks:
             await asyncio.wait(tasks.values())
-        results: dict[int, T | ParamServerError] = {}
+        results: dict[int, T] = {}
         failures: dict[int, ParamServerError] = {}
         for r, task in tasks.items():
             exc = task.exception()
@@ -222,11 +215,7 @@ class RankGroup(AsyncClosing):
             else:
                 assert isinstance(exc, ParamServerError)
                 failures[r] = exc
-        if failures and raise_on_failure:
-            raise RankFailures(operation, failures, results, self.worker_count())
-        if failures:
-            results.update({r: e for r, e in failures.items()})
-        return results
+        return results, failures
 
     async def _guard(self, rank: int, call: Callable[[RankClient], Awaitable[T]]) -> T:
         client = self._clients[rank]
