@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Unpack
+from typing import Unpack
 
 import grpc
 import numpy as np
@@ -45,7 +45,7 @@ from paramserver.worker_client.client import normalized_tensors
 from paramserver.worker_client.lifecycle import ServiceSession, name_taken
 from paramserver.worker_client.options import SessionOptions
 
-__all__ = ["LayerInfo", "ReduceInfo", "ReductionClient", "connect_reduction"]
+__all__ = ["LayerInfo", "ReduceInfo", "ReductionClient", "ReductionOptions", "connect_reduction"]
 
 logger = logging.getLogger(__name__)
 
@@ -339,7 +339,16 @@ class ReductionClient(ServiceSession["pb_grpc.ReductionServiceAsyncStub"]):
         return {k: out[k] for k in arrays}
 
 
-def connect_reduction(address: str, worker_name: str, **kwargs: Any) -> ReductionClient:
+class ReductionOptions(SessionOptions, total=False):
+    """The keyword arguments of :class:`ReductionClient` (and :func:`connect_reduction`)."""
+
+    wait_timeout_s: float
+    gossip_address: str
+
+
+def connect_reduction(
+    address: str, worker_name: str, **kwargs: Unpack[ReductionOptions]
+) -> ReductionClient:
     """Open a reduction session: ``async with connect_reduction(addr, worker_name="w0") as rs``.
 
     Keyword arguments are those of :class:`ReductionClient`.

@@ -22,10 +22,10 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 from safetensors.numpy import load_file, save_file
 
 from paramserver.core.table_set import (
@@ -102,7 +102,7 @@ def export_tables(
             raise TableNotFound(f"table {name!r} is not in the checkpoints ({sorted(have)})")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    index: dict[str, Any] = {}
+    index: dict[str, dict[str, object]] = {}
     written = {}
     for i, name in enumerate(names):
         spec = TableSpec.from_dict(have[name]["spec"])
@@ -223,7 +223,7 @@ class ExportedTables:
         """Every table's declaration."""
         return {name: t.spec for name, t in self.tables.items()}
 
-    def pull(self, table: str, ids: Any) -> np.ndarray:
+    def pull(self, table: str, ids: npt.ArrayLike) -> np.ndarray:
         """Rows of ``ids`` (the caller's order): stored rows, or the initial row of an id the
         export does not hold.
 
