@@ -23,7 +23,7 @@ SSP's guarantees allow a reader to see; a restore may re-apply those).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from paramserver.core.sharding import PLACEMENT, ShardMap, parse_addresses
 
@@ -32,7 +32,22 @@ if TYPE_CHECKING:
     from paramserver.server.config import ServerConfig
 
 
-def shard_manifest(core: ServerCore) -> dict[str, Any]:
+class ShardSection(TypedDict):
+    """The ``"shard"`` section of a checkpoint manifest: where the shard sat in its cluster
+    and the cut its checkpoint belongs to (the BSP step, or the minimum clock)."""
+
+    shard_index: int
+    num_shards: int
+    addresses: list[str]
+    slice_bytes: int
+    placement: str
+    epoch: int
+    consistency: str
+    cut_step: int
+    exact_cut: bool
+
+
+def shard_manifest(core: ServerCore) -> ShardSection:
     """The ``"shard"`` section of a checkpoint manifest of ``core`` (call without yielding)."""
     cfg = cast("ServerConfig", core.config)  # the server built the core with its config
     if core.aggregator is not None:
