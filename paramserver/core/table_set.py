@@ -34,7 +34,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, NotRequired, TypedDict
+from typing import Final, NotRequired, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -58,6 +58,7 @@ from paramserver.errors import (
     ValueOutOfRange,
 )
 from paramserver.protocol.limits import shown
+from paramserver.protocol.table_spec import TableSpecDict
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class TableManifestEntry(TypedDict):
     """One table in a :meth:`TableSet.state` manifest (JSON)."""
 
     #: :meth:`TableSpec.to_dict`.
-    spec: dict[str, Any]
+    spec: TableSpecDict
     #: The table's counters by name (``pushes``, ``rows_pushed``, ...); none in an export's.
     counters: NotRequired[dict[str, int]]
     newest_clock: int
@@ -493,7 +494,7 @@ def merge_table_states(
     Raises:
         InvalidArgument: the shards disagree on a table's declaration.
     """
-    specs: dict[str, dict[str, Any]] = {}
+    specs: dict[str, TableSpecDict] = {}
     counters: dict[str, dict[str, int]] = {}
     fields: dict[str, dict[str, list[np.ndarray]]] = {}
     for arrays, manifest in parts:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypedDict
 
 import ml_dtypes
 import numpy as np
@@ -191,6 +192,41 @@ class TableRule:
                 raise InvalidArgument(f"table rule {name} must lie in [0, 1), got {v}")
 
 
+class TableRuleDict(TypedDict):
+    """A :class:`TableRule` as JSON (:meth:`TableSpec.to_dict`)."""
+
+    kind: str
+    lr: float
+    eps: float
+    beta1: float
+    beta2: float
+    initial_accumulator: float
+
+
+class InitializerDict(TypedDict):
+    """An :class:`Initializer` as JSON (:meth:`TableSpec.to_dict`)."""
+
+    kind: str
+    scale: float
+
+
+class TableSpecDict(TypedDict):
+    """A :class:`TableSpec` as JSON (:meth:`TableSpec.to_dict`; checkpoint manifests, WAL)."""
+
+    name: str
+    dim: int
+    dtype: str
+    rule: TableRuleDict
+    initializer: InitializerDict
+    seed: int
+    num_embeddings: int | None
+    consistency: str
+    staleness: int
+    expiry_clocks: int
+    expiry_s: float
+    min_pushes: int
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """One table's declaration (first writer wins; later identical declarations are no-ops).
@@ -263,14 +299,22 @@ class TableSpec:
         """The storage dtype as a numpy dtype."""
         return TABLE_DTYPES[self.dtype]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> TableSpecDict:
         """JSON-able form (checkpoint manifests, WAL)."""
+        r, init = self.rule, self.initializer
         return {
             "name": self.name,
             "dim": self.dim,
             "dtype": self.dtype,
-            "rule": vars(self.rule).copy(),
-            "initializer": vars(self.initializer).copy(),
+            "rule": {
+                "kind": r.kind,
+                "lr": r.lr,
+                "eps": r.eps,
+                "beta1": r.beta1,
+                "beta2": r.beta2,
+                "initial_accumulator": r.initial_accumulator,
+            },
+            "initializer": {"kind": init.kind, "scale": init.scale},
             "seed": self.seed,
             "num_embeddings": self.num_embeddings,
             "consistency": self.consistency,
@@ -281,7 +325,7 @@ class TableSpec:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TableSpec:
+    def from_dict(cls, d: Mapping[str, Any]) -> TableSpec:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
         d["rule"] = TableRule(**d["rule"])
