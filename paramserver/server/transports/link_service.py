@@ -33,7 +33,7 @@ import os
 import secrets
 import socket
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 
@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from paramserver.server.transports.session_service import SessionService
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Seconds a ticket stays valid after the gRPC Session handed it out.
 TICKET_TTL_S = 30.0
@@ -368,11 +370,11 @@ class LocalLinkServer:
                 await asyncio.wait_for(server.wait_closed(), 1.0)
 
 
-def _prepend(first: Any, read: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+def _prepend(first: _T, read: Callable[[], Awaitable[_T]]) -> Callable[[], Awaitable[_T]]:
     """``read`` that returns ``first`` once, then reads on."""
     pending = [first]
 
-    async def reader() -> Any:
+    async def reader() -> _T:
         if pending:
             return pending.pop()
         return await read()
