@@ -235,7 +235,7 @@ class CheckpointManager:
 
     @staticmethod
     def _manifest(
-        core: ServerCore, tensors: dict[str, np.ndarray], meta: dict[str, Any]
+        core: ServerCore, tensors: dict[str, np.ndarray], meta: dict[str, object]
     ) -> dict[str, Any]:
         cluster = core.cluster
         return {
