@@ -37,7 +37,7 @@ import dataclasses
 import math
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import Generic, Literal, Protocol, TypeAlias, TypeVar, overload
+from typing import Generic, Literal, Protocol, TypeAlias, TypedDict, TypeVar, Unpack, overload
 
 import ml_dtypes
 import numpy as np
@@ -52,7 +52,9 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "MAX_NDIM",
     "SUPPORTED_DTYPES",
+    "FramedMessage",
     "HeadedStream",
+    "ReadOptions",
     "TensorAssembler",
     "array_limit_problem",
     "checked_nbytes",
@@ -776,15 +778,21 @@ class HeadedStream(Generic[_Head]):
 _Allocate: TypeAlias = Callable[[str, np.dtype[np.generic], tuple[int, ...]], np.ndarray]
 
 
+class ReadOptions(TypedDict, total=False):
+    """The optional keywords of :func:`read_headed_stream` (as documented there)."""
+
+    max_tensor_bytes: int | None
+    head_first: bool
+    allocate: _Allocate | None
+
+
 @overload
 async def read_headed_stream(
     messages: AsyncIterable[_HeaderMessage[_Head]],
     *,
     head: Literal["header"],
     what: str,
-    max_tensor_bytes: int | None = None,
-    head_first: bool = True,
-    allocate: _Allocate | None = None,
+    **options: Unpack[ReadOptions],
 ) -> tuple[_Head, dict[str, np.ndarray]]: ...
 
 
@@ -794,9 +802,7 @@ async def read_headed_stream(
     *,
     head: Literal["info"],
     what: str,
-    max_tensor_bytes: int | None = None,
-    head_first: bool = True,
-    allocate: _Allocate | None = None,
+    **options: Unpack[ReadOptions],
 ) -> tuple[_Head, dict[str, np.ndarray]]: ...
 
 
@@ -806,9 +812,7 @@ async def read_headed_stream(
     *,
     head: Literal["result"],
     what: str,
-    max_tensor_bytes: int | None = None,
-    head_first: bool = True,
-    allocate: _Allocate | None = None,
+    **options: Unpack[ReadOptions],
 ) -> tuple[_Head, dict[str, np.ndarray]]: ...
 
 
