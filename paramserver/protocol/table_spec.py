@@ -192,17 +192,6 @@ class TableRule:
                 raise InvalidArgument(f"table rule {name} must lie in [0, 1), got {v}")
 
 
-class TableRuleDict(TypedDict):
-    """A :class:`TableRule` as JSON (:meth:`TableSpec.to_dict`)."""
-
-    kind: str
-    lr: float
-    eps: float
-    beta1: float
-    beta2: float
-    initial_accumulator: float
-
-
 class InitializerDict(TypedDict):
     """An :class:`Initializer` as JSON (:meth:`TableSpec.to_dict`)."""
 
@@ -216,7 +205,8 @@ class TableSpecDict(TypedDict):
     name: str
     dim: int
     dtype: str
-    rule: TableRuleDict
+    #: The rule's ``kind`` and its floats by name (``lr``, ``eps``, ...).
+    rule: dict[str, str | float]
     initializer: InitializerDict
     seed: int
     num_embeddings: int | None
