@@ -30,8 +30,7 @@ the ``with`` block only has to ``await``; a blocking poll loop (no running loop)
 :data:`PROBE_TIMEOUT_S`) just before each report to refresh what it says (a pull asks the
 server whom it waits for).
 
-This module imports nothing of the package but :mod:`paramserver.closing` (which imports nothing
-of it): every layer may use it.
+This module imports nothing of the package: every layer may use it.
 """
 
 from __future__ import annotations
@@ -44,9 +43,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Self
-
-from paramserver.closing import Closing
 
 __all__ = [
     "FIRST_REPORT_S",
@@ -154,8 +152,8 @@ def current_wait() -> Wait | None:
     return _current.get()
 
 
-class Wait(Closing):
-    """One wait a person can see (see the module docstring); ``with`` opens and closes it.
+class Wait:
+    """One wait a person can see (see the module docstring).
 
     Args:
         what: What is waited for.
@@ -224,6 +222,9 @@ class Wait(Closing):
             self.until = until
 
     # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Self:
+        return self.open()
+
     def open(self, *, nest: bool = True) -> Self:
         """Begin reporting (what ``with`` does on entry). ``nest=False``: not the current wait
         of this task (a wait opened by a timer callback on behalf of calls in flight), so waits
@@ -242,6 +243,14 @@ class Wait(Closing):
             self._loop = None  # a blocking caller: it calls tick()
         self._schedule()
         return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def close(self) -> None:
         """End the wait: no more reports (what ``with`` does on leaving the block)."""
