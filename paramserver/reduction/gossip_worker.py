@@ -54,7 +54,7 @@ from paramserver.errors import (
     WorkerNotFound,
 )
 from paramserver.method_handlers import ServicerContext
-from paramserver.protocol import tensor
+from paramserver.protocol import headed_stream, tensor
 from paramserver.reduction.reduce_client import ReductionClient
 from paramserver.security.tls import (
     ClientSecurity,
@@ -99,7 +99,7 @@ class _PushSumEndpoint(pb_grpc.PushSumPeerServicer):
         # A share is "s" (this node's value shape, float64) and "w" (a float64 scalar): a frame
         # header claiming more is refused before anything is allocated for it.
         limit = max(self.worker.value_nbytes, np.dtype(np.float64).itemsize)
-        header, tensors = await tensor.read_headed_stream(
+        header, tensors = await headed_stream.read_headed_stream(
             request_iterator, head="header", what="push-sum share", max_tensor_bytes=limit
         )
         if set(tensors) != {"s", "w"} or tensors["w"].shape != ():

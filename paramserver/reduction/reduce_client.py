@@ -39,7 +39,7 @@ from paramserver.errors import (
     MalformedStream,
     WaitTimeout,
 )
-from paramserver.protocol import tensor
+from paramserver.protocol import headed_stream, tensor
 from paramserver.waiting import Wait
 from paramserver.worker_client.client import normalized_tensors
 from paramserver.worker_client.lifecycle import ServiceSession, name_taken
@@ -311,7 +311,7 @@ class ReductionClient(ServiceSession["pb_grpc.ReductionServiceAsyncStub"]):
 
         async def attempt() -> tuple[pb.ReduceResult, dict[str, npt.NDArray[np.generic]]]:
             call = self.stub.Reduce(messages(), timeout=wait_s + self.rpc_timeout_s)
-            result, out = await tensor.read_headed_stream(
+            result, out = await headed_stream.read_headed_stream(
                 call, head="result", what="reduce answer", head_first=False
             )
             return result, out

@@ -50,7 +50,7 @@ from paramserver.core.aggregation import (
 )
 from paramserver.errors import InvalidArgument, Unavailable, WaitTimeout, WorkerNotFound
 from paramserver.method_handlers import ServicerContext
-from paramserver.protocol import tensor
+from paramserver.protocol import headed_stream, tensor
 from paramserver.reduction.coordinator import (
     ReduceOutcome,
     ReductionCoordinator,
@@ -258,7 +258,7 @@ class ReductionEngine(LeaseReaperBase[ReductionSettings]):
 async def _read_reduce(
     request_iterator: AsyncIterator[pb.ReduceRequest], max_tensor_bytes: int | None
 ) -> tuple[pb.ReduceHeader, dict[str, npt.NDArray[np.generic]]]:
-    header, gradients = await tensor.read_headed_stream(
+    header, gradients = await headed_stream.read_headed_stream(
         request_iterator, head="header", what="reduce stream", max_tensor_bytes=max_tensor_bytes
     )
     return header, gradients

@@ -1,4 +1,4 @@
-"""``tensor.read_headed_stream``: the reader of the reduction and push-sum streams (one head
+"""``headed_stream.read_headed_stream``: the reader of the reduction and push-sum streams (one head
 message plus tensor frames) against hand-built message sequences."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from paramserver.api.v1 import reduction_pb2 as rpb
 from paramserver.errors import InvalidArgument, MalformedStream
-from paramserver.protocol import tensor
+from paramserver.protocol import headed_stream, tensor
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,7 +25,7 @@ async def _stream(msgs: Sequence[Any]) -> AsyncIterator[Any]:
 def _read(msgs: Sequence[Any], **kw: Any) -> tuple[Any, dict[str, np.ndarray]]:
     kw.setdefault("head", "header")
     kw.setdefault("what", "reduce stream")
-    return asyncio.run(tensor.read_headed_stream(_stream(msgs), **kw))
+    return asyncio.run(headed_stream.read_headed_stream(_stream(msgs), **kw))
 
 
 def _frames(key: str, value: np.ndarray) -> list[Any]:

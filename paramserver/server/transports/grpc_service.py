@@ -33,7 +33,7 @@ from paramserver.errors import (
     MalformedStream,
 )
 from paramserver.method_handlers import ServicerContext
-from paramserver.protocol import tensor, wire
+from paramserver.protocol import headed_stream, tensor, wire
 from paramserver.protocol.limits import shown
 from paramserver.server.checkpoint_cut import shard_map_of
 from paramserver.server.engine import InflightTicket
@@ -55,7 +55,7 @@ class _TensorStreamHeader(Protocol):
     def worker_id(self) -> str: ...
 
 
-class _TensorStreamMessage(tensor.FramedMessage, Protocol[_Header_co]):
+class _TensorStreamMessage(headed_stream.FramedMessage, Protocol[_Header_co]):
     """An Init or Push stream's message: its header first, then tensor frames."""
 
     @property
@@ -171,7 +171,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     ) -> tuple[_Header, dict[str, np.ndarray], dict[str, Encoded]]:
         """The stream's header, its dense tensors and (pushes only) its compressed gradients
         as received (the shard decodes those against their keys)."""
-        stream = tensor.HeadedStream[_Header](
+        stream = headed_stream.HeadedStream[_Header](
             request_iterator,
             header_field,
             "stream",

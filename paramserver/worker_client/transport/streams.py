@@ -17,7 +17,7 @@ import numpy as np
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import REFUSAL_METADATA_KEY, MalformedStream
-from paramserver.protocol import rows_wire, tensor
+from paramserver.protocol import headed_stream, rows_wire, tensor
 from paramserver.worker_client.pull_buffers import PullBuffers
 from paramserver.worker_client.transport.base import (
     IdArray,
@@ -101,7 +101,7 @@ class StreamTransport:
         effect). ``record_sizes``: update ``sizes`` with the pulled values' sizes."""
         call = self._stub().Pull(pull.request, timeout=pull.deadline_s)
         buffers = self.pull_buffers
-        info, out = await tensor.read_headed_stream(
+        info, out = await headed_stream.read_headed_stream(
             call, head="info", what="pull stream", allocate=buffers.empty
         )
         for key, value in out.items():
