@@ -237,7 +237,7 @@ class ServerEngine(LeaseReaperBase[ServerConfig]):
         self,
         decide: Callable[[LogFn], T],
         *,
-        settle: Callable[[T], Awaitable[None]] | None = None,
+        settle: Callable[[T], Awaitable[None] | None] | None = None,
         duplicate: Callable[[T], bool] | None = None,
     ) -> T:
         """Run one state change through the funnel: validate -> log -> apply -> durable.
@@ -251,8 +251,9 @@ class ServerEngine(LeaseReaperBase[ServerConfig]):
                 anything, then applies it and returns the answer. A
                 ``log`` that raises (disk full, I/O error) leaves the log as it was; ``decide``
                 lets the error propagate with nothing applied.
-            settle: Awaits what the apply scheduled off the event loop (big push applies in
-                worker threads), shielded from cancellation, before durability.
+            settle: What the apply scheduled off the event loop (big push applies in worker
+                threads), awaited shielded from cancellation before durability; it returns
+                None when nothing is pending (small applies ran inline), which costs no task.
             duplicate: Tells whether the answer is that of a retried request already applied;
                 such an answer waits until everything logged before it (its original) is
                 durable.
@@ -282,8 +283,9 @@ class ServerEngine(LeaseReaperBase[ServerConfig]):
             seq = got or seq
 
         answer = decide(log)
-        if settle is not None:
-            await asyncio.shield(settle(answer))  # applied exactly once even if cancelled
+        pending = settle(answer) if settle is not None else None
+        if pending is not None:
+            await asyncio.shield(pending)  # applied exactly once even if cancelled
         self.notify()
         if seq == 0 and self.wal is not None and duplicate is not None and duplicate(answer):
             seq = self.wal.next_sequence - 1  # the original was logged before: wait for it

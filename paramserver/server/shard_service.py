@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -282,10 +282,9 @@ class ShardService:
                 log=log_push,
             )
 
-        async def settle(_: PushResult) -> None:
-            for done in applied:  # (small applies ran inline: nothing to wait for)
-                if not done.done():
-                    await done
+        def settle(_: PushResult) -> Awaitable[None] | None:
+            pending = [done for done in applied if not done.done()]
+            return _each(pending) if pending else None  # (small applies ran inline)
 
         result = await self.engine.mutate(
             decide, settle=settle, duplicate=lambda r: bool(r.duplicate)
@@ -386,3 +385,9 @@ class ShardService:
             lambda log: self.core.clock(request.worker_id, request.clock, log=lambda: log(record))
         )
         return pb.ClockResponse(clock=new, view=self.view())
+
+
+async def _each(futures: Sequence[asyncio.Future[None]]) -> None:
+    """Wait for each of ``futures`` in turn (the first failure is raised)."""
+    for future in futures:
+        await future
