@@ -34,7 +34,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeAlias
 
 from paramserver.closing import cancelled
@@ -187,6 +187,13 @@ class Election:
         self.prefix = config.election_prefix
         self.shard_index = config.shard_index
         self._addresses_read = 0.0
+        self._cluster_read = 0.0
+        self.num_shards = config.num_shards
+        self.replicas = config.replicas
+        #: Replicas of any shard that published a new address after a move, by (shard,
+        #: replica): the shard map this replica serves names them there (see
+        #: :func:`moved_groups`), so a client discovering the cluster now finds every shard.
+        self.moved: dict[tuple[int, int], str] = {}
         self.replica = replica
         self.index = config.replica_index
         self.address = config.replica_address_list[config.replica_index]
@@ -249,6 +256,8 @@ class Election:
                     await self._check_still_primary()
                 else:
                     await self._campaign()
+                if time.monotonic() - self._cluster_read >= ADDRESS_POLL_S:
+                    await self._read_cluster_addresses()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # etcd unreachable: a primary keeps its lease's rule
@@ -272,6 +281,15 @@ class Election:
             kv = await self.store.get(address_key(self.prefix, self.shard_index, k))
             if kv is not None and kv["value"] != self.replica.addresses[k]:
                 self.replica.move(k, kv["value"])
+
+    async def _read_cluster_addresses(self) -> None:
+        """Every shard's moved replicas (:attr:`moved`), read from the store."""
+        self._cluster_read = time.monotonic()
+        for shard in range(self.num_shards):
+            for k in range(self.replicas):
+                kv = await self.store.get(address_key(self.prefix, shard, k))
+                if kv is not None:
+                    self.moved[(shard, k)] = kv["value"]
 
     async def _campaign(self) -> None:
         kv = await self.store.get(self.primary_key)
@@ -316,3 +334,15 @@ class Election:
             logger.warning("election: cannot record the replicas in sync: %s", exc.message)
             return False
         return done
+
+
+def moved_groups(groups: Sequence[str], moved: Mapping[tuple[int, int], str]) -> tuple[str, ...]:
+    """Each shard's ``"h:p|h:p"`` replica group with the replicas that moved at their new
+    addresses (``moved``: (shard, replica) -> address, as :class:`Election` reads them)."""
+    out = []
+    for shard, group in enumerate(groups):
+        replicas = group.split("|")
+        for k in range(len(replicas)):
+            replicas[k] = moved.get((shard, k), replicas[k])
+        out.append("|".join(replicas))
+    return tuple(out)

@@ -12,6 +12,7 @@ SIGTERM/SIGINT.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -34,7 +35,7 @@ from paramserver.security.tls import (
 from paramserver.server.checkpoint import CheckpointManager
 from paramserver.server.checkpoint_cut import shard_map_of
 from paramserver.server.config import ServerConfig
-from paramserver.server.election import Election, ElectionStore
+from paramserver.server.election import Election, ElectionStore, moved_groups
 from paramserver.server.engine import ServerEngine
 from paramserver.server.observability.prometheus import TransportStats, metrics_for
 from paramserver.server.observability.shard_dashboard import ShardDashboard
@@ -79,8 +80,9 @@ class ParameterServerDaemon(ServingDaemon):
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.recovery_s = 0.0
         self.port = 0
-        #: The shard map served by GetShardMap (set on start; tests may replace it).
-        self.shard_map: ShardMap | None = None
+        #: The shard map as configured (set on start; tests may replace it); GetShardMap
+        #: serves :attr:`shard_map`.
+        self.configured_map: ShardMap | None = None
         self.metrics: MetricsServer | None = None
         #: The parameter-server servicer once started (mode "ps").
         self.servicer: ParameterServerServicer | None = None
@@ -100,6 +102,21 @@ class ParameterServerDaemon(ServingDaemon):
     def address(self) -> str:
         host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
         return f"{host}:{self.port}"
+
+    @property
+    def shard_map(self) -> ShardMap | None:
+        """The shard map served by GetShardMap: as configured, with every replica that
+        moved to another host (its new address published to the election's store) at its
+        new address, so a client that discovers the cluster now reaches every shard."""
+        configured = self.configured_map
+        if configured is None or self.election is None or not self.election.moved:
+            return configured
+        groups = moved_groups(configured.addresses, self.election.moved)
+        return dataclasses.replace(configured, addresses=groups)
+
+    @shard_map.setter
+    def shard_map(self, shard_map: ShardMap | None) -> None:
+        self.configured_map = shard_map
 
     async def start(self) -> None:
         """Recover (newest checkpoint + WAL replay), bind, and start serving."""
@@ -145,7 +162,7 @@ class ParameterServerDaemon(ServingDaemon):
         await self._start_local_link()
         # A replicated shard is reached at whichever replica is primary: all of them.
         group = "|".join(self.config.replica_address_list) or self.address
-        self.shard_map = shard_map_of(self.config, group)
+        self.configured_map = shard_map_of(self.config, group)
         if replica is None:
             engine.start()
         if self.checkpoints is not None and self.config.checkpoint_every_s > 0:

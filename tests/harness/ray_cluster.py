@@ -26,8 +26,15 @@ HEAD_IP = "127.0.0.2"
 NODE_IP = "127.0.0.3"
 NODE2_IP = "127.0.0.4"
 NODE3_IP = "127.0.0.5"
+NODE4_IP = "127.0.0.6"
 #: The nodes' names and addresses, in start order.
-NODES = (("head", HEAD_IP), ("node", NODE_IP), ("node2", NODE2_IP), ("node3", NODE3_IP))
+NODES = (
+    ("head", HEAD_IP),
+    ("node", NODE_IP),
+    ("node2", NODE2_IP),
+    ("node3", NODE3_IP),
+    ("node4", NODE4_IP),
+)
 
 
 def free_port(host: str) -> int:

@@ -24,6 +24,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,20 @@ def free_base_port(count: int) -> int:
 
 @pytest.fixture()  # a fresh cluster per test: each test loses one of its nodes
 def cluster() -> Iterator[LocalRayCluster]:
+    with _ray_cluster(nodes=4) as c:
+        yield c
+
+
+@pytest.fixture()
+def cluster5() -> Iterator[LocalRayCluster]:
+    """Five nodes (four with CPUs): two can be lost one after the other and each lost
+    replica still finds a node without a replica of its shard."""
+    with _ray_cluster(nodes=5) as c:
+        yield c
+
+
+@contextmanager
+def _ray_cluster(nodes: int) -> Iterator[LocalRayCluster]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     # Ray declares a node dead after ~3 missed health checks of 1 s (default ~15-30 s).
@@ -75,11 +90,11 @@ def cluster() -> Iterator[LocalRayCluster]:
     t0 = time.monotonic()
     # 4 CPUs a node: the two nodes left after the loss hold every replica, the lost one
     # placed again, and every worker task, retried ones included.
-    with LocalRayCluster(env, num_cpus=4, nodes=4, head_cpus=0, timeout_s=300) as c:
+    with LocalRayCluster(env, num_cpus=4, nodes=nodes, head_cpus=0, timeout_s=300) as c:
         saved = {k: os.environ.get(k) for k in c.auth_env}
         os.environ.update(c.auth_env)
         ray.init(address=c.address, log_to_driver=False)
-        print(f"\n[ray] 4-node cluster up in {time.monotonic() - t0:.1f} s {c.start_s}")
+        print(f"\n[ray] {nodes}-node cluster up in {time.monotonic() - t0:.1f} s {c.start_s}")
         try:
             yield c
         finally:
@@ -183,4 +198,95 @@ def test_losing_the_node_of_a_primary_loses_nothing(
         f"\n[ray] {consistency}: shard {lose}'s primary node {lost_ip} killed at {seen}/{planned} "
         f"applied; failover (kill -> new primary applies) {failover_s:.2f} s; workers retried "
         f"{retried}; lost replica back on {back.node_ip}; elapsed {result.elapsed_s:.1f} s"
+    )
+
+
+def _in_sync_again(shards: RayShardGroup, shard: int, lost_index: int) -> tuple[object, object]:
+    """Wait until the replica ``lost_index`` of ``shard`` is back (placed again) and in sync;
+    returns (that replica's info, the primary's info)."""
+    deadline = time.monotonic() + scaled(180.0)
+    while True:
+        infos = shards.replica_infos()
+        primary = next((r for r in infos[shard] if r is not None and r.role == "primary"), None)
+        back = infos[shard][lost_index]
+        if back is not None and primary is not None and primary.in_sync == [0, 1]:
+            return back, primary
+        assert time.monotonic() < deadline, f"replica {lost_index} never came back: {infos}"
+        time.sleep(0.5)
+
+
+def test_losing_two_nodes_one_after_the_other_loses_nothing(
+    cluster5: LocalRayCluster, tmp_path: Path
+) -> None:
+    """SSP(2). The node of shard S's primary is killed (its state directory deleted); the
+    backup is promoted and the lost replica is placed again on another node and seeded; the
+    workers' clients learn its new address from their heartbeats. Then the node of S's new
+    primary is killed too: the replica that moved is promoted, and the workers reach it at
+    its new address. The job ends ok with every shard's applied updates equal to the plan."""
+    lease_ms = 8_000  # clients heartbeat every lease / 4 = 2 s: they follow a move within it
+    server = {"consistency": "ssp", "staleness": 2, "lease_ms": lease_ms, "election_ttl_s": 2}
+    cfg = RayJobConfig(
+        num_shards=2,
+        num_workers=WORKERS,
+        replicas=2,
+        base_port=free_base_port(4),
+        state_dir=str(tmp_path / "state"),
+        server=server,
+        shard_max_restarts=3,
+        worker_max_retries=6,
+        retry_deadline_s=scaled(120.0),
+        start_timeout_s=scaled(180.0),
+        job_timeout_s=scaled(900.0),
+        stop_grace_s=2.0,
+        name="failover-twice",
+    )
+    from paramserver.cli.demos.digits import load_digits_split
+
+    epochs = 3 * EPOCHS  # long enough for two losses and a re-placement in between
+    steps = max(1, (len(load_digits_split(0).y_train) // WORKERS) // BATCH)
+    planned = WORKERS * epochs * steps
+    job_spec = DigitsJob(epochs=epochs, batch_size=BATCH, hidden=16, slow_factor=3.0)
+    state = Path(cfg.state_dir or "")
+    with RayShardGroup(cfg) as shards:
+        job = shards.submit(job_spec)
+        deadline = time.monotonic() + scaled(300.0)
+        while max(s.applied_updates for s in shards.infos()) < planned // 6:
+            assert not job.done(), f"the job ended before the kill: {job.result().to_json()}"
+            assert time.monotonic() < deadline, "training did not reach a sixth of its plan"
+            time.sleep(0.2)
+        lose = max(range(2), key=lambda i: shards.info(i).applied_updates)
+        killed: list[str] = []
+        for loss in (1, 2):
+            first = shards.primary(lose)
+            assert first is not None
+            victim = shards.replica_infos()[lose][first["index"]]
+            assert victim is not None and victim.node_ip != HEAD_IP
+            assert not job.done(), f"the job ended before loss {loss}: {job.result().to_json()}"
+            cluster5.kill_node(victim.node_ip)
+            killed.append(victim.node_ip)
+            shutil.rmtree(state / f"shard-{lose}" / f"replica-{first['index']}", True)
+            t_kill = time.monotonic()
+            while True:  # the other replica is promoted and applies new pushes
+                now = shards.primary(lose)
+                if now is not None and now["index"] != first["index"]:
+                    break
+                assert time.monotonic() - t_kill < scaled(60.0), f"no failover at loss {loss}"
+                time.sleep(0.05)
+            assert now["epoch"] > first["epoch"]
+            print(f"\n[ray] loss {loss}: {victim.node_ip} killed, new primary after "
+                  f"{time.monotonic() - t_kill:.2f} s")  # fmt: skip
+            if loss == 1:
+                back, _ = _in_sync_again(shards, lose, first["index"])
+                assert back.node_ip not in killed  # type: ignore[attr-defined]
+                # every worker's client has heard of the moved replica from a heartbeat
+                time.sleep(scaled(2 * lease_ms / 4000.0 + 1.0))
+        result = job.result()
+    assert result.ok, result.to_json()
+    assert result.failovers >= 2
+    for shard in result.shards:
+        assert shard.applied_updates in (0, planned), (shard, planned)
+    assert result.shards[lose].applied_updates == planned
+    print(
+        f"\n[ray] two losses on shard {lose} ({killed}); applied {planned}/{planned}; "
+        f"workers retried {result.retried_workers}; elapsed {result.elapsed_s:.1f} s"
     )

@@ -194,9 +194,11 @@ async def test_a_client_follows_a_moved_replica_through_a_second_failover(
     tmp_path: Path,
 ) -> None:
     """Replica 0 is lost and placed again at another address; the primary (replica 1) names
-    the new address in its heartbeat answers and the client reconnects to it; then replica 1
-    is lost too, the moved replica 0 is promoted, and the client's pushes reach it. Every
-    acknowledged push is in the final value, applied once (the sum counted here)."""
+    the new address in its heartbeat answers and the client reconnects to it, and the shard
+    map it serves names it too (a client that opens only now, with the first addresses,
+    finds it there); then replica 1 is lost too, the moved replica 0 is promoted, and both
+    clients' pushes reach it. Every acknowledged push is in the final value, applied once
+    (the sum counted here)."""
     table = LeaseTable()
     store = LocalStore(table)
     p0, p1, p2 = _free_ports(3)
@@ -234,15 +236,29 @@ async def test_a_client_follows_a_moved_replica_through_a_second_failover(
             # the client now addresses the replicas where they are
             assert set(ps._api.address.split("|")) == {moved_address, addresses[1]}  # type: ignore[union-attr]
             await ps.push({"x": g})
+            # and a worker that starts only now (a retried task) with the first addresses
+            # discovers the moved one in the shard map the shard serves
+            await eventually(
+                lambda: (
+                    d1.shard_map is not None
+                    and d1.shard_map.addresses == (f"{moved_address}|{addresses[1]}",)
+                ),
+                timeout_s=10.0,
+            )
+            late = connect("|".join(addresses), "late", retry=retry, heartbeat=False)
+            await late.__aenter__()
+            await late.push({"x": g})
             await d1.stop(0.0)  # replica 1 lost as well; the moved replica 0 is promoted
             await eventually(
                 lambda: moved.replica is not None and moved.replica.primary is not None,  # type: ignore[union-attr]
                 timeout_s=20.0,
             )
             await ps.push({"x": g})
+            await late.push({"x": g})
+            await late.__aexit__(None, None, None)
             values = await ps.pull(["x"])
-        np.testing.assert_array_equal(values["x"], 4 * g)
-        assert moved.engine is not None and moved.engine.core.applied_updates == 4
+        np.testing.assert_array_equal(values["x"], 6 * g)
+        assert moved.engine is not None and moved.engine.core.applied_updates == 6
     finally:
         for d in (d0, d1, moved):
             if d is not None:

@@ -86,6 +86,7 @@ from paramserver.integrations.ray.results import JobResult, WorkerOutcome
 from paramserver.integrations.ray.script_job import ScriptFailed, ScriptJob
 from paramserver.integrations.ray.shard_actor import ShardActor, ShardInfo, token_auth_enabled
 from paramserver.server.config import ServerConfig
+from paramserver.server.election import address_key
 from paramserver.waiting import Wait
 from paramserver.worker_client.retry import RetryPolicy
 
@@ -305,6 +306,20 @@ class WorkerReturn(TypedDict):
 
 
 # ---------------------------------------------------------------------------- worker tasks
+def _current_addresses(addresses: Sequence[str], authority: ActorHandle, prefix: str) -> list[str]:
+    """Each shard's replica group with the addresses its replicas published at the
+    authority (a replica placed again on another node) in place of the first ones."""
+    out = []
+    for shard, group in enumerate(addresses):
+        replicas = group.split("|")
+        for k in range(len(replicas)):
+            kv = ray.get(authority.get.remote(address_key(prefix, shard, k)), timeout=30)
+            if kv is not None:
+                replicas[k] = kv["value"]
+        out.append("|".join(replicas))
+    return out
+
+
 def _worker_main(
     addresses: Sequence[str],
     index: int,
@@ -313,14 +328,22 @@ def _worker_main(
     name: str,
     retry_deadline_s: float,
     authority: ActorHandle | None = None,
+    prefix: str = "",
 ) -> WorkerReturn:
-    """Body of worker task ``index``: connect to the cluster, run the job, leave."""
+    """Body of worker task ``index``: connect to the cluster, run the job, leave.
+
+    A task Ray retries after losing its node starts with the shard addresses of the job's
+    start; replicas placed again since serve elsewhere, so the addresses they published at
+    the authority (under ``prefix``) replace the first ones.
+    """
     from paramserver.serving.bootstrap import run_loop
     from paramserver.worker_client import connect, connect_sync
 
     node_ip = ray.util.get_node_ip_address()
     if authority is not None:  # counted for the job's result (a retried task starts again)
         ray.get(authority.worker_started.remote(index), timeout=30)
+        if prefix:
+            addresses = _current_addresses(addresses, authority, prefix)
     retry = RetryPolicy(deadline_s=retry_deadline_s)
     worker_name = f"{name}-worker-{index}"
     result: object
@@ -589,6 +612,7 @@ class RayShardGroup(Closing):
                 cfg.name,
                 cfg.retry_deadline_s,
                 self.authority,
+                self.job_id,
             )
             for i in range(cfg.num_workers)
         ]
