@@ -242,7 +242,9 @@ def test_losing_two_nodes_one_after_the_other_loses_nothing(
     )
     from paramserver.cli.demos.digits import load_digits_split
 
-    epochs = 3 * EPOCHS  # long enough for two losses and a re-placement in between
+    # long enough for two losses with a re-placement in between (~80 s on an idle 2-core host;
+    # a 30-epoch job once ended before the second loss)
+    epochs = 10 * EPOCHS
     steps = max(1, (len(load_digits_split(0).y_train) // WORKERS) // BATCH)
     planned = WORKERS * epochs * steps
     job_spec = DigitsJob(epochs=epochs, batch_size=BATCH, hidden=16, slow_factor=3.0)
@@ -250,9 +252,9 @@ def test_losing_two_nodes_one_after_the_other_loses_nothing(
     with RayShardGroup(cfg) as shards:
         job = shards.submit(job_spec)
         deadline = time.monotonic() + scaled(300.0)
-        while max(s.applied_updates for s in shards.infos()) < planned // 6:
+        while max(s.applied_updates for s in shards.infos()) < planned // 20:
             assert not job.done(), f"the job ended before the kill: {job.result().to_json()}"
-            assert time.monotonic() < deadline, "training did not reach a sixth of its plan"
+            assert time.monotonic() < deadline, "training did not reach a twentieth of its plan"
             time.sleep(0.2)
         lose = max(range(2), key=lambda i: shards.info(i).applied_updates)
         killed: list[str] = []
