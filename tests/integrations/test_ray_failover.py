@@ -108,14 +108,11 @@ def _ray_cluster(nodes: int) -> Iterator[LocalRayCluster]:
             assert not left, f"cluster processes still running after stop: {sorted(left)}"
 
 
-@pytest.mark.parametrize("consistency", ["ssp", "bsp"])
-def test_losing_the_node_of_a_primary_loses_nothing(
-    cluster: LocalRayCluster, tmp_path: Path, consistency: str
-) -> None:
-    server = {"consistency": consistency, "lease_ms": 20_000, "election_ttl_s": 2}
-    if consistency == "ssp":
-        server["staleness"] = 2
-    cfg = RayJobConfig(
+def _job_config(
+    tmp_path: Path, server: dict[str, object], name: str, worker_retries: int, timeout_s: float
+) -> RayJobConfig:
+    """2 shards x 2 replicas, WORKERS workers Ray may retry ``worker_retries`` times."""
+    return RayJobConfig(
         num_shards=2,
         num_workers=WORKERS,
         replicas=2,
@@ -123,13 +120,23 @@ def test_losing_the_node_of_a_primary_loses_nothing(
         state_dir=str(tmp_path / "state"),
         server=server,
         shard_max_restarts=3,
-        worker_max_retries=3,
+        worker_max_retries=worker_retries,
         retry_deadline_s=scaled(120.0),
         start_timeout_s=scaled(180.0),
-        job_timeout_s=scaled(600.0),
+        job_timeout_s=scaled(timeout_s),
         stop_grace_s=2.0,
-        name=f"failover-{consistency}",
+        name=name,
     )
+
+
+@pytest.mark.parametrize("consistency", ["ssp", "bsp"])
+def test_losing_the_node_of_a_primary_loses_nothing(
+    cluster: LocalRayCluster, tmp_path: Path, consistency: str
+) -> None:
+    server = {"consistency": consistency, "lease_ms": 20_000, "election_ttl_s": 2}
+    if consistency == "ssp":
+        server["staleness"] = 2
+    cfg = _job_config(tmp_path, server, f"failover-{consistency}", 3, 600.0)
     from paramserver.cli.demos.digits import load_digits_split
 
     steps = max(1, (len(load_digits_split(0).y_train) // WORKERS) // BATCH)
@@ -225,21 +232,7 @@ def test_losing_two_nodes_one_after_the_other_loses_nothing(
     its new address. The job ends ok with every shard's applied updates equal to the plan."""
     lease_ms = 8_000  # clients heartbeat every lease / 4 = 2 s: they follow a move within it
     server = {"consistency": "ssp", "staleness": 2, "lease_ms": lease_ms, "election_ttl_s": 2}
-    cfg = RayJobConfig(
-        num_shards=2,
-        num_workers=WORKERS,
-        replicas=2,
-        base_port=free_base_port(4),
-        state_dir=str(tmp_path / "state"),
-        server=server,
-        shard_max_restarts=3,
-        worker_max_retries=6,
-        retry_deadline_s=scaled(120.0),
-        start_timeout_s=scaled(180.0),
-        job_timeout_s=scaled(900.0),
-        stop_grace_s=2.0,
-        name="failover-twice",
-    )
+    cfg = _job_config(tmp_path, server, "failover-twice", 6, 900.0)
     from paramserver.cli.demos.digits import load_digits_split
 
     # long enough for two losses with a re-placement in between (~80 s on an idle 2-core host;

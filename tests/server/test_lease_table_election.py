@@ -132,6 +132,28 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+async def _two_replicas(
+    tmp_path: Path,
+) -> tuple[LeaseTable, LocalStore, list[str], int, ParameterServerDaemon, ParameterServerDaemon]:
+    """Two replica daemons of one shard electing through a lease table, replica 0 primary;
+    also a free port for a replica placed again later."""
+    table = LeaseTable()
+    store = LocalStore(table)
+    p0, p1, p2 = _free_ports(3)
+    addresses = [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"]
+    d0 = ParameterServerDaemon(_config(tmp_path, 0, addresses), election_store=store)
+    d1 = ParameterServerDaemon(_config(tmp_path, 1, addresses), election_store=store)
+    await d0.start()
+    try:
+        await d1.start()
+        await eventually(lambda: d0.replica is not None and d0.replica.primary is not None)
+    except BaseException:
+        await d1.stop(0.0)
+        await d0.stop(0.0)
+        raise
+    return table, store, addresses, p2, d0, d1
+
+
 @pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_replicas_fail_over_and_reseed_a_moved_backup_through_the_table(
     tmp_path: Path,
@@ -140,17 +162,9 @@ async def test_replicas_fail_over_and_reseed_a_moved_backup_through_the_table(
     stops (its lease lapses: no graceful hand-over); replica 1 is promoted under a higher
     epoch and serves; a new replica 0 at another address publishes it and is seeded by the new
     primary; every acknowledged push is in the final value, applied once."""
-    table = LeaseTable()
-    store = LocalStore(table)
-    p0, p1, p2 = _free_ports(3)
-    addresses = [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"]
-    d0 = ParameterServerDaemon(_config(tmp_path, 0, addresses), election_store=store)
-    d1 = ParameterServerDaemon(_config(tmp_path, 1, addresses), election_store=store)
-    await d0.start()
-    await d1.start()
+    table, store, addresses, p2, d0, d1 = await _two_replicas(tmp_path)
     moved: ParameterServerDaemon | None = None
     try:
-        await eventually(lambda: d0.replica is not None and d0.replica.primary is not None)
         assert d0.replica is not None and d1.replica is not None
         epoch0 = d0.replica.epoch
         retry = RetryPolicy(deadline_s=scaled(30.0))
@@ -199,17 +213,9 @@ async def test_a_client_follows_a_moved_replica_through_a_second_failover(
     finds it there); then replica 1 is lost too, the moved replica 0 is promoted, and both
     clients' pushes reach it. Every acknowledged push is in the final value, applied once
     (the sum counted here)."""
-    table = LeaseTable()
-    store = LocalStore(table)
-    p0, p1, p2 = _free_ports(3)
-    addresses = [f"127.0.0.1:{p0}", f"127.0.0.1:{p1}"]
-    d0 = ParameterServerDaemon(_config(tmp_path, 0, addresses), election_store=store)
-    d1 = ParameterServerDaemon(_config(tmp_path, 1, addresses), election_store=store)
-    await d0.start()
-    await d1.start()
+    table, store, addresses, p2, d0, d1 = await _two_replicas(tmp_path)
     moved: ParameterServerDaemon | None = None
     try:
-        await eventually(lambda: d0.replica is not None and d0.replica.primary is not None)
         assert d0.replica is not None and d1.replica is not None
         retry = RetryPolicy(deadline_s=scaled(30.0))
         g = np.arange(4, dtype=np.float32)
