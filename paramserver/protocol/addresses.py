@@ -20,7 +20,14 @@ from collections.abc import Iterable
 from paramserver.errors import InvalidArgument
 from paramserver.protocol.keepalive import ChannelOption
 
-__all__ = ["PS_SERVICE", "channel_target", "parse_address", "parse_addresses", "parse_server"]
+__all__ = [
+    "PS_SERVICE",
+    "channel_target",
+    "parse_address",
+    "parse_addresses",
+    "parse_server",
+    "replicas_moved",
+]
 
 #: The parameter-server service: its health is SERVING at a shard's primary only.
 PS_SERVICE = "paramserver.api.v1.ParameterServer"
@@ -93,6 +100,16 @@ def parse_server(text: str, what: str = "address") -> str:
     return REPLICA_SEPARATOR.join(
         parse_address(one, what) for one in text.strip().split(REPLICA_SEPARATOR)
     )
+
+
+def replicas_moved(given: str, now: str) -> bool:
+    """``now`` names a replicated shard's replicas (``"h0:p0|h1:p1"``) other than ``given``
+    does (in any order): a replica was placed again on another host since ``given`` was
+    written down. False when ``now`` names one server (its own view of its address may
+    differ from the one its clients use)."""
+    if REPLICA_SEPARATOR not in now:
+        return False
+    return set(now.split(REPLICA_SEPARATOR)) != set(given.split(REPLICA_SEPARATOR))
 
 
 def channel_target(address: str) -> tuple[str, list[ChannelOption]]:

@@ -43,7 +43,7 @@ from paramserver.errors import (
     WorkerNotFound,
 )
 from paramserver.protocol import shm, tensor, wire
-from paramserver.protocol.addresses import REPLICA_SEPARATOR
+from paramserver.protocol.addresses import REPLICA_SEPARATOR, replicas_moved
 from paramserver.protocol.keepalive import ChannelOption
 from paramserver.security.tls import ClientSecurity
 from paramserver.worker_client.compression import Compression, GradientCompressor
@@ -305,11 +305,9 @@ class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyn
         """Follow a replicated shard's replicas: when its primary names other addresses than
         this client's (a replica was placed again on another host), reconnect to those, so a
         later failover to the moved replica still reaches it."""
-        replicas = tuple(resp.replicas)
-        if len(replicas) < 2 or REPLICA_SEPARATOR not in self.address:
-            return
-        if set(replicas) != set(self.address.split(REPLICA_SEPARATOR)):
-            self.retarget(REPLICA_SEPARATOR.join(replicas))
+        now = REPLICA_SEPARATOR.join(resp.replicas)
+        if REPLICA_SEPARATOR in self.address and replicas_moved(self.address, now):
+            self.retarget(now)
 
     async def _heartbeat_evicted(self) -> bool:
         if not self.auto_reregister:

@@ -28,7 +28,7 @@ from paramserver.closing import AsyncClosing
 from paramserver.core.optimizers import UpdateRule
 from paramserver.core.sharding import ShardMap, shard_map_from_proto
 from paramserver.core.tables import TableSpec
-from paramserver.protocol.addresses import REPLICA_SEPARATOR
+from paramserver.protocol.addresses import replicas_moved
 from paramserver.protocol.keepalive import ChannelOption
 from paramserver.security.tls import ClientSecurity, open_channel
 from paramserver.waiting import Wait
@@ -178,7 +178,7 @@ class ClusterWorkerClient(AsyncClosing):
                 await sharded.open()
                 self.shard_map, self.shards, self._api = shard_map, clients, sharded
                 return
-            if shard_map is not None and _moved(self.address, shard_map.addresses[0]):
+            if shard_map is not None and replicas_moved(self.address, shard_map.addresses[0]):
                 single.address = shard_map.addresses[0]  # a replica serves elsewhere now
         await single.open()
         self.shards = [single]
@@ -367,11 +367,3 @@ def connect_cluster(
     """Open a session with the cluster that serves ``address`` (any shard): ``async with``
     (the same as :func:`~paramserver.worker_client.connect`)."""
     return connect(address, worker_name, discover=discover, **options)
-
-
-def _moved(given: str, served: str) -> bool:
-    """A replicated shard's map names other replica addresses than ``given`` (a replica was
-    placed again on another host since ``given`` was written down)."""
-    if REPLICA_SEPARATOR not in served:
-        return False  # one server: its own view of its address may differ from the client's
-    return set(served.split(REPLICA_SEPARATOR)) != set(given.split(REPLICA_SEPARATOR))

@@ -86,7 +86,7 @@ from paramserver.integrations.ray.results import JobResult, WorkerOutcome
 from paramserver.integrations.ray.script_job import ScriptFailed, ScriptJob
 from paramserver.integrations.ray.shard_actor import ShardActor, ShardInfo, token_auth_enabled
 from paramserver.server.config import ServerConfig
-from paramserver.server.election import address_key
+from paramserver.server.election import address_key, moved_groups
 from paramserver.waiting import Wait
 from paramserver.worker_client.retry import RetryPolicy
 
@@ -309,15 +309,13 @@ class WorkerReturn(TypedDict):
 def _current_addresses(addresses: Sequence[str], authority: ActorHandle, prefix: str) -> list[str]:
     """Each shard's replica group with the addresses its replicas published at the
     authority (a replica placed again on another node) in place of the first ones."""
-    out = []
+    moved: dict[tuple[int, int], str] = {}
     for shard, group in enumerate(addresses):
-        replicas = group.split("|")
-        for k in range(len(replicas)):
+        for k in range(len(group.split("|"))):
             kv = ray.get(authority.get.remote(address_key(prefix, shard, k)), timeout=30)
             if kv is not None:
-                replicas[k] = kv["value"]
-        out.append("|".join(replicas))
-    return out
+                moved[(shard, k)] = kv["value"]
+    return list(moved_groups(addresses, moved))
 
 
 def _worker_main(
