@@ -186,7 +186,6 @@ class Election:
         self.store = store
         self.prefix = config.election_prefix
         self.shard_index = config.shard_index
-        self._addresses_read = 0.0
         self._cluster_read = 0.0
         self.num_shards = config.num_shards
         self.replicas = config.replicas
@@ -269,27 +268,22 @@ class Election:
         if kv is None or kv["create_revision"] != self.epoch:
             await self.replica.demote(f"etcd names another primary (epoch {self.epoch} ended)")
             return
-        if time.monotonic() - self._addresses_read >= ADDRESS_POLL_S:
-            self._addresses_read = time.monotonic()
-            await self._read_addresses()
-
-    async def _read_addresses(self) -> None:
-        """Stream to each backup at the address it published, if it moved."""
-        for k in range(len(self.replica.addresses)):
-            if k == self.index:
-                continue
-            kv = await self.store.get(address_key(self.prefix, self.shard_index, k))
-            if kv is not None and kv["value"] != self.replica.addresses[k]:
-                self.replica.move(k, kv["value"])
 
     async def _read_cluster_addresses(self) -> None:
-        """Every shard's moved replicas (:attr:`moved`), read from the store."""
+        """Every shard's moved replicas (:attr:`moved`), read from the store; a primary then
+        streams to each of its backups at the address it published, if it moved."""
         self._cluster_read = time.monotonic()
         for shard in range(self.num_shards):
             for k in range(self.replicas):
                 kv = await self.store.get(address_key(self.prefix, shard, k))
                 if kv is not None:
                     self.moved[(shard, k)] = kv["value"]
+        if self.replica.primary is None:
+            return
+        for k, address in enumerate(self.replica.addresses):
+            now = self.moved.get((self.shard_index, k), address)
+            if k != self.index and now != address:
+                self.replica.move(k, now)
 
     async def _campaign(self) -> None:
         kv = await self.store.get(self.primary_key)
