@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal, TypeAlias, cast
 
 import numpy as np
@@ -370,6 +370,32 @@ class DistributedOptimizer:
             dropped,
         )
         return True
+
+    def transfer_worker(self, old_worker_id: str, new_worker_id: str) -> int:
+        """``new_worker_id`` (registered) takes over ``old_worker_id``'s updates of the open
+        step, as if it had submitted them, and ``old_worker_id`` is forgotten: a successor that
+        continues its predecessor's clock and request ids continues its step contribution
+        too (its re-push of that batch is a duplicate, so the step holds the batch once).
+
+        Returns:
+            Updates taken over.
+
+        Raises:
+            WorkerNotFound: (FAILED_PRECONDITION) ``new_worker_id`` is not registered.
+        """
+        self._active_worker(new_worker_id)
+        if self._workers.pop(old_worker_id, None) is None:
+            return 0
+        moved = 0
+        for layer in self._layers.values():
+            for i, update in enumerate(layer.pending):
+                if update.worker_id == old_worker_id:
+                    layer.pending[i] = replace(update, worker_id=new_worker_id)
+                    moved += 1
+            if old_worker_id in layer.contributors:
+                layer.contributors.discard(old_worker_id)
+                layer.contributors.add(new_worker_id)
+        return moved
 
     def touch(self, worker_id: str, now: float) -> None:
         """Heartbeat: record that the worker was seen at ``now`` (seconds).

@@ -286,33 +286,44 @@ class ServerCore:
             prior = self.cluster.workers.get(resume_worker_id)
             if prior is not None and prior.name == name and not prior.live:
                 self.dedup.carry_over(resume_worker_id, rec.worker_id)  # every kind
+        if self.aggregator is not None:
+            self.aggregator.register_worker(rec.worker_id, now)
+        # The predecessors whose clock it took: fenced with ``replace``, or lost under the
+        # ``wait`` policy and taken over.
+        taken = [c.worker for c in fenced] + [w for w in lost if not w.lost]
+        taken = [old for old in taken if old.worker_id != rec.worker_id]
         if resume:
-            # It continues the predecessor whose clock it took (fenced with ``replace``, or lost
-            # under the ``wait`` policy and taken over): its request ids too, so its push of a
-            # batch the predecessor pushed but never clocked is a duplicate. Not the queued
-            # ones: a queued push of the open BSP step leaves the step with its registration
-            # (and one of a closed step is for a clock the successor never pushes at again).
-            for old in [c.worker for c in fenced] + [w for w in lost if not w.lost]:
-                if old.worker_id != rec.worker_id:
-                    self.dedup.carry_over(
-                        old.worker_id,
-                        rec.worker_id,
-                        keep=lambda out: not getattr(out, "queued", False),
-                    )
+            # It continues them: their request ids (every outcome, queued ones included) and
+            # their unfinished contribution to the open BSP step, so its re-push of a batch a
+            # predecessor pushed but never clocked is a duplicate and the step holds that batch
+            # once. (A worker that died between its clocks of two shards is clocked forward on
+            # the shard that missed the clock: that shard's step must keep the pushed batch.)
+            for old in taken:
+                self.dedup.carry_over(old.worker_id, rec.worker_id)
+                self._take_over_step(old, rec.worker_id)
         self._forget_departed()
         self._departed(fenced)
         if self.aggregator is not None:
             for old in (w for w in lost if not w.lost):
-                # `wait` policy takeover: a successor that redoes the open step replaces the old
-                # incarnation's queued gradient (no double count); one that starts past it
-                # leaves that gradient in the step.
+                # `wait` policy takeover without ``resume``: a successor that redoes the open
+                # step replaces the old incarnation's queued gradient (no double count); one
+                # that starts past it leaves that gradient in the step.
                 if rec.clock > self.aggregator.current_step:
                     self._release_after_step[old.worker_id] = rec.clock
                 else:
                     self.aggregator.evict_worker(old.worker_id)
-            self.aggregator.register_worker(rec.worker_id, now)
+        for old in (w for w in lost if not w.lost):
+            self.tables.reassign_unclocked(old.worker_id, old.clock, None)
         self._advance()
         return rec
+
+    def _take_over_step(self, old: WorkerRecord, successor_id: str) -> None:
+        """``successor_id`` takes over what ``old`` pushed and never clocked: its queued
+        gradients of the open BSP step (dense, when ``old`` had not clocked past it) and its
+        queued bsp row pushes."""
+        if self.aggregator is not None and old.clock <= self.aggregator.current_step:
+            self.aggregator.transfer_worker(old.worker_id, successor_id)
+        self.tables.reassign_unclocked(old.worker_id, old.clock, successor_id)
 
     def heartbeat(self, worker_id: str, now: float) -> WorkerRecord:
         rec = self.cluster.heartbeat(worker_id, now)
@@ -370,14 +381,16 @@ class ServerCore:
         """A worker left the live set: its unfinished step contribution leaves the aggregate.
 
         A worker that already clocked past the open step finished it: its queued gradient
-        stays in that step and it is released from the aggregator when the step closes.
+        stays in that step and it is released from the aggregator when the step closes. Its
+        bsp row pushes of steps it never clocked leave their steps too.
         """
-        if self.aggregator is None:
-            return
         for ch in changes:
             wid = ch.worker.worker_id
             if ch.worker.lost:
                 continue  # `wait` policy: the step keeps waiting for a re-registration
+            self.tables.reassign_unclocked(wid, ch.worker.clock, None)
+            if self.aggregator is None:
+                continue
             if ch.worker.clock > self.aggregator.current_step:
                 self._release_after_step[wid] = ch.worker.clock
             else:

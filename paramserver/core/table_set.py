@@ -364,6 +364,30 @@ class TableSet:
         stats.applied_pushes += 1
         return stale
 
+    def reassign_unclocked(self, worker_id: str, clock: int, to: str | None) -> int:
+        """The bsp row pushes ``worker_id`` queued at steps >= ``clock`` (pushed, never
+        clocked): taken over by registration ``to`` (a successor that continues the worker's
+        clock and request ids, whose re-push is a duplicate), or dropped with ``to=None`` (the
+        worker left the live set mid-step: its unfinished contribution leaves the step, as a
+        dense gradient's does). Returns the pushes moved or dropped."""
+        changed = 0
+        for stats in self.stats.values():
+            for step in [t for t in stats.queued if t >= clock]:
+                pushes = stats.queued[step]
+                mine = [p for p in pushes if p[0] == worker_id]
+                if not mine:
+                    continue
+                changed += len(mine)
+                if to is None:
+                    kept = [p for p in pushes if p[0] != worker_id]
+                else:
+                    kept = [(to, *p[1:]) if p[0] == worker_id else p for p in pushes]
+                if kept:
+                    stats.queued[step] = kept
+                else:
+                    del stats.queued[step]
+        return changed
+
     def close_steps(self, min_clock: int, live_workers: int) -> int:
         """Apply every queued bsp step t < ``min_clock``, in step order; returns steps closed.
 

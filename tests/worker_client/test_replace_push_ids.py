@@ -33,9 +33,10 @@ pytestmark = [pytest.mark.timeout(60)]
 async def test_successor_repush_of_an_unclocked_batch_is_a_duplicate(
     consistency: str, resume: bool
 ) -> None:
-    """With ``resume`` the re-push is one push with its predecessor's (under BSP the queued
-    push left the open step with its registration, so the re-push is applied: once either
-    way); without, every push of the successor is new."""
+    """With ``resume`` the re-push is one push with its predecessor's (under BSP the
+    successor took over the queued push with the predecessor's clock); without, every push of
+    the successor is new (under BSP the queued push left the open step with its registration,
+    so the batch is applied once either way)."""
     g = np.array([1.0, 2.0], np.float32)
     async with running_server(consistency=consistency, staleness=2, aggregation="sum") as daemon:
         address = f"127.0.0.1:{daemon.port}"
@@ -51,7 +52,7 @@ async def test_successor_repush_of_an_unclocked_batch_is_a_duplicate(
         ) as successor:
             assert successor.clock_value == 1
             ack = await successor.push({"x": 10 * g})  # batch 1 again, as a resumed worker
-            assert ack.duplicate == (resume and consistency != "bsp")
+            assert ack.duplicate == resume
             await successor.clock()
             ack = await successor.push({"x": 100 * g})  # batch 2: new
             assert not ack.duplicate
@@ -107,8 +108,9 @@ async def test_successor_repush_of_unclocked_rows_is_a_duplicate(
     """Row pushes (one table, and several tables in one call) are numbered as dense pushes
     are: with ``resume`` a successor's push of the batch its predecessor pushed but never
     clocked is the predecessor's push, applied once, on one shard or many (under BSP the
-    queued pushes left the open step with their registration: applied once either way);
-    without, the successor's pushes are new."""
+    successor took over the queued pushes); without, the successor's pushes are new (under
+    BSP the queued pushes left the open step with their registration: applied once either
+    way)."""
     table = {
         "initializer": Initializer("zeros"),
         "rule": TableRule("sgd", lr=1.0),
@@ -140,7 +142,7 @@ async def test_successor_repush_of_unclocked_rows_is_a_duplicate(
             acks = await successor.push_rows_many(
                 {"emb": ids, "emb2": ids}, {"emb": g(10), "emb2": g(10)}
             )
-            dup = resume and consistency != "bsp"
+            dup = resume
             assert ack.duplicate == dup
             assert [a.duplicate for a in acks.values()] == [dup, dup]
             await successor.clock()
@@ -178,3 +180,49 @@ def test_row_push_ids_follow_the_name_clock_and_count() -> None:
     assert a.take(4) not in first
     assert a.take(3) not in first  # the clock went back: a new salt
     assert RequestIds("w", resume=False).take(3) != first[0]
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_worker_lost_between_its_clocks_of_two_shards_loses_no_batch() -> None:
+    """BSP, two shards: the worker pushed a batch (dense and rows) to both shards and died
+    after clocking shard 0 but before clocking shard 1 (a node loss between the two calls).
+    Its resumed successor finds shard 0 one clock ahead; it clocks shard 1 forward, so its
+    name completed the batch on both shards and it does not push it again. Shard 1's step must
+    still hold the batch the predecessor queued there: every key and row gets the gradient
+    exactly once (the oracle: the pushed values, counted here)."""
+    keys = {f"k{i}": np.zeros(2, np.float32) for i in range(8)}
+    spec = TableSpec(
+        "emb",
+        2,
+        initializer=Initializer("zeros"),
+        rule=TableRule("sgd", lr=1.0),
+        consistency="bsp",
+    )
+    ids = np.arange(16, dtype=np.int64)
+    async with running_cluster(2, consistency="bsp", aggregation="sum") as daemons:
+        address = daemons[0].address
+        lost = connect(address, "w", heartbeat=False, resume=True)
+        await lost.__aenter__()
+        await lost.init(keys, rule=UpdateRule("add"))
+        await lost.init_table(spec)
+        await lost.push({k: np.array([1.0, 2.0], np.float32) for k in keys})
+        await lost.push_rows("emb", ids, np.ones((16, 2), np.float32))
+        assert len(lost.shards) == 2
+        await lost.shards[0].clock()  # shard 1 never sees this clock: the node went
+        async with connect(address, "w", heartbeat=False, replace=True, resume=True) as successor:
+            assert successor.clock_value == 1  # shard 1 was clocked forward
+            assert (await successor.progress()).steps == 1  # it will not redo the batch
+            values = await successor.pull(list(keys))
+            rows = await successor.pull_rows("emb", ids)
+            statuses = await successor.shard_statuses()
+        for key, value in values.items():
+            np.testing.assert_array_equal(value, [1.0, 2.0], err_msg=key)
+        np.testing.assert_array_equal(rows, np.full((16, 2), -1.0, np.float32))
+        # both shards held some of the keys (else the case above is not the one named)
+        assert all(st.applied_updates == 1 for st in statuses), [
+            st.applied_updates for st in statuses
+        ]
+        try:
+            await lost.__aexit__(None, None, None)  # fenced: its leave is refused
+        except ParamServerError:
+            pass
