@@ -3,27 +3,30 @@
 Ids travel as raw little-endian int64 bytes and rows as raw little-endian C-order bytes, in
 :class:`RowsChunk` messages of ``k`` whole ids (and their ``k`` rows) chosen so that a chunk
 stays near :data:`~paramserver.protocol.tensor.DEFAULT_CHUNK_BYTES` (``tables.proto`` documents
-every
-field). Receiving is ``numpy.frombuffer`` per chunk and one concatenation: no per-id work.
+every field). Sending writes each chunk message's wire bytes straight from the arrays (one copy,
+:func:`~paramserver.protocol.wire.row_chunk_message`); receiving is ``numpy.frombuffer`` per
+chunk (of the message itself when :func:`~paramserver.protocol.wire.rows_deserializer` read
+it) and one concatenation: no per-id work.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.errors import MalformedStream
-from paramserver.protocol import tensor
+from paramserver.protocol import tensor, wire
 from paramserver.protocol.table_spec import Initializer, TableRule, TableSpec
 
 __all__ = [
+    "RowsChunkLike",
     "RowsReceiver",
     "SegmentsReceiver",
-    "chunk_rows",
+    "chunk_messages",
     "rows_per_chunk",
     "spec_from_proto",
     "spec_to_proto",
@@ -139,14 +142,30 @@ def rows_per_chunk(row_bytes: int, chunk_bytes: int = tensor.DEFAULT_CHUNK_BYTES
     return max(1, chunk_bytes // (8 + row_bytes))
 
 
-def chunk_rows(
+class RowsChunkLike(Protocol):
+    """A received ``RowsChunk``: the generated message, or
+    :class:`~paramserver.protocol.wire.RawRowsChunk` (its fields read in place)."""
+
+    @property
+    def ids(self) -> bytes | memoryview: ...
+
+    @property
+    def rows(self) -> bytes | memoryview: ...
+
+    @property
+    def versions(self) -> bytes | memoryview: ...
+
+
+def chunk_messages(
     ids: npt.NDArray[np.int64] | None,
     rows: np.ndarray | None,
     *,
     chunk_bytes: int = tensor.DEFAULT_CHUNK_BYTES,
     versions: npt.NDArray[np.int64] | None = None,
-) -> Iterator[tpb.RowsChunk]:
-    """``RowsChunk`` messages of ids and/or rows (little-endian bytes), in order.
+) -> Iterator[bytes]:
+    """The wire bytes of the row stream messages (``body`` = ``RowsChunk``) carrying ids
+    and/or rows (little-endian), in order: what a ``chunk=RowsChunk(...)`` message of any row
+    stream (requests and replies alike) serializes to.
 
     Args:
         ids: int64 (n,) or None (row-only chunks: pull replies).
@@ -159,21 +178,29 @@ def chunk_rows(
     if versions is not None:
         row_bytes += 8
     k = rows_per_chunk(row_bytes, chunk_bytes)
-    versions_le = None if versions is None else versions.astype("<i8", copy=False)
-    ids_le = None if ids is None else ids.astype("<i8", copy=False)
+    versions_le = None if versions is None else _bytes_of(versions.astype("<i8", copy=False))
+    ids_le = None if ids is None else _bytes_of(ids.astype("<i8", copy=False))
     rows_le = None
+    per_row = 0
     if rows is not None:
-        rows_le = (
+        native = (
             rows if rows.dtype.byteorder in "=|<" else rows.astype(rows.dtype.newbyteorder("<"))
         )
-        rows_le = np.ascontiguousarray(rows_le)
+        rows_le = _bytes_of(native)
+        per_row = rows_le.nbytes // n if n else 0
     for start in range(0, n, k):
         stop = min(n, start + k)
-        yield tpb.RowsChunk(
-            ids=b"" if ids_le is None else ids_le[start:stop].tobytes(),
-            rows=b"" if rows_le is None else rows_le[start:stop].tobytes(),
-            versions=b"" if versions_le is None else versions_le[start:stop].tobytes(),
+        yield wire.row_chunk_message(
+            None if ids_le is None else ids_le[8 * start : 8 * stop],
+            None if rows_le is None else rows_le[per_row * start : per_row * stop],
+            None if versions_le is None else versions_le[8 * start : 8 * stop],
         )
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """A flat byte view of ``array`` (copied first when it is not C-contiguous; through
+    uint8, since numpy exports no buffer of extension dtypes such as bfloat16)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
 class RowsReceiver:
@@ -219,7 +246,7 @@ class RowsReceiver:
         self.versions: npt.NDArray[np.int64] = np.zeros(0, np.int64)
         self.received = 0
 
-    def feed(self, chunk: tpb.RowsChunk) -> None:
+    def feed(self, chunk: RowsChunkLike) -> None:
         if self.with_ids and not self.dim and chunk.rows:
             raise MalformedStream(
                 f"{self.what}: a chunk of a PullRows request carries {len(chunk.rows)} row "
@@ -315,7 +342,7 @@ class SegmentsReceiver:
             self._at += 1
         raise MalformedStream("a chunk after every segment's announced ids")
 
-    def feed(self, chunk: tpb.RowsChunk) -> None:
+    def feed(self, chunk: RowsChunkLike) -> None:
         self._current().feed(chunk)
 
     def finish(self) -> list[tuple[npt.NDArray[np.int64], np.ndarray]]:

@@ -1,4 +1,5 @@
-"""Tensor frames on the Push and Pull streams without protobuf copies of their payload.
+"""Tensor frames on the Push and Pull streams, and row chunks on the row streams, without
+protobuf copies of their payload.
 
 A frame message (``PushRequest`` / ``PullResponse`` whose ``body`` is a ``TensorFrame``) is
 almost all payload: up to ~1 MiB of tensor bytes behind a few bytes of fields. Through the
@@ -12,7 +13,11 @@ length-delimited fields of ``tensor.proto``), so either end may still use the ge
 a message this module does not recognise as a plain frame is parsed by protobuf.
 
 Used as the gRPC (de)serializers of ``ParameterServer.Push`` (requests) and
-``ParameterServer.Pull`` (responses), on both ends.
+``ParameterServer.Pull`` (responses), on both ends. The row streams (``PullRows``,
+``PushRows``, ``PushPullRows``, ``PullRowsMany``, ``PushRowsMany``, requests and responses)
+carry their ids and rows the same way: each of their messages is a header or info (field 1,
+protobuf's business) or a ``RowsChunk`` (field 2: ids, rows, versions), which
+:func:`row_chunk_message` writes and :func:`rows_deserializer` reads in place.
 """
 
 from __future__ import annotations
@@ -28,9 +33,13 @@ from paramserver.errors import MalformedStream
 __all__ = [
     "RawFrame",
     "RawFrameMessage",
+    "RawRowsChunk",
+    "RawRowsMessage",
     "Undecodable",
     "deserializer",
     "frame_messages",
+    "row_chunk_message",
+    "rows_deserializer",
     "serialize",
     "tolerant",
 ]
@@ -46,6 +55,8 @@ _CHUNK_INDEX_TAG = (2 << 3) | _VARINT
 _OFFSET_TAG = (3 << 3) | _VARINT
 _DATA_TAG = (4 << 3) | _LEN
 _LAST_TAG = (5 << 3) | _VARINT
+# RowsChunk: ids = 1, rows = 2, versions = 3 (the body's chunk is field 2, as a frame's is).
+_ROWS_CHUNK_TAGS = ((1 << 3) | _LEN, (2 << 3) | _LEN, (3 << 3) | _LEN)
 
 
 def _varint(n: int) -> bytes:
@@ -243,3 +254,108 @@ def frame_messages(
         body_len = len(fields) + n + len(tail)
         prefix = bytes((_BODY_FRAME_TAG,)) + _varint(body_len) + fields
         yield b"".join((prefix, payload[start:end], tail))
+
+
+class RawRowsChunk:
+    """A ``RowsChunk`` read in place: ``ids``, ``rows`` and ``versions`` are read-only
+    ``memoryview`` s of the received message (``b""`` where the field is absent), what
+    :class:`paramserver.protocol.rows_wire.RowsReceiver` reads."""
+
+    __slots__ = ("ids", "rows", "versions")
+
+    def __init__(self) -> None:
+        self.ids: memoryview | bytes = b""
+        self.rows: memoryview | bytes = b""
+        self.versions: memoryview | bytes = b""
+
+
+class RawRowsMessage:
+    """A row stream message whose ``body`` is a chunk (``WhichOneof`` answers ``"chunk"``,
+    ``.chunk`` is the :class:`RawRowsChunk`)."""
+
+    __slots__ = ("chunk", "nbytes")
+
+    def __init__(self, chunk: RawRowsChunk, nbytes: int) -> None:
+        self.chunk = chunk
+        self.nbytes = nbytes
+
+    def WhichOneof(self, name: str) -> str:
+        if name != "body":
+            raise ValueError(f"no oneof {name!r}")
+        return "chunk"
+
+    def HasField(self, name: str) -> bool:
+        return name == "chunk"
+
+
+def _parse_rows_chunk(view: memoryview, pos: int, end: int) -> RawRowsChunk | None:
+    """The ``RowsChunk`` fields in ``view[pos:end]``; None when a field repeats or another
+    field is there (the caller lets protobuf parse the whole message)."""
+    chunk = RawRowsChunk()
+    seen = 0
+    ids_tag, rows_tag, _ = _ROWS_CHUNK_TAGS
+    while pos < end:
+        tag, pos = _read_varint(view, pos, end)
+        if tag not in _ROWS_CHUNK_TAGS:
+            return None
+        bit = 1 << (tag >> 3)
+        if seen & bit:
+            return None  # protobuf keeps the last of a repeated scalar field: its business
+        seen |= bit
+        n, pos = _read_varint(view, pos, end)
+        if pos + n > end:
+            raise DecodeError("truncated length-delimited field")
+        value = view[pos : pos + n]
+        if tag == ids_tag:
+            chunk.ids = value
+        elif tag == rows_tag:
+            chunk.rows = value
+        else:
+            chunk.versions = value
+        pos += n
+    return chunk
+
+
+def rows_deserializer(message_type: type[_M]) -> Callable[[bytes], Any]:
+    """The request/response deserializer of a row stream of ``message_type`` (e.g.
+    ``PushRowsRequest``, ``PullRowsResponse``): chunk messages come back as
+    :class:`RawRowsMessage` (their ids and rows views of the received bytes), anything else
+    (headers, infos) as ``message_type`` parsed by protobuf.
+
+    Raises (in the returned function):
+        google.protobuf.message.DecodeError: bytes that are not a valid message.
+    """
+    parse = message_type.FromString
+
+    def deserialize(data: bytes) -> Any:  # _M, or a RawRowsMessage standing in for one
+        if not data or data[0] != _BODY_FRAME_TAG:
+            return parse(data)
+        view = memoryview(data)
+        end = len(data)
+        n, pos = _read_varint(view, 1, end)
+        if pos + n != end:  # more than one field, or repeated: protobuf's business
+            return parse(data)
+        chunk = _parse_rows_chunk(view, pos, end)
+        if chunk is None:
+            return parse(data)
+        return RawRowsMessage(chunk, end)
+
+    return deserialize
+
+
+def row_chunk_message(
+    ids: memoryview | None, rows: memoryview | None, versions: memoryview | None
+) -> bytes:
+    """The wire bytes of a row stream message whose body is ``RowsChunk(ids, rows,
+    versions)`` (byte views; None or empty: the field is absent, as protobuf omits an empty
+    bytes field), exactly as protobuf encodes it; the payloads are copied once."""
+    parts: list[bytes | memoryview] = [b""]
+    size = 0
+    for tag, value in zip(_ROWS_CHUNK_TAGS, (ids, rows, versions), strict=True):
+        if value is None or not value.nbytes:
+            continue
+        head = bytes((tag,)) + _varint(value.nbytes)
+        parts += (head, value)
+        size += len(head) + value.nbytes
+    parts[0] = bytes((_BODY_FRAME_TAG,)) + _varint(size)
+    return b"".join(parts)

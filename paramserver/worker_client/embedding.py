@@ -464,7 +464,11 @@ class TableClientMixin:
             header = _pull_many_header(worker_id, wait_ms, arrays, counts)
             requests = _pull_many_requests(header, arrays)
             return await read_rows_many(
-                self.stub.PullRowsMany(requests, timeout=deadline_s), tables
+                self.stub.PullRowsMany(
+                    requests,  # type: ignore[arg-type]  # chunks as wire bytes: ParameterServerStub
+                    timeout=deadline_s,
+                ),
+                tables,
             )
 
         if observer:
@@ -528,7 +532,11 @@ class TableClientMixin:
             )
             requests = _pull_many_requests(header, arrays, versions)
             return await read_rows_many_infos(
-                self.stub.PullRowsMany(requests, timeout=deadline_s), tables
+                self.stub.PullRowsMany(
+                    requests,  # type: ignore[arg-type]  # chunks as wire bytes: ParameterServerStub
+                    timeout=deadline_s,
+                ),
+                tables,
             )
 
         infos, rows, got_versions = await self._member_call(attempt, "pull_rows_validated")
@@ -599,7 +607,7 @@ class TableClientMixin:
             )
             for t in tables
         ]
-        chunks = [c for t in tables for c in rows_wire.chunk_rows(arrays[t], rows[t])]
+        chunks = [m for t in tables for m in rows_wire.chunk_messages(arrays[t], rows[t])]
         deadline_s = timeout_s or self.rpc_timeout_s
 
         async def attempt() -> tpb.PushRowsManyResponse:
@@ -610,13 +618,13 @@ class TableClientMixin:
                 segments=segments,
             )
 
-            def requests() -> Iterator[tpb.PushRowsManyRequest]:
+            def requests() -> Iterator[tpb.PushRowsManyRequest | bytes]:
                 yield tpb.PushRowsManyRequest(header=header)
-                for chunk in chunks:
-                    yield tpb.PushRowsManyRequest(chunk=chunk)
+                yield from chunks  # PushRowsManyRequest(chunk=...)s' wire bytes
 
             resp: tpb.PushRowsManyResponse = await self.stub.PushRowsMany(
-                requests(), timeout=deadline_s
+                requests(),  # type: ignore[arg-type]  # chunks as wire bytes: ParameterServerStub
+                timeout=deadline_s,
             )
             return resp
 
@@ -657,14 +665,13 @@ def _pull_many_requests(
     header: tpb.RowsManyHeader,
     arrays: Mapping[str, npt.NDArray[np.int64]],
     versions: Mapping[str, npt.NDArray[np.int64]] | None = None,
-) -> Iterator[tpb.PullRowsManyRequest]:
+) -> Iterator[tpb.PullRowsManyRequest | bytes]:
     """The request stream of a ``PullRowsMany``: the header, then every table's ids (with
-    the versions held, for a validated pull) in chunks."""
+    the versions held, for a validated pull) in chunks (their messages' wire bytes)."""
     yield tpb.PullRowsManyRequest(header=header)
     for t, arr in arrays.items():
         held = None if versions is None else versions[t]
-        for chunk in rows_wire.chunk_rows(arr, None, versions=held):
-            yield tpb.PullRowsManyRequest(chunk=chunk)
+        yield from rows_wire.chunk_messages(arr, None, versions=held)
 
 
 async def read_rows_many(

@@ -100,8 +100,8 @@ class _Handlers:
 def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:
     """Register ``servicer`` as the generated ``add_ParameterServerServicer_to_server`` would,
     except that Push requests are read and Pull responses written by
-    :mod:`paramserver.protocol.wire`
-    (tensor frames without protobuf copies of their payload; same bytes on the wire), and a
+    :mod:`paramserver.protocol.wire` (tensor frames without protobuf copies of their payload;
+    same bytes on the wire), as are the row streams' chunks, and a
     request that does not decode (invalid UTF-8 in a string field, truncated bytes) is refused
     with INVALID_ARGUMENT by its handler instead of gRPC's INTERNAL (:func:`wire.tolerant`)."""
     caught = _Handlers()
@@ -117,6 +117,26 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) ->
         request_deserializer=pb.PullRequest.FromString,
         response_serializer=wire.serialize,
     )
+    # The row streams: chunks written and read in place (their headers and infos by protobuf).
+    for name, request, response in (
+        ("PullRows", tpb.PullRowsRequest, None),
+        ("PushRows", tpb.PushRowsRequest, tpb.PushRowsResponse),
+        ("PushPullRows", tpb.PushPullRowsRequest, None),
+        ("PullRowsMany", tpb.PullRowsManyRequest, None),
+        ("PushRowsMany", tpb.PushRowsManyRequest, tpb.PushRowsManyResponse),
+    ):
+        method = getattr(servicer, name)
+        deserialize = wire.rows_deserializer(request)
+        if response is None:  # a reply stream of infos and chunk bytes
+            handlers[name] = grpc.stream_stream_rpc_method_handler(
+                method, request_deserializer=deserialize, response_serializer=wire.serialize
+            )
+        else:
+            handlers[name] = grpc.stream_unary_rpc_method_handler(
+                method,
+                request_deserializer=deserialize,
+                response_serializer=response.SerializeToString,
+            )
     handlers = {
         name: h._replace(request_deserializer=wire.tolerant(h.request_deserializer))
         for name, h in handlers.items()
@@ -315,9 +335,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return await self.table_rpcs.init_table(request)
 
     @grpc_errors
-    async def PullRows(
+    async def PullRows(  # type: ignore[override]  # also wire bytes: see add_to_server
         self, request_iterator: AsyncIterator[tpb.PullRowsRequest], context: ServicerContext
-    ) -> AsyncIterator[tpb.PullRowsResponse]:
+    ) -> AsyncIterator[tpb.PullRowsResponse | bytes]:
         async for msg in self.table_rpcs.pull_rows(request_iterator):
             yield msg
 
@@ -328,16 +348,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return await self.table_rpcs.push_rows(request_iterator)
 
     @grpc_errors
-    async def PushPullRows(
+    async def PushPullRows(  # type: ignore[override]  # also wire bytes: see add_to_server
         self, request_iterator: AsyncIterator[tpb.PushPullRowsRequest], context: ServicerContext
-    ) -> AsyncIterator[tpb.PushPullRowsResponse]:
+    ) -> AsyncIterator[tpb.PushPullRowsResponse | bytes]:
         async for msg in self.table_rpcs.push_pull_rows(request_iterator):
             yield msg
 
     @grpc_errors
-    async def PullRowsMany(
+    async def PullRowsMany(  # type: ignore[override]  # also wire bytes: see add_to_server
         self, request_iterator: AsyncIterator[tpb.PullRowsManyRequest], context: ServicerContext
-    ) -> AsyncIterator[tpb.PullRowsManyResponse]:
+    ) -> AsyncIterator[tpb.PullRowsManyResponse | bytes]:
         async for msg in self.table_rpcs.pull_rows_many(request_iterator):
             yield msg
 

@@ -58,7 +58,7 @@ class _RowStreamMessage(Protocol[_Header]):
     def header(self) -> _Header: ...
 
     @property
-    def chunk(self) -> tpb.RowsChunk: ...
+    def chunk(self) -> rows_wire.RowsChunkLike: ...
 
     def WhichOneof(self, oneof_group: Literal["body"]) -> str | None: ...
 
@@ -203,7 +203,7 @@ class TableRpcs:
     # ------------------------------------------------------------------ PullRows
     async def pull_rows(
         self, request_iterator: AsyncIterator[tpb.PullRowsRequest]
-    ) -> AsyncIterator[tpb.PullRowsResponse]:
+    ) -> AsyncIterator[tpb.PullRowsResponse | bytes]:
         header, it = await self._read(request_iterator)
         table = self._check_header(header, push=False)
         receiver = rows_wire.RowsReceiver(
@@ -213,8 +213,8 @@ class TableRpcs:
         ids, _ = receiver.finish()
         info, rows = await self.pull_decoded(header, ids)
         yield tpb.PullRowsResponse(info=info)
-        for chunk in rows_wire.chunk_rows(None, rows):
-            yield tpb.PullRowsResponse(chunk=chunk)
+        for message in rows_wire.chunk_messages(None, rows):
+            yield message  # a PullRowsResponse(chunk=...)'s wire bytes
 
     async def pull_decoded(
         self, header: tpb.RowsHeader, ids: np.ndarray
@@ -305,7 +305,7 @@ class TableRpcs:
     # ------------------------------------------------------------------ PushPullRows
     async def push_pull_rows(
         self, request_iterator: AsyncIterator[tpb.PushPullRowsRequest]
-    ) -> AsyncIterator[tpb.PushPullRowsResponse]:
+    ) -> AsyncIterator[tpb.PushPullRowsResponse | bytes]:
         """PushPullRows: the push's ids and rows, then the pull's ids; one info (the push's
         result and the pull's) and the pulled rows."""
         fused, it = await self._read(request_iterator)
@@ -325,8 +325,8 @@ class TableRpcs:
         (ids, grads), (pull_ids, _) = both.finish()
         pushed, info, rows = await self.push_pull_decoded(header, ids, grads, pull_ids)
         yield tpb.PushPullRowsResponse(info=tpb.PushPullRowsInfo(pushed=pushed, pulled=info))
-        for chunk in rows_wire.chunk_rows(None, rows):
-            yield tpb.PushPullRowsResponse(chunk=chunk)
+        for message in rows_wire.chunk_messages(None, rows):
+            yield message  # a PushPullRowsResponse(chunk=...)'s wire bytes
 
     async def push_pull_decoded(
         self, header: tpb.RowsHeader, ids: np.ndarray, grads: np.ndarray, pull_ids: np.ndarray
@@ -408,7 +408,7 @@ class TableRpcs:
 
     async def pull_rows_many(
         self, request_iterator: AsyncIterator[tpb.PullRowsManyRequest]
-    ) -> AsyncIterator[tpb.PullRowsManyResponse]:
+    ) -> AsyncIterator[tpb.PullRowsManyResponse | bytes]:
         """PullRowsMany: every segment's ids, then one info and every segment's rows."""
         header, _, parts, held = await self._read_many(request_iterator, push=False)
         infos, rows, versions = await self.pull_many_decoded(
@@ -416,8 +416,8 @@ class TableRpcs:
         )
         yield tpb.PullRowsManyResponse(info=tpb.PullRowsManyInfo(tables=infos))
         for block, vers in zip(rows, versions, strict=True):
-            for chunk in rows_wire.chunk_rows(None, block, versions=vers):
-                yield tpb.PullRowsManyResponse(chunk=chunk)
+            for message in rows_wire.chunk_messages(None, block, versions=vers):
+                yield message  # a PullRowsManyResponse(chunk=...)'s wire bytes
 
     async def pull_many_decoded(
         self,

@@ -130,7 +130,7 @@ class RowPush:
 
     ids: IdArray
     grads: np.ndarray
-    _chunks: list[tpb.RowsChunk] | None = field(default=None, repr=False)
+    _chunks: list[bytes] | None = field(default=None, repr=False)
 
     def header(self, header: tpb.RowsHeader) -> tpb.RowsHeader:
         """``header`` (left as it is) with this push's id count, dtype and dim filled in."""
@@ -142,10 +142,11 @@ class RowPush:
         return full
 
     @property
-    def chunks(self) -> list[tpb.RowsChunk]:
-        """The ``RowsChunk`` messages of the PushRows stream."""
+    def chunks(self) -> list[bytes]:
+        """The chunk messages of the PushRows stream (their wire bytes: the same for every
+        row request stream)."""
         if self._chunks is None:
-            self._chunks = list(rows_wire.chunk_rows(self.ids, self.grads))
+            self._chunks = list(rows_wire.chunk_messages(self.ids, self.grads))
         return self._chunks
 
 

@@ -122,10 +122,9 @@ class StreamTransport:
     ) -> np.ndarray:
         """Rows over a PullRows stream (ids chunked after the header)."""
 
-        def requests() -> Iterator[tpb.PullRowsRequest]:
+        def requests() -> Iterator[tpb.PullRowsRequest | bytes]:
             yield tpb.PullRowsRequest(header=header)
-            for chunk in rows_wire.chunk_rows(ids, None):
-                yield tpb.PullRowsRequest(chunk=chunk)
+            yield from rows_wire.chunk_messages(ids, None)
 
         return await read_rows(self._stub().PullRows(requests(), timeout=deadline_s), header.table)
 
@@ -136,10 +135,9 @@ class StreamTransport:
         full = rows.header(header)
         chunks = rows.chunks
 
-        def requests() -> Iterator[tpb.PushRowsRequest]:
+        def requests() -> Iterator[tpb.PushRowsRequest | bytes]:
             yield tpb.PushRowsRequest(header=full)
-            for chunk in chunks:
-                yield tpb.PushRowsRequest(chunk=chunk)
+            yield from chunks
 
         resp: tpb.PushRowsResponse = await self._stub().PushRows(requests(), timeout=deadline_s)
         return resp
@@ -154,12 +152,10 @@ class StreamTransport:
         )
         chunks = rows.chunks
 
-        def requests() -> Iterator[tpb.PushPullRowsRequest]:
+        def requests() -> Iterator[tpb.PushPullRowsRequest | bytes]:
             yield tpb.PushPullRowsRequest(header=fused)
-            for chunk in chunks:
-                yield tpb.PushPullRowsRequest(chunk=chunk)
-            for chunk in rows_wire.chunk_rows(pull_ids, None):
-                yield tpb.PushPullRowsRequest(chunk=chunk)
+            yield from chunks
+            yield from rows_wire.chunk_messages(pull_ids, None)
 
         stream = self._stub().PushPullRows(requests(), timeout=deadline_s)
         info, got = await _read_rows_reply(stream, header.table, "PushPullRowsInfo", _pulled)
@@ -177,7 +173,7 @@ class _RowsReply(Protocol[InfoT_co]):
     def info(self) -> InfoT_co: ...
 
     @property
-    def chunk(self) -> tpb.RowsChunk: ...
+    def chunk(self) -> rows_wire.RowsChunkLike: ...
 
     def WhichOneof(self, oneof_group: Literal["body"], /) -> str | None: ...
 
