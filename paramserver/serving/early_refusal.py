@@ -1,4 +1,4 @@
-"""Prompt refusal of a client stream the client is still writing (Push, Init).
+"""Prompt refusal of a client stream the client is still writing (Push, Init, the row streams).
 
 A status sent while a grpc.aio client is still writing can reach it as INTERNAL "Internal error
 from Core" instead of the real code (grpc/grpc#36066). So a refused client stream is read to its
@@ -39,8 +39,9 @@ async def announce_refusal(context: ServicerContext, request: object, exc: BaseE
 
 
 async def drain_request_stream(request: object) -> None:
-    """Read and discard the rest of a client stream (Init, Push) before refusing it, for at
-    most :data:`DRAIN_S` seconds. Unary requests (protobuf messages) are left alone."""
+    """Read and discard the rest of a client stream (Init, Push, a row stream) before refusing
+    it, for at most :data:`DRAIN_S` seconds. Unary requests (protobuf messages) are left
+    alone."""
     if not isinstance(request, AsyncIterable):  # has __aiter__
         return
     try:

@@ -61,6 +61,9 @@ def grpc_errors(fn: F) -> F:
             except (grpc.aio.AbortError, GeneratorExit):
                 raise
             except Exception as exc:
+                # a bidi stream (the row streams) the client may still be writing: as below
+                await announce_refusal(context, request, exc)
+                await drain_request_stream(request)
                 await abort_with(context, exc, name)
 
         return gen_wrapper  # type: ignore[return-value]
