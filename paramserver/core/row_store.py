@@ -16,13 +16,19 @@ of each; every per-id loop runs in a compiled kernel of :mod:`paramserver.core.r
   ``np.searchsorted`` (inserting new ids moves every later element: O(n) per push of new ids)
   and over a Python dict (a per-id interpreter loop and ~100 bytes per entry).
 * **Coalescing.** :func:`coalesce` sums the gradient rows of duplicate ids in one pass.
+* **Cores.** A large call (a pull's gather, a push's new rows and its rule) is split into
+  contiguous parts of its rows that run at once on the machine's cores
+  (:func:`split_rows`): the kernels release the GIL, and each part touches only its own rows.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
-from typing import Final
+from typing import Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -38,7 +44,14 @@ __all__ = [
     "initial_rows",
     "kernels",
     "seed_key",
+    "split_rows",
 ]
+
+_T = TypeVar("_T")
+
+#: Row work (rows x row width, in elements) from which one call is split over the cores:
+#: below it, handing a part to another thread costs more than it saves.
+SPLIT_MIN_ELEMENTS: Final = 1 << 18
 
 _EMPTY: Final = -1  # ids are >= 0, so -1 marks a free slot of the index
 
@@ -50,6 +63,45 @@ def kernels() -> ModuleType:
     from paramserver.core import row_kernels
 
     return row_kernels
+
+
+@functools.cache
+def _row_threads() -> tuple[int, ThreadPoolExecutor | None]:
+    """How many parts a large call splits into (the cores this process may use, at most 4)
+    and the threads that run all but the caller's part (None on one core)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    parts = max(1, min(4, cores))
+    if parts == 1:
+        return 1, None
+    return parts, ThreadPoolExecutor(parts - 1, thread_name_prefix="paramserver-rows")
+
+
+def split_rows(n: int, width: int, run: Callable[[int, int], _T]) -> list[tuple[int, _T]]:
+    """``run(start, stop)`` over rows ``[0, n)``: in one call, or, when the work is large
+    (``n * width >= SPLIT_MIN_ELEMENTS``) and the process may use several cores, in contiguous
+    parts at once, one on this thread and the others on the row threads (``run`` must release
+    the GIL to gain: the compiled kernels do; each part must touch only its own rows).
+
+    Returns:
+        ``(start, result)`` per part, in row order. Every part has finished when this returns,
+        the failing ones included; the first part's error (in row order) is raised.
+    """
+    parts, pool = _row_threads()
+    if pool is None or n * width < SPLIT_MIN_ELEMENTS or n < parts:
+        return [(0, run(0, n))]
+    bounds = [n * i // parts for i in range(parts + 1)]
+    others: list[Future[_T]] = [pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    try:
+        first = run(bounds[0], bounds[1])
+    finally:
+        rest = [f.exception() for f in others]  # waits for every part, failing or not
+    for error in rest:
+        if error is not None:
+            raise error
+    return [(0, first)] + [(bounds[i + 1], f.result()) for i, f in enumerate(others)]
 
 
 def seed_key(seed: int) -> np.uint64:

@@ -58,6 +58,7 @@ from paramserver.core.row_store import (
     initial_rows,
     kernels,
     seed_key,
+    split_rows,
 )
 from paramserver.core.storage_range import HALF_DTYPES, overflow_mask, range_refusal
 from paramserver.errors import (
@@ -433,19 +434,26 @@ class EmbeddingTable:
         if s.np_dtype == F32:
             k = kernels()
             missing = np.empty(n, np.int64)
-            m = k.pull_f32(
-                self.index._slots,
-                self._store["rows"].addrs,
-                self._shift,
-                ids,
-                self._seed_key,
-                float(s.initializer.scale),
-                self._init_code,
-                out,
-                missing,
-            )
-            if m:
-                lost = missing[:m]
+            slots, addrs, scale = self.index._slots, self._store["rows"].addrs, s.initializer.scale
+
+            def gather(a: int, b: int) -> int:
+                return int(
+                    k.pull_f32(
+                        slots,
+                        addrs,
+                        self._shift,
+                        ids[a:b],
+                        self._seed_key,
+                        float(scale),
+                        self._init_code,
+                        out[a:b],
+                        missing[a:b],
+                    )
+                )
+
+            parts = split_rows(n, s.dim, gather)
+            if any(m for _, m in parts):  # positions within each part: made absolute here
+                lost = np.concatenate([missing[a : a + m] + a for a, m in parts])
                 out[lost] = initial_rows(s.seed, ids[lost], s.dim, s.initializer)
         else:
             where = self.index.lookup(ids)
@@ -590,15 +598,20 @@ class EmbeddingTable:
         self._reserve_rows(stop)
         rows_arena = self._store["rows"]
         if s.np_dtype == F32 and self._init_code != kernels().INIT_OTHER:
-            kernels().create_rows_f32(
-                rows_arena.addrs,
-                self._shift,
+            k, rows = kernels(), np.arange(start, stop, dtype=np.int64)
+            split_rows(
+                rows.shape[0],
                 s.dim,
-                np.arange(start, stop, dtype=np.int64),
-                ids,
-                self._seed_key,
-                float(s.initializer.scale),
-                self._init_code,
+                lambda a, b: k.create_rows_f32(
+                    rows_arena.addrs,
+                    self._shift,
+                    s.dim,
+                    rows[a:b],
+                    ids[a:b],
+                    self._seed_key,
+                    float(s.initializer.scale),
+                    self._init_code,
+                ),
             )
         else:
             init = initial_rows(s.seed, ids, s.dim, s.initializer).astype(s.np_dtype)
@@ -624,7 +637,13 @@ class EmbeddingTable:
                 a[name].scatter(where, arr)
             a["rows"].scatter(where, w.astype(s.np_dtype))
             return
-        ROW_RULES[r.kind].kernel(kernels(), self._store, self._shift, where, g, r)
+        # ``where`` holds distinct rows (a coalesced push): parts never share a row.
+        k, kernel, store = kernels(), ROW_RULES[r.kind].kernel, self._store
+        split_rows(
+            where.shape[0],
+            s.dim,
+            lambda a, b: kernel(k, store, self._shift, where[a:b], g[a:b], r),
+        )
 
     def _rule_step(
         self, w: npt.NDArray[np.float32], g: npt.NDArray[np.float32], state: dict[str, np.ndarray]

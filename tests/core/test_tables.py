@@ -4,6 +4,8 @@ validation (docs/embedding-tables.md)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -11,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from paramserver.core import row_store
 from paramserver.core.tables import (
     EmbeddingTable,
     IdIndex,
@@ -126,9 +129,23 @@ def _oracle_step(
         w -= f(ss) * st["m"] / (np.sqrt(st["v"]) + f(r.eps))
 
 
+@pytest.fixture(params=[1, 3], ids=["one-part", "three-parts"])
+def row_parts(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """Row calls in one part, or split in three parts of every call, however small, run at
+    once on row threads (as a large call is on a machine with several cores)."""
+    parts = int(request.param)
+    if parts == 1:
+        yield 1
+        return
+    with ThreadPoolExecutor(parts - 1) as pool:
+        monkeypatch.setattr(row_store, "_row_threads", lambda: (parts, pool))
+        monkeypatch.setattr(row_store, "SPLIT_MIN_ELEMENTS", 1)
+        yield parts
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
-def test_rules_against_a_per_row_oracle(kind: str, dtype: str) -> None:
+def test_rules_against_a_per_row_oracle(kind: str, dtype: str, row_parts: int) -> None:
     rule = TableRule(kind, lr=0.05)
     t = _table(rule, dim=3, dtype=dtype)
     rng = np.random.default_rng(1)
@@ -468,7 +485,9 @@ def test_compiled_initial_rows_are_bit_identical_to_the_numpy_steps(kind: str, s
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("init", ["uniform", "normal", "zeros"])
-def test_pull_and_new_rows_use_the_initial_rows_bit_for_bit(dtype: str, init: str) -> None:
+def test_pull_and_new_rows_use_the_initial_rows_bit_for_bit(
+    dtype: str, init: str, row_parts: int
+) -> None:
     initializer = Initializer(init, 0.5)
     t = EmbeddingTable(TableSpec("emb", 5, dtype, TableRule("sgd", lr=1.0), initializer, 11))  # type: ignore[arg-type]
     ids = np.array([3, 9, 3, 2**40], np.int64)
@@ -478,6 +497,35 @@ def test_pull_and_new_rows_use_the_initial_rows_bit_for_bit(dtype: str, init: st
     t.push(ids[:1], np.zeros((1, 5), np.float32), now_s=0.0, clock=0)  # stores id 3's row
     assert t.n == 1
     assert t.pull(ids).tobytes() == want.astype(np.float32).astype(np_dtype).tobytes()
+
+
+def test_a_split_call_covers_every_row_once_and_waits_for_every_part(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """split_rows: contiguous parts in row order that cover [0, n) exactly once; small work
+    stays in one part; an error of one part is raised only after every part finished."""
+    import threading
+    import time
+
+    with ThreadPoolExecutor(3) as pool:
+        monkeypatch.setattr(row_store, "_row_threads", lambda: (4, pool))
+        seen = np.zeros(1003, np.int64)
+        parts = row_store.split_rows(
+            1003, 1 << 18, lambda a, b: seen.__setitem__(slice(a, b), seen[a:b] + 1)
+        )
+        assert [a for a, _ in parts] == [0, 250, 501, 752] and seen.tolist() == [1] * 1003
+        assert row_store.split_rows(1003, 4, lambda a, b: (a, b)) == [(0, (0, 1003))]
+        finished = []
+
+        def part(a: int, b: int) -> None:
+            if a == 0:
+                raise ValueError("first part")
+            time.sleep(0.05)
+            finished.append((a, threading.current_thread().name))
+
+        with pytest.raises(ValueError, match="first part"):
+            row_store.split_rows(1003, 1 << 18, part)
+        assert sorted(a for a, _ in finished) == [250, 501, 752]
 
 
 def test_growth_across_chunks_keeps_every_row_and_never_moves_a_chunk() -> None:
