@@ -17,8 +17,9 @@ of each; every per-id loop runs in a compiled kernel of :mod:`paramserver.core.r
   and over a Python dict (a per-id interpreter loop and ~100 bytes per entry).
 * **Coalescing.** :func:`coalesce` sums the gradient rows of duplicate ids in one pass.
 * **Cores.** A large call (a pull's gather, a push's new rows and its rule) is split into
-  contiguous parts of its rows that run at once on the machine's cores
-  (:func:`split_rows`): the kernels release the GIL, and each part touches only its own rows.
+  contiguous parts of its rows that run at once on half the machine's cores
+  (:func:`split_rows`; from 4 cores up): the kernels release the GIL, and each part touches
+  only its own rows.
 """
 
 from __future__ import annotations
@@ -69,13 +70,19 @@ def kernels() -> ModuleType:
 
 @functools.cache
 def _row_threads() -> tuple[int, ThreadPoolExecutor | None]:
-    """How many parts a large call splits into (the cores this process may use, at most 4)
-    and the threads that run all but the caller's part (None on one core)."""
+    """How many parts a large call splits into and the threads that run all but the caller's
+    part (None: calls are not split).
+
+    Half the cores this process may use, at most 4: the other half is left to the event loop
+    and to workers on the same host. On 2 cores calls are not split: measured there
+    (benchmarks/RESULTS.md), splitting sped one worker's rounds up to 2x but slowed two
+    workers' by up to 0.7x, whose processes then compete with the parts for the same cores.
+    """
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    parts = max(1, min(4, cores))
+    parts = max(1, min(4, cores // 2))
     if parts == 1:
         return 1, None
     return parts, ThreadPoolExecutor(parts - 1, thread_name_prefix="paramserver-rows")
@@ -83,7 +90,7 @@ def _row_threads() -> tuple[int, ThreadPoolExecutor | None]:
 
 def split_rows(n: int, width: int, run: Callable[[int, int], _T]) -> list[tuple[int, _T]]:
     """``run(start, stop)`` over rows ``[0, n)``: in one call, or, when the work is large
-    (``n * width >= SPLIT_MIN_ELEMENTS``) and the process may use several cores, in contiguous
+    (``n * width >= SPLIT_MIN_ELEMENTS``) and the process may use 4 cores or more, in contiguous
     parts at once, one on this thread and the others on the row threads (``run`` must release
     the GIL to gain: the compiled kernels do; each part must touch only its own rows).
 
