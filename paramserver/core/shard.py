@@ -290,7 +290,8 @@ class ServerCore:
             self.aggregator.register_worker(rec.worker_id, now)
         # The predecessors whose clock it took: fenced with ``replace``, or lost under the
         # ``wait`` policy and taken over.
-        taken = [c.worker for c in fenced] + [w for w in lost if not w.lost]
+        taken_lost = [w for w in lost if not w.lost]
+        taken = [c.worker for c in fenced] + taken_lost
         taken = [old for old in taken if old.worker_id != rec.worker_id]
         if resume:
             # It continues them: their request ids (every outcome, queued ones included) and
@@ -303,17 +304,17 @@ class ServerCore:
                 self._take_over_step(old, rec.worker_id)
         self._forget_departed()
         self._departed(fenced)
-        if self.aggregator is not None:
-            for old in (w for w in lost if not w.lost):
-                # `wait` policy takeover without ``resume``: a successor that redoes the open
-                # step replaces the old incarnation's queued gradient (no double count); one
-                # that starts past it leaves that gradient in the step.
-                if rec.clock > self.aggregator.current_step:
-                    self._release_after_step[old.worker_id] = rec.clock
-                else:
-                    self.aggregator.evict_worker(old.worker_id)
-        for old in (w for w in lost if not w.lost):
+        for old in taken_lost:
+            # `wait` policy takeover without ``resume``: a successor that redoes the open step
+            # replaces the old incarnation's queued gradient and row pushes (no double count);
+            # one that starts past the step leaves that gradient in it.
             self.tables.reassign_unclocked(old.worker_id, old.clock, None)
+            if self.aggregator is None:
+                continue
+            if rec.clock > self.aggregator.current_step:
+                self._release_after_step[old.worker_id] = rec.clock
+            else:
+                self.aggregator.evict_worker(old.worker_id)
         self._advance()
         return rec
 

@@ -162,9 +162,23 @@ def deserializer(message_type: type[_M]) -> Callable[[bytes], Any]:
     Raises (in the returned function):
         google.protobuf.message.DecodeError: bytes that are not a valid message.
     """
+
+    def read(view: memoryview, pos: int, end: int) -> RawFrameMessage | None:
+        frame = _parse_frame(view, pos, end)
+        return None if frame is None else RawFrameMessage(frame, end)
+
+    return _read_in_place(message_type, read)
+
+
+def _read_in_place(
+    message_type: type[_M], read: Callable[[memoryview, int, int], object | None]
+) -> Callable[[bytes], Any]:
+    """A deserializer of ``message_type`` whose messages made of its field 2 alone (a frame,
+    a chunk) are read in place by ``read(view, start, end)`` of that field's bytes; anything
+    else, or what ``read`` declines (None), is parsed by protobuf."""
     parse = message_type.FromString
 
-    def deserialize(data: bytes) -> Any:  # _M, or a RawFrameMessage standing in for one
+    def deserialize(data: bytes) -> Any:  # _M, or what ``read`` stands in for one
         if not data or data[0] != _BODY_FRAME_TAG:
             return parse(data)
         view = memoryview(data)
@@ -172,10 +186,8 @@ def deserializer(message_type: type[_M]) -> Callable[[bytes], Any]:
         n, pos = _read_varint(view, 1, end)
         if pos + n != end:  # more than one field, or repeated: protobuf's business
             return parse(data)
-        frame = _parse_frame(view, pos, end)
-        if frame is None:
-            return parse(data)
-        return RawFrameMessage(frame, end)
+        message = read(view, pos, end)
+        return parse(data) if message is None else message
 
     return deserialize
 
@@ -325,22 +337,12 @@ def rows_deserializer(message_type: type[_M]) -> Callable[[bytes], Any]:
     Raises (in the returned function):
         google.protobuf.message.DecodeError: bytes that are not a valid message.
     """
-    parse = message_type.FromString
 
-    def deserialize(data: bytes) -> Any:  # _M, or a RawRowsMessage standing in for one
-        if not data or data[0] != _BODY_FRAME_TAG:
-            return parse(data)
-        view = memoryview(data)
-        end = len(data)
-        n, pos = _read_varint(view, 1, end)
-        if pos + n != end:  # more than one field, or repeated: protobuf's business
-            return parse(data)
+    def read(view: memoryview, pos: int, end: int) -> RawRowsMessage | None:
         chunk = _parse_rows_chunk(view, pos, end)
-        if chunk is None:
-            return parse(data)
-        return RawRowsMessage(chunk, end)
+        return None if chunk is None else RawRowsMessage(chunk, end)
 
-    return deserialize
+    return _read_in_place(message_type, read)
 
 
 def row_chunk_message(
