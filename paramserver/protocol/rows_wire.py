@@ -174,20 +174,16 @@ def chunk_messages(
             None (no versions).
     """
     n = ids.shape[0] if ids is not None else rows.shape[0] if rows is not None else 0
-    row_bytes = 0 if rows is None else rows.dtype.itemsize * (rows.shape[1] if rows.ndim > 1 else 1)
-    if versions is not None:
-        row_bytes += 8
-    k = rows_per_chunk(row_bytes, chunk_bytes)
+    per_row = 0 if rows is None else rows.dtype.itemsize * (rows.shape[1] if rows.ndim > 1 else 1)
+    k = rows_per_chunk(per_row + (8 if versions is not None else 0), chunk_bytes)
     versions_le = None if versions is None else _bytes_of(versions.astype("<i8", copy=False))
     ids_le = None if ids is None else _bytes_of(ids.astype("<i8", copy=False))
     rows_le = None
-    per_row = 0
     if rows is not None:
         native = (
             rows if rows.dtype.byteorder in "=|<" else rows.astype(rows.dtype.newbyteorder("<"))
         )
         rows_le = _bytes_of(native)
-        per_row = rows_le.nbytes // n if n else 0
     for start in range(0, n, k):
         stop = min(n, start + k)
         yield wire.row_chunk_message(
