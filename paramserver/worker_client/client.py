@@ -28,14 +28,13 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 import numpy as np
 
 from paramserver.api.v1 import parameter_server_pb2 as pb
 from paramserver.api.v1 import parameter_server_pb2_grpc as pb_grpc
-from paramserver.api.v1 import tables_pb2 as tpb
 from paramserver.core.optimizers import UpdateRule
 from paramserver.errors import (
     AlreadyExists,
@@ -43,7 +42,7 @@ from paramserver.errors import (
     ParamServerError,
     WorkerNotFound,
 )
-from paramserver.protocol import shm, tensor, wire
+from paramserver.protocol import shm, tensor
 from paramserver.protocol.addresses import REPLICA_SEPARATOR, replicas_moved
 from paramserver.protocol.keepalive import ChannelOption
 from paramserver.security.tls import ClientSecurity
@@ -61,6 +60,7 @@ from paramserver.worker_client.retry import RETRYABLE, RetryPolicy
 from paramserver.worker_client.transport.base import PullResult, PullSpec, PushPayload, Transports
 from paramserver.worker_client.transport.session_stream import SessionTransport
 from paramserver.worker_client.transport.streams import SEND_CHUNK_BYTES, StreamTransport
+from paramserver.worker_client.transport.stub import ParameterServerStub
 
 logger = logging.getLogger(__name__)
 
@@ -97,59 +97,6 @@ class PushAck:
     applied_updates: int
     dropped_stale: bool
     live_workers: int
-
-
-if TYPE_CHECKING:  # the generated stubs type an aio channel's stub as a class of its own
-    _GeneratedStub = pb_grpc.ParameterServerAsyncStub
-else:
-    _GeneratedStub = pb_grpc.ParameterServerStub
-
-
-class ParameterServerStub(_GeneratedStub):
-    """The generated stub, with Push requests written and Pull responses read by
-    :mod:`paramserver.protocol.wire` (tensor frames without protobuf copies of their payload; the
-    same bytes on the wire, so either end may be a plain protobuf peer), and the row streams'
-    chunks likewise."""
-
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        super().__init__(channel)
-        service = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-        self.Push = channel.stream_unary(
-            f"/{service}/Push",
-            request_serializer=wire.serialize,
-            response_deserializer=pb.PushResponse.FromString,
-        )
-        self.Pull = channel.unary_stream(
-            f"/{service}/Pull",
-            request_serializer=pb.PullRequest.SerializeToString,
-            response_deserializer=wire.deserializer(pb.PullResponse),
-        )
-        # The row streams: chunk messages are sent as wire bytes and read in place.
-        self.PullRows = channel.stream_stream(
-            f"/{service}/PullRows",
-            request_serializer=wire.serialize,
-            response_deserializer=wire.rows_deserializer(tpb.PullRowsResponse),
-        )
-        self.PushRows = channel.stream_unary(
-            f"/{service}/PushRows",
-            request_serializer=wire.serialize,
-            response_deserializer=tpb.PushRowsResponse.FromString,
-        )
-        self.PushPullRows = channel.stream_stream(
-            f"/{service}/PushPullRows",
-            request_serializer=wire.serialize,
-            response_deserializer=wire.rows_deserializer(tpb.PushPullRowsResponse),
-        )
-        self.PullRowsMany = channel.stream_stream(
-            f"/{service}/PullRowsMany",
-            request_serializer=wire.serialize,
-            response_deserializer=wire.rows_deserializer(tpb.PullRowsManyResponse),
-        )
-        self.PushRowsMany = channel.stream_unary(
-            f"/{service}/PushRowsMany",
-            request_serializer=wire.serialize,
-            response_deserializer=tpb.PushRowsManyResponse.FromString,
-        )
 
 
 class WorkerClient(TableClientMixin, ServiceSession["pb_grpc.ParameterServerAsyncStub"]):
