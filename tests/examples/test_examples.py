@@ -13,8 +13,8 @@ the single process (its share of each step), and under BSP both end on the same 
 
 A BSP run is deterministic up to float rounding, so one run is checked. An SSP run's final
 metric is one draw of a random variable (the order in which the two workers' pushes arrive
-decides the trajectory): measured on the 2-vCPU development host under load, 57 digits runs gave
-0.9710-0.9903 against 0.9826 alone, and 18 char_lm runs 2.063-2.127 bits against 2.0875 (on
+decides the trajectory): measured on the 2-vCPU development host under load, 52 digits runs gave
+0.9710-0.9903 against 0.9826 alone, and 12 char_lm runs 2.063-2.127 bits against 2.0875 (on
 average 1% worse: stale gradients under Adam), while one CI run of digits ended at 0.9497. So
 the SSP claim checked is that of the typical run: the median of five runs is within the
 tolerance (three runs, more only while the count is open).
