@@ -41,10 +41,11 @@ second of the slowest worker):
   ``RAY_USAGE_STATS_ENABLED=0``, no dashboard, shut down by the script; skipped with the reason
   when ray is not installed).
 
-Each peer and the numpy limit run ``--peer-runs`` times per dim and W (default 2; 1 with
-``--quick``), and the summary counts each one's best verified run: on a shared host a peer's
-figure depends on what ran just before it (a torch process right after a paramserver run read
-2-4x slower than one right after another torch process), so the best run is the fair one.
+Every system runs ``--runs`` times per dim and W (default 2; 1 with ``--quick``), and the
+summary counts each one's best verified run: on a VM that hands memory left free for some
+seconds back to its hypervisor, touching that memory again costs about 2 s per GB, so a
+system's figure depends on what ran just before it (most for the dense-table systems, which
+touch 2.5-5 GB); the best run is the fair one.
 
 Memory phase (off with ``--no-memory``): per rule of ``--memory-rules`` (default sgd; also
 adagrad, rowwise_adagrad, adam) a fresh server and a float32 table of dim 16 and 64, ids pushed
@@ -53,7 +54,7 @@ row, the table's Status ``size_bytes`` and ``state_size_bytes`` (the optimizer s
 row beside it, and the bound ``1.25 * (raw row + raw state) + 24`` bytes.
 
 Usage: ``python benchmarks/embedding.py [--quick] [--systems numpy,paramserver,...]
-[--dims 64,128] [--workers 1,2] [--rounds 256] [--peer-runs 2]
+[--dims 64,128] [--workers 1,2] [--rounds 256] [--runs 2]
 [--memory-rows 1000000,10000000] [--memory-rules sgd,adam]``.
 ``--quick`` (dim 64, W=1, 8 rounds, 20,000 memory rows) is small enough for a test, which runs
 its correctness check only. ``EMBEDDING_BENCH_BATCH=512`` runs batches of 512 ids instead of
@@ -566,18 +567,18 @@ def main() -> int:
     )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument(
-        "--peer-runs",
+        "--runs",
         type=int,
         default=2,
-        help="runs of each peer and of the numpy limit per dim and W; the best counts (a "
-        "peer's figure depends on what ran just before it on a shared host)",
+        help="runs of each system per dim and W; each one's best verified run counts (a "
+        "system's figure depends on what ran just before it on a shared host)",
     )
     ap.add_argument("--quick", action="store_true", help="dim 64, W=1, 8 rounds, 20k rows")
     args = ap.parse_args()
-    if args.peer_runs < 1:
-        ap.error("--peer-runs must be at least 1")
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
     if args.quick:
-        args.dims, args.workers, args.rounds, args.peer_runs = "64", "1", 8, 1
+        args.dims, args.workers, args.rounds, args.runs = "64", "1", 8, 1
         args.memory_rows, args.memory_dims = "100000", "16"
     systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(systems) - set(RUNNERS))
@@ -596,8 +597,7 @@ def main() -> int:
         for w in ws:
             rates: dict[str, float] = {}
             for system in systems:
-                runs = args.peer_runs if system in (*PEERS, "numpy") else 1
-                for run in range(runs):
+                for run in range(args.runs):
                     try:
                         rate, extra = RUNNERS[system](dim, w, args.rounds)
                     except ImportError as exc:
