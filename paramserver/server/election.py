@@ -206,6 +206,7 @@ class Election:
         self.epoch = 0
         self._task: asyncio.Task[None] | None = None
         self._keepalive: asyncio.Task[None] | None = None
+        self._said_empty = False
 
     async def start(self) -> None:
         """Take a lease and start campaigning (returns at once)."""
@@ -294,6 +295,17 @@ class Election:
         members = json.loads(sync["value"]) if sync is not None else [0]
         if self.index not in members:
             return  # not in sync: it may lack acknowledged records
+        if sync is not None and not self.replica.holds_state:
+            if not self._said_empty:
+                self._said_empty = True
+                logger.info(
+                    "replica %d of shard %d holds no state yet (nothing restored from its disk, "
+                    "no primary has streamed to it): it waits for the primary's seed before it "
+                    "stands for election",
+                    self.index,
+                    self.shard_index,
+                )
+            return
         assert self.lease is not None
         won, revision = await self.store.txn(
             [

@@ -449,6 +449,9 @@ class Backup:
         self.on_newer_epoch: Callable[[int], Awaitable[None]] | None = None
         self.seeds_applied = 0
         self.records_applied = 0
+        #: A primary's stream was accepted since this process started: the primary that sent
+        #: it (elected after any earlier one) decides whether this replica is in sync.
+        self.followed = False
         self._stream_no = 0
 
     def observe_epoch(self, epoch: int) -> None:
@@ -490,6 +493,7 @@ class Backup:
         self._check(first.epoch, self._stream_no)
         self.epoch = max(self.epoch, first.epoch)
         self._stream_no += 1
+        self.followed = True
         mine = self._stream_no
         self.primary_address = first.hello.primary_address
         self.primary_index = first.hello.primary_index
@@ -626,6 +630,10 @@ class Replica:
         self.backup = Backup(engine, checkpoints, shard_index=shard_index, index=index)
         self.backup.on_newer_epoch = self._newer_primary
         self.primary: Primary | None = None
+        #: This process restored state from its own disk (a checkpoint or log records) at start.
+        #: A replica that did not, and that no primary has streamed to yet, holds none of the
+        #: shard's state, whatever the last recorded in-sync set says of its index.
+        self.recovered = False
         #: Promotions of this replica (its epochs, in order).
         self.epochs: list[int] = []
         #: Why this replica stopped being primary (None: never deposed).
@@ -635,6 +643,17 @@ class Replica:
     @property
     def epoch(self) -> int:
         return self.backup.epoch
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether this replica may stand for election when the in-sync set names it: it
+        restored its own durable state, or a primary has streamed to it since it started.
+
+        A replica placed again with an empty disk (its node lost) keeps its index, so an
+        in-sync set recorded before the loss still names it; elected, it would serve an empty
+        shard and lose every acknowledged update.
+        """
+        return self.recovered or self.backup.followed
 
     # ------------------------------------------------------------------ ReplicaRole
     def check_primary(self) -> None:

@@ -79,6 +79,8 @@ class ParameterServerDaemon(ServingDaemon):
         self._checkpoint_lock = asyncio.Lock()
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.recovery_s = 0.0
+        #: Recovery restored state from this daemon's own disk (a checkpoint or log records).
+        self.recovered = False
         self.port = 0
         #: The shard map as configured (set on start; tests may replace it); GetShardMap
         #: serves :attr:`shard_map`.
@@ -203,6 +205,7 @@ class ParameterServerDaemon(ServingDaemon):
             security=client,
             set_health=self._primary_health,
         )
+        replica.recovered = self.recovered
         self.replica = replica
         engine.replication = replica
         return replica
@@ -369,6 +372,7 @@ class ParameterServerDaemon(ServingDaemon):
                 Path(cfg.checkpoint_dir), keep=cfg.keep_checkpoints
             )
             restored = self.checkpoints.restore_latest(engine.core)
+            self.recovered = restored is not None
             if restored is not None:
                 logger.info("restored checkpoint %s", restored.name)
                 engine.obs.checkpoint_restored(restored.name, restored.stat().st_mtime)
@@ -390,6 +394,7 @@ class ParameterServerDaemon(ServingDaemon):
             )
             last = log.open()
             replayed = replay_into(engine.core, log.replay(after))
+            self.recovered = self.recovered or replayed > 0
             if last < after:
                 log.next_sequence = after + 1
             engine.wal = log

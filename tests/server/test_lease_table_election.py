@@ -10,6 +10,7 @@ sum of the gradients pushed.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -267,5 +268,61 @@ async def test_a_client_follows_a_moved_replica_through_a_second_failover(
         assert moved.engine is not None and moved.engine.core.applied_updates == 6
     finally:
         for d in (d0, d1, moved):
+            if d is not None:
+                await d.stop(0.0)
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_a_replica_placed_again_with_an_empty_disk_is_not_elected(
+    tmp_path: Path,
+) -> None:
+    """Both replicas are in sync when the primary (replica 0) is lost, and replica 0 is
+    placed again at another address with an empty disk before replica 1 campaigns (its
+    election is held back here; on Ray the new replica can start within the lease's lapse).
+    The in-sync set recorded before the loss still names index 0, but the new replica 0 holds
+    none of the shard's state: it must not be elected (elected, it would serve an empty
+    shard). Replica 1 then campaigns, is elected, seeds the new replica 0, and every
+    acknowledged push is in the value, applied once."""
+    table, store, addresses, p2, d0, d1 = await _two_replicas(tmp_path)
+    empty: ParameterServerDaemon | None = None
+    try:
+        assert d0.replica is not None and d1.replica is not None
+        retry = RetryPolicy(deadline_s=scaled(60.0))
+        g = np.arange(4, dtype=np.float32)
+        async with connect("|".join(addresses), "w", retry=retry) as ps:
+            await ps.init({"x": np.zeros(4, np.float32)}, rule=UpdateRule("add"))
+            for _ in range(3):
+                await ps.push({"x": g})
+            await eventually(lambda: d0.replica.primary.in_sync() == {0, 1})  # type: ignore[union-attr]
+        assert d1.election is not None
+        await d1.election.stop()  # replica 1 stays a backup and does not campaign, for now
+        await d0.stop(0.0)  # the primary's node is lost, disk and all
+        moved_addresses = [f"127.0.0.1:{p2}", addresses[1]]
+        table.txn([], [Etcd.put(address_key("job", 0, 0), moved_addresses[0])])
+        empty = ParameterServerDaemon(
+            _config(tmp_path / "new-node", 0, moved_addresses), election_store=store
+        )
+        await empty.start()
+        assert empty.replica is not None and not empty.replica.holds_state
+        # well past the lapse of replica 0's lease (ttl 1 s) and many campaign polls
+        for _ in range(40):
+            assert empty.replica.primary is None, "an empty replica was elected"
+            await asyncio.sleep(0.1)
+        assert table.get("job/shard-0/primary") is None
+        assert d1.replica.holds_state  # a primary streamed to it (it restored nothing)
+        await d1.election.start()
+        await eventually(lambda: d1.replica.primary is not None, timeout_s=20.0)  # type: ignore[union-attr]
+        await eventually(
+            lambda: d1.replica.primary.in_sync() == {0, 1},  # type: ignore[union-attr]
+            timeout_s=30.0,
+        )
+        assert empty.replica.primary is None and empty.replica.holds_state
+        async with connect("|".join(moved_addresses), "w2", retry=retry) as ps:
+            await ps.push({"x": g})
+            values = await ps.pull(["x"])
+        np.testing.assert_array_equal(values["x"], 4 * g)
+        await eventually(lambda: empty.engine.core.applied_updates == 4)  # type: ignore[union-attr]
+    finally:
+        for d in (d0, d1, empty):
             if d is not None:
                 await d.stop(0.0)
