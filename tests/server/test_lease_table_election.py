@@ -155,6 +155,15 @@ async def _two_replicas(
     return table, store, addresses, p2, d0, d1
 
 
+async def _three_pushes_in_sync(ps: Any, primary: ParameterServerDaemon, g: np.ndarray) -> None:
+    """Declare ``x`` (rule add), push ``g`` three times, and wait until both replicas are in
+    sync at ``primary``."""
+    await ps.init({"x": np.zeros(4, np.float32)}, rule=UpdateRule("add"))
+    for _ in range(3):
+        await ps.push({"x": g})
+    await eventually(lambda: primary.replica.primary.in_sync() == {0, 1})  # type: ignore[union-attr]
+
+
 @pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_replicas_fail_over_and_reseed_a_moved_backup_through_the_table(
     tmp_path: Path,
@@ -171,10 +180,7 @@ async def test_replicas_fail_over_and_reseed_a_moved_backup_through_the_table(
         retry = RetryPolicy(deadline_s=scaled(30.0))
         g = np.arange(4, dtype=np.float32)
         async with connect("|".join(addresses), "w", retry=retry) as ps:
-            await ps.init({"x": np.zeros(4, np.float32)}, rule=UpdateRule("add"))
-            for _ in range(3):
-                await ps.push({"x": g})
-            await eventually(lambda: d0.replica.primary.in_sync() == {0, 1})  # type: ignore[union-attr]
+            await _three_pushes_in_sync(ps, d0, g)
             # replica 0 is lost: it stops serving and renewing (no hand-over, no release)
             await d0.stop(0.0)
             await eventually(lambda: d1.replica.primary is not None, timeout_s=20.0)  # type: ignore[union-attr]
@@ -290,10 +296,7 @@ async def test_a_replica_placed_again_with_an_empty_disk_is_not_elected(
         retry = RetryPolicy(deadline_s=scaled(60.0))
         g = np.arange(4, dtype=np.float32)
         async with connect("|".join(addresses), "w", retry=retry) as ps:
-            await ps.init({"x": np.zeros(4, np.float32)}, rule=UpdateRule("add"))
-            for _ in range(3):
-                await ps.push({"x": g})
-            await eventually(lambda: d0.replica.primary.in_sync() == {0, 1})  # type: ignore[union-attr]
+            await _three_pushes_in_sync(ps, d0, g)
         assert d1.election is not None
         await d1.election.stop()  # replica 1 stays a backup and does not campaign, for now
         await d0.stop(0.0)  # the primary's node is lost, disk and all
@@ -321,7 +324,7 @@ async def test_a_replica_placed_again_with_an_empty_disk_is_not_elected(
             await ps.push({"x": g})
             values = await ps.pull(["x"])
         np.testing.assert_array_equal(values["x"], 4 * g)
-        await eventually(lambda: empty.engine.core.applied_updates == 4)  # type: ignore[union-attr]
+        await eventually(lambda: empty.engine.core.applied_updates == 4)
     finally:
         for d in (d0, d1, empty):
             if d is not None:
